@@ -1,0 +1,76 @@
+"""The backend interface both workers use; `torch` and `neuron` implement it.
+
+Its shape follows NxDI's continuous batching: prefill encodes one sequence;
+decode runs one step over the active slots (`seq_ids`), sorted ascending, with
+a [batch, 3] sampling-parameter tensor; a slot's KV lines are written whole
+before the slot joins the batch. Tensors cross this interface; token ids
+leave it as a tensor so the caller decides when to wait for the device.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from ..kv_wire import KvKind
+from ..requests import Sampling
+from .slot_attention import LayerKvCallback
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    backend: str
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_seq_len: int
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    # Per layer (keys, values), each [kv_heads, prompt_len, head_dim].
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepInputs:
+    """One decode step over the active slots. Rows are sorted by slot."""
+
+    slots: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64, where each row's input token goes
+    input_ids: torch.Tensor  # [n] int64
+    params: torch.Tensor  # [n, 3] float32 (top_k, top_p, temperature)
+    seeds: torch.Tensor  # [n] int64
+    steps: torch.Tensor  # [n] int64, the sampling counter of the token being produced
+    kv_len: int  # max(positions) + 1, known on the host
+    contiguous_from: int | None  # first slot when slots are one contiguous run
+
+
+class Backend(abc.ABC):
+    info: ModelInfo
+
+    @abc.abstractmethod
+    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None) -> PrefillResult:
+        """Encodes one prompt and samples its first token (sampling step 0)."""
+
+    @abc.abstractmethod
+    def allocate_slots(self, num_slots: int) -> int:
+        """Allocates the decode slot cache once; returns its size in bytes."""
+
+    @abc.abstractmethod
+    def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
+        """Writes a token range of one layer's K or V, [kv_heads, tokens, head_dim], into a slot."""
+
+    @abc.abstractmethod
+    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
+        """Runs one token-generation step; returns the sampled ids [n] (on the device)."""

@@ -1,0 +1,70 @@
+"""The KV wire codec: one layer's keys or values <-> raw-byte pieces under a size limit.
+
+A piece is a token range of one layer's K or V, [kv_heads, tokens, head_dim],
+as raw bytes with its dtype and shape. Pieces are cut along the token axis so
+each fits in one gRPC message. Decoding checks that bytes, dtype and shape agree.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KvKind(enum.IntEnum):
+    # Values equal the worker proto's KvKind.
+    KEY = 1
+    VALUE = 2
+
+
+class KvWireError(ValueError):
+    """A piece whose bytes, dtype or shape do not describe a valid tensor."""
+
+
+@dataclass(frozen=True)
+class KvPiece:
+    layer: int
+    kind: KvKind
+    token_start: int
+    dtype: str
+    shape: tuple[int, int, int]
+    data: bytes
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.shape[1]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def encode(layer: int, kind: KvKind, tensor: torch.Tensor, max_piece_bytes: int) -> list[KvPiece]:
+    """Cuts tensor [kv_heads, tokens, head_dim] into pieces of at most max_piece_bytes."""
+    heads, tokens, head_dim = tensor.shape
+    bytes_per_token = heads * head_dim * tensor.element_size()
+    step = max(1, max_piece_bytes // bytes_per_token)
+    pieces = []
+    for start in range(0, tokens, step):
+        part = tensor[:, start : start + step].contiguous()
+        data = part.view(torch.uint8).numpy().tobytes()
+        pieces.append(KvPiece(layer, kind, start, dtype_name(tensor.dtype), tuple(part.shape), data))
+    return pieces
+
+
+def decode(piece: KvPiece) -> torch.Tensor:
+    dtype = DTYPES.get(piece.dtype)
+    if dtype is None:
+        raise KvWireError(f"dtype {piece.dtype!r} is not one of {sorted(DTYPES)}")
+    if len(piece.shape) != 3 or min(piece.shape) < 1:
+        raise KvWireError(f"shape {list(piece.shape)} is not [kv_heads, tokens, head_dim]")
+    expected = piece.shape[0] * piece.shape[1] * piece.shape[2] * dtype.itemsize
+    if len(piece.data) != expected:
+        raise KvWireError(f"{len(piece.data)} bytes do not match shape {list(piece.shape)} of {piece.dtype} ({expected} bytes)")
+    # Shares the message's bytes without a copy (torch warns once that they are
+    # read-only); the caller copies them into the cache and never writes here.
+    return torch.frombuffer(piece.data, dtype=dtype).view(piece.shape)

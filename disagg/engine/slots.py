@@ -1,0 +1,105 @@
+"""The decode worker's slot bookkeeping: which slot belongs to which request, and in what state.
+
+No torch here. A slot goes FREE -> RESERVED (waiting for KV, under a lease)
+-> ACTIVE (in the running batch) -> FREE. Every query has its mutation beside
+it (`can_reserve`/`reserve`, `is_reserved`/`activate`), and `check_integrity`
+verifies the invariants; tests call it after every scenario.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    RESERVED = "reserved"
+    ACTIVE = "active"
+
+
+class SlotError(Exception):
+    """A reservation that is unknown, expired or in the wrong state for the call."""
+
+
+@dataclass
+class Reservation:
+    reservation_id: str
+    request_id: str
+    slot: int
+    prompt_len: int
+    lease_deadline: float
+    state: SlotState = SlotState.RESERVED
+
+
+class SlotManager:
+    def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic):
+        if num_slots < 1:
+            raise ValueError("num_slots must be at least 1")
+        self.num_slots = num_slots
+        self._clock = clock
+        self._owner: list[str | None] = [None] * num_slots
+        self._by_id: dict[str, Reservation] = {}
+        self._ids = (f"r{n}-{uuid.uuid4().hex[:8]}" for n in itertools.count())
+
+    # -- queries ---------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self._owner.count(None)
+
+    def count(self, state: SlotState) -> int:
+        return sum(1 for r in self._by_id.values() if r.state is state)
+
+    def get(self, reservation_id: str) -> Reservation | None:
+        return self._by_id.get(reservation_id)
+
+    def can_reserve(self) -> bool:
+        return None in self._owner
+
+    def expired(self) -> list[Reservation]:
+        """Reservations still waiting for their KV after their lease ran out."""
+        now = self._clock()
+        return [r for r in self._by_id.values() if r.state is SlotState.RESERVED and r.lease_deadline <= now]
+
+    # -- mutations -------------------------------------------------------
+    def reserve(self, request_id: str, prompt_len: int, lease_seconds: float) -> Reservation:
+        # The lowest free slot keeps the running slots packed together, so the
+        # decode step can often read the cache through a view instead of a gather.
+        slot = self._owner.index(None) if self.can_reserve() else None
+        if slot is None:
+            raise SlotError("no free slot")
+        reservation = Reservation(next(self._ids), request_id, slot, prompt_len, self._clock() + lease_seconds)
+        self._owner[slot] = reservation.reservation_id
+        self._by_id[reservation.reservation_id] = reservation
+        return reservation
+
+    def is_reserved(self, reservation_id: str) -> bool:
+        r = self._by_id.get(reservation_id)
+        return r is not None and r.state is SlotState.RESERVED
+
+    def activate(self, reservation_id: str) -> Reservation:
+        if not self.is_reserved(reservation_id):
+            raise SlotError(f"reservation {reservation_id!r} is not waiting for KV")
+        reservation = self._by_id[reservation_id]
+        reservation.state = SlotState.ACTIVE
+        return reservation
+
+    def release(self, reservation_id: str) -> bool:
+        """Frees the slot; False when it was already free (release is idempotent)."""
+        reservation = self._by_id.pop(reservation_id, None)
+        if reservation is None:
+            return False
+        self._owner[reservation.slot] = None
+        return True
+
+    # -- invariants ------------------------------------------------------
+    def check_integrity(self) -> None:
+        owners = [o for o in self._owner if o is not None]
+        assert len(owners) == len(set(owners)), "a reservation owns two slots"
+        assert set(owners) == set(self._by_id), "slot owners and reservations disagree"
+        for r in self._by_id.values():
+            assert self._owner[r.slot] == r.reservation_id, f"slot {r.slot} not owned by {r.reservation_id}"

@@ -1,0 +1,137 @@
+"""Makes small, deterministic checkpoints offline: the default model and the test models.
+
+No network: the tokenizer is a byte-level BPE trained with `tokenizers` on a
+local corpus, the weights are seeded and trained a few hundred steps on the
+same corpus, so greedy output follows the prompt instead of repeating one
+token. The result is saved as an ordinary Hugging Face checkpoint directory
+and loaded the way any user's checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import random
+from dataclasses import asdict, dataclass
+
+CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"
+_VERSION = 1  # bump when the recipe changes, so cached models are remade
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    architecture: str = "llama"  # llama, qwen2, mistral
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 512
+    train_steps: int = 300
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        blob = json.dumps({**asdict(self), "corpus": CORPUS.read_text(), "v": _VERSION}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+DEFAULT_SPEC = TinyModelSpec(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, max_position_embeddings=1024, train_steps=400)
+
+
+def paragraphs() -> list[str]:
+    return [line.strip() for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[UNK, BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(paragraphs(), trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+
+
+def _config(spec: TinyModelSpec, tokenizer):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    if spec.architecture not in classes:
+        raise ValueError(f"architecture must be one of {sorted(classes)}")
+    return classes[spec.architecture](
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def _train(model, tokenizer, spec: TinyModelSpec) -> None:
+    import torch
+
+    # One stream of paragraphs, each followed by EOS, so the model learns to stop.
+    stream: list[int] = []
+    for text in paragraphs():
+        stream += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    data = torch.tensor(stream)
+    window, batch = 64, 16
+    rng = random.Random(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(spec.train_steps):
+        starts = [rng.randrange(0, len(data) - window) for _ in range(batch)]
+        x = torch.stack([data[s : s + window] for s in starts])
+        loss = model(input_ids=x, labels=x).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> pathlib.Path:
+    """Builds, trains and saves a checkpoint to out_dir (deterministic for a spec)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = pathlib.Path(out_dir)
+    torch.manual_seed(spec.seed)
+    tokenizer = build_tokenizer(spec.vocab_size)
+    config = _config(spec, tokenizer)
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        _train(model, tokenizer, spec)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("DISAGG_CACHE", pathlib.Path.home() / ".cache" / "disagg"))
+
+
+def ensure_tiny_model(spec: TinyModelSpec = DEFAULT_SPEC, root: pathlib.Path | None = None) -> pathlib.Path:
+    """The cached checkpoint for spec, made on first use."""
+    path = (root or cache_dir() / "models") / f"tiny-{spec.architecture}-{spec.cache_key()}"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make_tiny_model(path, spec)
+    return path

@@ -1,0 +1,196 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerFinish(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_FINISH_NONE: _ClassVar[WorkerFinish]
+    WORKER_FINISH_LENGTH: _ClassVar[WorkerFinish]
+    WORKER_FINISH_STOP: _ClassVar[WorkerFinish]
+
+class KvKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_KIND_UNSPECIFIED: _ClassVar[KvKind]
+    KV_KIND_KEY: _ClassVar[KvKind]
+    KV_KIND_VALUE: _ClassVar[KvKind]
+WORKER_FINISH_NONE: WorkerFinish
+WORKER_FINISH_LENGTH: WorkerFinish
+WORKER_FINISH_STOP: WorkerFinish
+KV_KIND_UNSPECIFIED: KvKind
+KV_KIND_KEY: KvKind
+KV_KIND_VALUE: KvKind
+
+class WorkerSampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class WorkerStopping(_message.Message):
+    __slots__ = ("max_new_tokens", "stop_token_ids")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_len", "sampling", "stopping")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_len: int
+    sampling: WorkerSampling
+    stopping: WorkerStopping
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stopping: _Optional[_Union[WorkerStopping, _Mapping]] = ...) -> None: ...
+
+class Reserved(_message.Message):
+    __slots__ = ("reservation_id", "slot", "lease_seconds")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    slot: int
+    lease_seconds: float
+    def __init__(self, reservation_id: _Optional[str] = ..., slot: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class DecodeTokens(_message.Message):
+    __slots__ = ("token_ids", "finish")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish: WorkerFinish
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[WorkerFinish, str]] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("reserved", "tokens")
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reserved: Reserved
+    tokens: DecodeTokens
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[DecodeTokens, _Mapping]] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("reservation_id", "layer", "kind", "token_start", "dtype", "shape", "data", "commit")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    layer: int
+    kind: KvKind
+    token_start: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    commit: KvCommit
+    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KvKind, str]] = ..., token_start: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., commit: _Optional[_Union[KvCommit, _Mapping]] = ...) -> None: ...
+
+class KvCommit(_message.Message):
+    __slots__ = ("first_token", "prompt_len", "num_layers")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    prompt_len: int
+    num_layers: int
+    def __init__(self, first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class KvAck(_message.Message):
+    __slots__ = ("bytes_received",)
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    bytes_received: int
+    def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
+
+class KvTarget(_message.Message):
+    __slots__ = ("address", "reservation_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    reservation_id: str
+    def __init__(self, address: _Optional[str] = ..., reservation_id: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "kv_target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: WorkerSampling
+    kv_target: KvTarget
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., kv_target: _Optional[_Union[KvTarget, _Mapping]] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "prefill_seconds")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    prefill_seconds: float
+    def __init__(self, token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+
+class KvSent(_message.Message):
+    __slots__ = ("bytes", "seconds")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("first_token", "kv_sent")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_SENT_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    kv_sent: KvSent
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., kv_sent: _Optional[_Union[KvSent, _Mapping]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("role", "capacity", "slots_in_use", "reservations", "active", "inflight_transfers", "queued", "model_name", "max_seq_len", "backend", "vocab_size", "dtype")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    capacity: int
+    slots_in_use: int
+    reservations: int
+    active: int
+    inflight_transfers: int
+    queued: int
+    model_name: str
+    max_seq_len: int
+    backend: str
+    vocab_size: int
+    dtype: str
+    def __init__(self, role: _Optional[str] = ..., capacity: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., reservations: _Optional[int] = ..., active: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., queued: _Optional[int] = ..., model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
