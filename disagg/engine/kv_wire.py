@@ -68,3 +68,37 @@ def decode(piece: KvPiece) -> torch.Tensor:
     # Shares the message's bytes without a copy (torch warns once that they are
     # read-only); the caller copies them into the cache and never writes here.
     return torch.frombuffer(piece.data, dtype=dtype).view(piece.shape)
+
+
+@dataclass(frozen=True)
+class KvCommit:
+    """The last message of a transfer: the first token travels with the KV."""
+
+    first_token: int
+    prompt_len: int
+    num_layers: int
+
+
+class KvCoverage:
+    """Which token ranges of each layer's K and V have arrived, refusing overlaps."""
+
+    def __init__(self, num_layers: int, prompt_len: int):
+        self.num_layers = num_layers
+        self.prompt_len = prompt_len
+        self._ranges: dict[tuple[int, KvKind], list[tuple[int, int]]] = {}
+
+    def add(self, piece: KvPiece) -> None:
+        ranges = self._ranges.setdefault((piece.layer, piece.kind), [])
+        for start, end in ranges:
+            if piece.token_start < end and start < piece.token_end:
+                raise KvWireError(f"layer {piece.layer} {piece.kind.name.lower()} tokens [{piece.token_start}, {piece.token_end}) arrived twice")
+        ranges.append((piece.token_start, piece.token_end))
+
+    def missing(self) -> list[str]:
+        gaps = []
+        for layer in range(self.num_layers):
+            for kind in KvKind:
+                covered = sum(end - start for start, end in self._ranges.get((layer, kind), []))
+                if covered != self.prompt_len:
+                    gaps.append(f"layer {layer} {kind.name.lower()} has {covered} of {self.prompt_len} tokens")
+        return gaps

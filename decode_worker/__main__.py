@@ -1,0 +1,44 @@
+"""python -m decode_worker: run one decode worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from disagg.flags import add_model_flags, add_server_flags, address, resolve_model, setup_process
+
+from .config import DecodeWorkerConfig
+
+
+def parse_config(argv=None) -> DecodeWorkerConfig:
+    parser = argparse.ArgumentParser(prog="decode_worker", description=__doc__)
+    add_server_flags(parser, default_port=50061)
+    add_model_flags(parser)
+    parser.add_argument("--batch-size", type=int, default=8, help="decode slots: requests decoded together")
+    parser.add_argument("--no-async", dest="async_mode", action="store_false", help="turn async mode off (host and device work in turn)")
+    parser.add_argument("--lease-seconds", type=float, default=30.0, help="how long a reserved slot waits for its KV")
+    args = parser.parse_args(argv)
+    setup_process(args)
+    return DecodeWorkerConfig(
+        model=resolve_model(args.model),
+        address=address(args),
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        batch_size=args.batch_size,
+        max_seq_len=args.max_seq_len,
+        async_mode=args.async_mode,
+        lease_seconds=args.lease_seconds,
+        global_topk=args.global_topk,
+        threads=args.threads,
+    )
+
+
+def main(argv=None) -> None:
+    from .server import serve
+
+    asyncio.run(serve(parse_config(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""The continuous-batching step loop of the decode worker.
+
+Requests join the running batch when their KV and first token are in the slot
+(`admit`) and leave the moment they finish or are evicted. Every step runs all
+active slots together, rows sorted by slot as NxDI requires.
+
+Async mode (the default) overlaps host and device, as NxDI's `async_mode`:
+
+    host:    build k+1 | submit k+1 | process k (stops, publish) | build k+2 ...
+    device:  ... step k ...........| step k+1 ..................| step k+2
+
+Step k+1 takes its input tokens straight from step k's output on the device,
+so it is submitted before the host has seen step k's tokens. A sequence that
+stops on a token at step k (EOS, a stop id) has therefore computed one extra
+token at step k+1, which is dropped. Length limits are known in advance and
+cost no extra step. A slot is handed back (`on_retired`) only once no step in
+flight still touches it, so a new request's KV can never be overwritten.
+
+Nothing here runs on the gRPC event loop: the loop has its own thread and the
+model runs on a single device thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from disagg.engine.backends import Backend, StepInputs
+from disagg.engine.requests import FinishReason, Sampling, Stopping, token_finish
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    key: str  # the reservation id: how events find their stream
+    slot: int
+    prompt_len: int
+    first_token: int
+    sampling: Sampling
+    stopping: Stopping
+    generated: int = 1  # tokens the host has seen, the first one included
+    scheduled: int = 1  # tokens seen plus tokens being computed
+    in_flight: int = 0  # steps submitted and not yet processed that include this row
+    last_token: int = -1  # the newest token the host has seen
+    done: bool = False  # finished or evicted: its later tokens are dropped
+
+    def __post_init__(self):
+        self.last_token = self.first_token
+
+    def params_row(self) -> tuple[float, float, float]:
+        return (float(self.sampling.top_k), float(self.sampling.top_p), float(self.sampling.temperature))
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    key: str
+    token_ids: list[int]
+    finish: FinishReason
+
+
+@dataclass
+class _Step:
+    rows: list[Sequence]
+    output: Future  # -> tensor [n] of token ids
+
+
+@dataclass
+class BatcherStats:
+    steps: int = 0
+    tokens: int = 0
+    dropped_tokens: int = 0  # async extra tokens after a stop
+    device_seconds: float = 0.0
+    last_batch_size: int = 0
+    step_seconds: list[float] = field(default_factory=list)  # recent device step times
+
+
+class Batcher:
+    def __init__(
+        self,
+        backend: Backend,
+        publish: Callable[[list[TokenEvent]], None],
+        on_retired: Callable[[list[str]], None],
+        async_mode: bool = True,
+    ):
+        self.backend = backend
+        self.max_seq_len = backend.info.max_seq_len
+        self.async_mode = async_mode
+        self._publish = publish
+        self._on_retired = on_retired
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[int, Sequence] = {}  # slot -> sequence
+        self._retiring: list[Sequence] = []
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        self._last_output: torch.Tensor | None = None  # touched only on the device thread
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._stopping = False
+        self.stats = BatcherStats()
+
+    # -- called from any thread -----------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def admit(self, seq: Sequence) -> None:
+        self._inbox.put(("admit", seq))
+
+    def evict(self, key: str) -> None:
+        self._inbox.put(("evict", key))
+
+    def stop(self) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+        self._device.shutdown(wait=True)
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
+
+    # -- the loop thread -------------------------------------------------
+    def _run(self) -> None:
+        in_flight: _Step | None = None
+        while True:
+            self._drain_inbox(block=in_flight is None and not self._active)
+            if self._stopping:
+                break
+            rows = self._schedulable()
+            step = self._submit(rows, in_flight) if rows else None
+            if in_flight is not None:
+                self._process(in_flight)  # host work of step k while step k+1 runs
+            if step is not None and not self.async_mode:
+                self._process(step)
+                step = None
+            in_flight = step
+            self._retire()
+        if in_flight is not None:
+            self._process(in_flight)
+        self._retire(everything=True)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(block=block)
+            while True:
+                self._apply(*command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _apply(self, verb: str, arg) -> None:
+        if verb == "stop":
+            self._stopping = True
+        elif verb == "admit":
+            self._admit(arg)
+        elif verb == "evict":
+            seq = next((s for s in self._active.values() if s.key == arg), None)
+            if seq is not None:
+                self._finish(seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        # The first token came from prefill; it may already end the request.
+        reason = token_finish(seq.first_token, 1, seq.prompt_len + 1, seq.stopping, self.max_seq_len)
+        self._active[seq.slot] = seq
+        if reason is not FinishReason.NONE:
+            self._publish([TokenEvent(seq.key, [], reason)])
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.done = True
+        self._active.pop(seq.slot, None)
+        self._retiring.append(seq)
+
+    def _retire(self, everything: bool = False) -> None:
+        ready = [s for s in self._retiring if everything or s.in_flight == 0]
+        if ready:
+            self._retiring = [s for s in self._retiring if s not in ready]
+            self._on_retired([s.key for s in ready])
+
+    def _schedulable(self) -> list[Sequence]:
+        # A row joins the step only if the token it would produce is allowed, so
+        # length limits never cost an extra step, even in async mode.
+        rows = [
+            s
+            for s in self._active.values()
+            if s.scheduled < s.stopping.max_new_tokens and s.prompt_len + s.scheduled < self.max_seq_len
+        ]
+        return sorted(rows, key=lambda s: s.slot)
+
+    def _submit(self, rows: list[Sequence], previous: _Step | None) -> _Step:
+        prev_index = {id(s): i for i, s in enumerate(previous.rows)} if previous else {}
+        # Where each row's input token is: row i of the previous step's output, or the host (-1).
+        from_prev = [prev_index.get(id(s), -1) for s in rows]
+        host_tokens = [s.last_token if from_prev[i] < 0 else 0 for i, s in enumerate(rows)]
+        slots = [s.slot for s in rows]
+        positions = [s.prompt_len + s.scheduled - 1 for s in rows]  # the input token's position
+        inputs = StepInputs(
+            slots=torch.tensor(slots),
+            positions=torch.tensor(positions),
+            input_ids=torch.tensor(host_tokens),
+            params=torch.tensor([s.params_row() for s in rows], dtype=torch.float32),
+            seeds=torch.tensor([s.sampling.seed for s in rows]),
+            steps=torch.tensor([s.scheduled for s in rows]),  # sampling counter of the token produced
+            kv_len=max(positions) + 1,
+            contiguous_from=slots[0] if slots[-1] - slots[0] == len(slots) - 1 else None,
+        )
+        for s in rows:
+            s.scheduled += 1
+            s.in_flight += 1
+        output = self._device.submit(self._device_step, inputs, torch.tensor(from_prev))
+        return _Step(rows, output)
+
+    def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor) -> torch.Tensor:
+        # Runs on the device thread, in submission order, so _last_output is the
+        # previous step's output whenever from_prev points into it.
+        if bool((from_prev >= 0).any()):
+            carried = self._last_output[from_prev.clamp(min=0)]
+            inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids)
+        start = time.perf_counter()
+        output = self.backend.decode_step(inputs)
+        self._last_output = output
+        elapsed = time.perf_counter() - start
+        self.stats.device_seconds += elapsed
+        self.stats.step_seconds = (self.stats.step_seconds + [elapsed])[-256:]
+        return output
+
+    def _process(self, step: _Step) -> None:
+        tokens = step.output.result().tolist()  # the one host/device sync of a step
+        events = []
+        for seq, token in zip(step.rows, tokens):
+            seq.in_flight -= 1
+            if seq.done:
+                self.stats.dropped_tokens += 1
+                continue
+            seq.generated += 1
+            seq.last_token = token
+            reason = token_finish(token, seq.generated, seq.prompt_len + seq.generated, seq.stopping, self.max_seq_len)
+            events.append(TokenEvent(seq.key, [token], reason))
+            if reason is not FinishReason.NONE:
+                self._finish(seq)
+        self.stats.steps += 1
+        self.stats.tokens += len(events)
+        self.stats.last_batch_size = len(step.rows)
+        if events:
+            self._publish(events)

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig:
+    model: str
+    address: str = "127.0.0.1:50061"
+    backend: str = "torch"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    batch_size: int = 8
+    max_seq_len: int = 0  # 0: the model's limit (at most 4096)
+    async_mode: bool = True
+    lease_seconds: float = 30.0
+    global_topk: int = 0
+    threads: int = 0  # torch threads; 0 keeps torch's default
+    metrics_port: int = 0
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError("--batch-size must be at least 1")
+        if self.lease_seconds <= 0:
+            raise ValueError("--lease-seconds must be positive")

@@ -1,0 +1,92 @@
+"""The decode worker's gRPC edge: DecodeService, converting at the boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from disagg import wire
+from disagg.engine.kv_wire import KvWireError
+from disagg.engine.backends import load_backend
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, start_server, stop_signals
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
+from .config import DecodeWorkerConfig
+from .worker import DecodeWorker
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServicer(wgrpc.DecodeServiceServicer):
+    """Thin: converts protobuf to engine types and back; the worker does the work."""
+
+    def __init__(self):
+        self.worker: DecodeWorker | None = None  # set once the model is loaded
+
+    async def _ready(self, context) -> DecodeWorker:
+        if self.worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is loading its model")
+        return self.worker
+
+    async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
+        worker = await self._ready(context)
+        try:
+            stream = worker.open_stream(request.request_id, request.prompt_len, wire.sampling_from_pb(request.sampling), wire.stopping_from_pb(request.stopping))
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        try:
+            r = stream.reservation
+            yield wpb.DecodeEvent(reserved=wpb.Reserved(reservation_id=r.reservation_id, slot=r.slot, lease_seconds=worker.config.lease_seconds))
+            async for event in worker.events(stream):
+                yield wpb.DecodeEvent(tokens=wpb.DecodeTokens(token_ids=event.token_ids, finish=int(event.finish)))
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        finally:
+            worker.close_stream(stream)
+
+    async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> wpb.KvAck:
+        worker = await self._ready(context)
+
+        async def messages():
+            async for chunk in request_iterator:
+                try:
+                    yield wire.chunk_from_pb(chunk)
+                except ValueError as exc:
+                    raise KvWireError(str(exc)) from exc
+
+        try:
+            received = await worker.receive_kv(messages())
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        return wpb.KvAck(bytes_received=received)
+
+    async def GetLoad(self, request, context) -> wpb.WorkerLoad:
+        worker = await self._ready(context)
+        info = worker.info
+        return wpb.WorkerLoad(role="decode", model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **worker.load())
+
+
+async def serve(config: DecodeWorkerConfig) -> None:
+    servicer = DecodeServicer()
+    server = await start_server(config.address, lambda s: wgrpc.add_DecodeServiceServicer_to_server(servicer, s), [SERVICE_NAME], INTERNAL_MESSAGE_BYTES)
+    log.info("decode worker on port %d: loading %s", server.port, config.model)
+    backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **backend_options(config)))
+    worker = DecodeWorker(backend, config)
+    await worker.start()
+    servicer.worker = worker
+    await server.set_serving(True)
+    log.info("decode worker serving on port %d (%s, %d slots, async=%s)", server.port, backend.info.dtype, config.batch_size, config.async_mode)
+    await stop_signals().wait()
+    await server.set_serving(False)
+    await server.server.stop(grace=5)
+    await worker.stop()
+
+
+SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["DecodeService"].full_name
+
+
+def backend_options(config) -> dict:
+    return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk)

@@ -1,0 +1,216 @@
+"""The decode worker's request logic, on the asyncio side: reservations, KV
+receive, token streams. Protobuf stays in server.py; the model stays in the
+batcher's threads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from disagg.engine.backends import Backend
+from disagg.engine.kv_wire import KvCommit, KvCoverage, KvPiece, KvWireError, decode
+from disagg.engine.requests import FinishReason, Sampling, Stopping
+from disagg.engine.slots import Reservation, SlotManager, SlotState
+from disagg.rpc import RequestError
+
+from .batcher import Batcher, Sequence, TokenEvent
+from .config import DecodeWorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeStream:
+    """One open Decode call: its reservation and the events bound for it."""
+
+    reservation: Reservation
+    sampling: Sampling
+    stopping: Stopping
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent | RequestError
+    transferring: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.reservation.reservation_id
+
+
+class DecodeWorker:
+    def __init__(self, backend: Backend, config: DecodeWorkerConfig):
+        self.backend = backend
+        self.config = config
+        self.info = backend.info
+        self.slots = SlotManager(config.batch_size)
+        self._streams: dict[str, DecodeStream] = {}
+        # One writer thread: KV writes land in submission order, so a write for a
+        # released reservation always finishes before the slot's next owner writes.
+        self._kv_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode)
+        self._reaper: asyncio.Task | None = None
+        self.kv_bytes_received = 0
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        cache_bytes = await self._loop.run_in_executor(None, self.backend.allocate_slots, self.config.batch_size)
+        log.info("slot cache: %d slots x %d positions, %.1f MiB", self.config.batch_size, self.info.max_seq_len, cache_bytes / 2**20)
+        self.batcher.start()
+        self._reaper = asyncio.create_task(self._reap_expired_leases())
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self.batcher.stop)
+        self._kv_writer.shutdown(wait=True)
+
+    # -- Decode stream -----------------------------------------------------
+    def open_stream(self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping) -> DecodeStream:
+        if not 0 < prompt_len < self.info.max_seq_len:
+            raise RequestError(f"prompt_len {prompt_len} must be in [1, {self.info.max_seq_len})")
+        if not self.slots.can_reserve():
+            raise RequestError(f"all {self.slots.num_slots} slots are in use", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        reservation = self.slots.reserve(request_id, prompt_len, self.config.lease_seconds)
+        stream = DecodeStream(reservation, sampling, stopping)
+        self._streams[stream.key] = stream
+        return stream
+
+    async def events(self, stream: DecodeStream) -> AsyncIterator[TokenEvent]:
+        while True:
+            event = await stream.events.get()
+            if isinstance(event, Exception):
+                raise event
+            yield event
+            if event.finish is not FinishReason.NONE:
+                return
+
+    def close_stream(self, stream: DecodeStream) -> None:
+        """The Decode call ended (finished, cancelled or failed): free what it holds."""
+        self._streams.pop(stream.key, None)
+        reservation = self.slots.get(stream.key)
+        if reservation is None:
+            return
+        if reservation.state is SlotState.ACTIVE:
+            self.batcher.evict(stream.key)  # the slot is released when retired
+        else:
+            self.slots.release(stream.key)
+
+    def _fail(self, key: str, error: RequestError) -> None:
+        stream = self._streams.get(key)
+        if stream is not None:
+            stream.events.put_nowait(error)
+        if self.slots.is_reserved(key):
+            self.slots.release(key)
+
+    # -- KV receive --------------------------------------------------------
+    async def receive_kv(self, messages: AsyncIterator[tuple[str, KvPiece | KvCommit]]) -> int:
+        """Consumes one transfer; returns the bytes received. Any fault fails the reservation."""
+        stream: DecodeStream | None = None  # set once this transfer owns a reservation
+        received = 0
+        try:
+            async for reservation_id, message in messages:
+                if stream is None:
+                    stream = self._begin_transfer(reservation_id)
+                    coverage = KvCoverage(self.info.num_layers, stream.reservation.prompt_len)
+                elif reservation_id and reservation_id != stream.key:
+                    raise RequestError(f"reservation_id changed mid-transfer from {stream.key!r} to {reservation_id!r}")
+                if isinstance(message, KvCommit):
+                    self._commit(stream, coverage, message)
+                    self.kv_bytes_received += received
+                    return received
+                received += await self._write_piece(stream, coverage, message)
+            raise RequestError("KV transfer ended without a commit", grpc.StatusCode.ABORTED)
+        except KvWireError as exc:
+            error = RequestError(f"KV chunk refused: {exc}")
+            self._fail_transfer(stream, error)
+            raise error from exc
+        except RequestError as exc:
+            self._fail_transfer(stream, exc)
+            raise
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+            self._fail_transfer(stream, RequestError(f"KV transfer broke: {type(exc).__name__}", grpc.StatusCode.ABORTED))
+            raise
+        finally:
+            if stream is not None:
+                stream.transferring = False
+
+    def _begin_transfer(self, key: str) -> DecodeStream:
+        stream = self._streams.get(key)
+        if stream is None or not self.slots.is_reserved(key):
+            raise RequestError(f"reservation_id {key!r} is unknown, expired or already filled", grpc.StatusCode.NOT_FOUND)
+        if stream.transferring:
+            raise RequestError(f"reservation_id {key!r} already has a transfer in progress", grpc.StatusCode.ALREADY_EXISTS)
+        stream.transferring = True
+        return stream
+
+    def _fail_transfer(self, stream: DecodeStream | None, error: RequestError) -> None:
+        # A transfer refused before it owned a reservation holds nothing to free.
+        if stream is not None and self.slots.is_reserved(stream.key):
+            self._fail(stream.key, error)
+
+    async def _write_piece(self, stream: DecodeStream, coverage: KvCoverage, piece: KvPiece) -> int:
+        info = self.info
+        if not self.slots.is_reserved(stream.key):
+            raise RequestError(f"reservation_id {stream.key!r} expired during the transfer", grpc.StatusCode.NOT_FOUND)
+        if not 0 <= piece.layer < info.num_layers:
+            raise KvWireError(f"layer {piece.layer} is not in [0, {info.num_layers})")
+        if piece.dtype != info.dtype:
+            raise KvWireError(f"dtype {piece.dtype!r} does not match the cache dtype {info.dtype!r}")
+        if len(piece.shape) != 3 or piece.shape[0] != info.kv_heads or piece.shape[2] != info.head_dim:
+            raise KvWireError(f"shape {list(piece.shape)} does not match [kv_heads={info.kv_heads}, tokens, head_dim={info.head_dim}]")
+        if piece.token_start < 0 or piece.token_end > stream.reservation.prompt_len:
+            raise KvWireError(f"tokens [{piece.token_start}, {piece.token_end}) fall outside the prompt of {stream.reservation.prompt_len}")
+        tensor = decode(piece)
+        coverage.add(piece)
+        await self._loop.run_in_executor(self._kv_writer, self.backend.write_kv, stream.reservation.slot, piece.layer, piece.kind, piece.token_start, tensor)
+        return len(piece.data)
+
+    def _commit(self, stream: DecodeStream, coverage: KvCoverage, commit: KvCommit) -> None:
+        if commit.prompt_len != stream.reservation.prompt_len or commit.num_layers != self.info.num_layers:
+            raise KvWireError(f"commit for {commit.prompt_len} tokens x {commit.num_layers} layers does not match the reservation ({stream.reservation.prompt_len} x {self.info.num_layers})")
+        if not 0 <= commit.first_token < self.info.vocab_size:
+            raise KvWireError(f"first_token {commit.first_token} is not in the vocabulary")
+        missing = coverage.missing()
+        if missing:
+            raise KvWireError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
+        reservation = self.slots.activate(stream.key)
+        stream.transferring = False
+        self.batcher.admit(Sequence(stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping))
+
+    # -- from the batcher's thread ------------------------------------------
+    def _publish_threadsafe(self, events: list[TokenEvent]) -> None:
+        self._loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _retired_threadsafe(self, keys: list[str]) -> None:
+        self._loop.call_soon_threadsafe(self._release, keys)
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            stream = self._streams.get(event.key)
+            if stream is not None:
+                stream.events.put_nowait(event)
+
+    def _release(self, keys: list[str]) -> None:
+        for key in keys:
+            self.slots.release(key)
+
+    async def _reap_expired_leases(self) -> None:
+        interval = min(1.0, self.config.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for reservation in self.slots.expired():
+                log.warning("reservation %s: no KV within %.1fs; freeing slot %d", reservation.reservation_id, self.config.lease_seconds, reservation.slot)
+                self._fail(reservation.reservation_id, RequestError(f"KV did not arrive within the {self.config.lease_seconds}s lease", grpc.StatusCode.DEADLINE_EXCEEDED))
+
+    # -- load ----------------------------------------------------------------
+    def load(self) -> dict:
+        return {
+            "capacity": self.slots.num_slots,
+            "slots_in_use": self.slots.num_slots - self.slots.free_slots,
+            "reservations": self.slots.count(SlotState.RESERVED),
+            "active": self.batcher.active_count,
+            "inflight_transfers": sum(1 for s in self._streams.values() if s.transferring),
+        }

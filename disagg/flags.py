@@ -1,0 +1,48 @@
+"""Command-line flags shared by the three servers, and process set-up.
+
+Each entry point parses its flags once into its role's config dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind; localhost unless you pass --bind-all")
+    parser.add_argument("--bind-all", action="store_true", help="bind to all interfaces (0.0.0.0)")
+    parser.add_argument("--port", type=int, default=default_port, help=f"port to listen on (default {default_port}; 0 picks a free one)")
+    parser.add_argument("--log-level", default=os.environ.get("DISAGG_LOG_LEVEL", "INFO"))
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint: a local directory or a hub id (default: the built-in tiny model, made on first use)")
+    parser.add_argument("--backend", default="torch", choices=["torch", "neuron"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch device for the torch backend (cpu, cuda)")
+    parser.add_argument("--max-seq-len", type=int, default=0, help="prompt plus generated tokens (default: the model's limit, at most 4096)")
+    parser.add_argument("--global-topk", type=int, default=0, help="cap sampling candidates per row, as NxDI's global_topk (0: whole vocabulary)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
+def address(args) -> str:
+    return f"{'0.0.0.0' if args.bind_all else args.host}:{args.port}"
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    from disagg.tinymodel import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+def setup_process(args) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    threads = getattr(args, "threads", 0)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)

@@ -1,0 +1,40 @@
+"""python -m prefill_worker: run one prefill worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from disagg.flags import add_model_flags, add_server_flags, address, resolve_model, setup_process
+
+from .config import PrefillWorkerConfig
+
+
+def parse_config(argv=None) -> PrefillWorkerConfig:
+    parser = argparse.ArgumentParser(prog="prefill_worker", description=__doc__)
+    add_server_flags(parser, default_port=50051)
+    add_model_flags(parser)
+    parser.add_argument("--kv-piece-bytes", type=int, default=4 * 1024 * 1024, help="largest KV piece in one gRPC message")
+    args = parser.parse_args(argv)
+    setup_process(args)
+    return PrefillWorkerConfig(
+        model=resolve_model(args.model),
+        address=address(args),
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        max_seq_len=args.max_seq_len,
+        global_topk=args.global_topk,
+        threads=args.threads,
+        kv_piece_bytes=args.kv_piece_bytes,
+    )
+
+
+def main(argv=None) -> None:
+    from .server import serve
+
+    asyncio.run(serve(parse_config(argv)))
+
+
+if __name__ == "__main__":
+    main()

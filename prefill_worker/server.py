@@ -1,0 +1,62 @@
+"""The prefill worker's gRPC edge: PrefillService, converting at the boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from disagg import wire
+from disagg.engine.backends import load_backend
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, start_server, stop_signals
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
+from .config import PrefillWorkerConfig
+from .worker import FirstToken, KvTarget, PrefillWorker
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+class PrefillServicer(wgrpc.PrefillServiceServicer):
+    def __init__(self):
+        self.worker: PrefillWorker | None = None  # set once the model is loaded
+
+    async def _ready(self, context) -> PrefillWorker:
+        if self.worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is loading its model")
+        return self.worker
+
+    async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
+        worker = await self._ready(context)
+        target = KvTarget(request.kv_target.address, request.kv_target.reservation_id) if request.HasField("kv_target") else None
+        try:
+            async for event in worker.prefill(list(request.token_ids), wire.sampling_from_pb(request.sampling), target):
+                if isinstance(event, FirstToken):
+                    yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=event.token_id, prefill_seconds=event.prefill_seconds))
+                else:
+                    yield wpb.PrefillEvent(kv_sent=wpb.KvSent(bytes=event.bytes, seconds=event.seconds))
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def GetLoad(self, request, context) -> wpb.WorkerLoad:
+        worker = await self._ready(context)
+        info = worker.info
+        return wpb.WorkerLoad(role="prefill", model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **worker.load())
+
+
+async def serve(config: PrefillWorkerConfig) -> None:
+    servicer = PrefillServicer()
+    server = await start_server(config.address, lambda s: wgrpc.add_PrefillServiceServicer_to_server(servicer, s), [SERVICE_NAME], INTERNAL_MESSAGE_BYTES)
+    log.info("prefill worker on port %d: loading %s", server.port, config.model)
+    options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk)
+    backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **options))
+    servicer.worker = PrefillWorker(backend, config)
+    await server.set_serving(True)
+    log.info("prefill worker serving on port %d (%s)", server.port, backend.info.dtype)
+    await stop_signals().wait()
+    await server.set_serving(False)
+    await server.server.stop(grace=5)
+    await servicer.worker.stop()

@@ -1,0 +1,122 @@
+"""The prefill worker's request logic on the asyncio side; the model runs on one device thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from disagg import wire
+from disagg.engine.backends import Backend
+from disagg.engine.kv_wire import KvCommit, KvKind, encode
+from disagg.engine.requests import Sampling
+from disagg.rpc import RequestError, channel_options
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
+from .config import PrefillWorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KvTarget:
+    address: str
+    reservation_id: str
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token_id: int
+    prefill_seconds: float
+
+
+@dataclass(frozen=True)
+class KvSent:
+    bytes: int
+    seconds: float
+
+
+class PrefillWorker:
+    def __init__(self, backend: Backend, config: PrefillWorkerConfig):
+        self.backend = backend
+        self.config = config
+        self.info = backend.info
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.pending = 0  # prefills submitted and not finished (running one included)
+        self.inflight_transfers = 0
+
+    async def stop(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._device.shutdown(wait=True)
+
+    def validate(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("token_ids is empty")
+        if len(token_ids) >= self.info.max_seq_len:
+            raise RequestError(f"token_ids has {len(token_ids)} tokens; the limit is {self.info.max_seq_len - 1}")
+        bad = next((t for t in token_ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token_ids contains {bad}, outside the vocabulary [0, {self.info.vocab_size})")
+
+    async def prefill(self, token_ids: list[int], sampling: Sampling, target: KvTarget | None) -> AsyncIterator[FirstToken | KvSent]:
+        self.validate(token_ids)
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        def on_layer(layer: int, keys, values) -> None:
+            # Device thread: cut this layer while the next one computes.
+            pieces = encode(layer, KvKind.KEY, keys, self.config.kv_piece_bytes) + encode(layer, KvKind.VALUE, values, self.config.kv_piece_bytes)
+            loop.call_soon_threadsafe(outbox.put_nowait, pieces)
+
+        sender = asyncio.create_task(self._send_kv(target, outbox)) if target else None
+        started = time.perf_counter()
+        self.pending += 1
+        try:
+            result = await loop.run_in_executor(self._device, self.backend.prefill, token_ids, sampling, on_layer if target else None)
+            yield FirstToken(result.first_token, time.perf_counter() - started)
+            if sender is not None:
+                outbox.put_nowait(KvCommit(result.first_token, len(token_ids), self.info.num_layers))
+                sent_at = time.perf_counter()
+                yield KvSent(await sender, time.perf_counter() - sent_at)
+        finally:
+            self.pending -= 1
+            if sender is not None and not sender.done():
+                sender.cancel()  # the decode worker sees the broken transfer and frees the slot
+
+    async def _send_kv(self, target: KvTarget, outbox: asyncio.Queue) -> int:
+        stub = wgrpc.DecodeServiceStub(self._channel(target.address))
+
+        async def chunks():
+            first = True
+            while True:
+                item = await outbox.get()
+                if isinstance(item, KvCommit):
+                    yield wire.commit_to_pb(item, target.reservation_id)
+                    return
+                for piece in item:
+                    yield wire.piece_to_pb(piece, target.reservation_id if first else "")
+                    first = False
+
+        self.inflight_transfers += 1
+        try:
+            ack = await stub.PushKv(chunks(), timeout=self.config.kv_send_timeout)
+            return ack.bytes_received
+        except grpc.aio.AioRpcError as exc:
+            raise RequestError(f"KV transfer to {target.address} failed: {exc.details()}", exc.code()) from exc
+        finally:
+            self.inflight_transfers -= 1
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options())
+        return self._channels[address]
+
+    def load(self) -> dict:
+        return {"capacity": 1, "queued": self.pending, "inflight_transfers": self.inflight_transfers}
