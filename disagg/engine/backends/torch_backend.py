@@ -9,9 +9,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..kv_wire import KvKind, dtype_name
+from ..model_files import eos_token_ids
 from ..requests import Sampling
 from ..sampler import params_tensor, sample
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
@@ -33,18 +34,6 @@ class TorchBackendConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-
-def eos_token_ids(model_path: str, config) -> tuple[int, ...]:
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 def describe(model_path: str, config, backend: str, dtype: torch.dtype, max_seq_len: int) -> ModelInfo:

@@ -1,0 +1,41 @@
+"""python -m router: run the router (the public GenerationService)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from disagg.flags import add_server_flags, address, resolve_model, setup_process
+
+from .config import Limits, RouterConfig
+
+
+def parse_config(argv=None) -> RouterConfig:
+    parser = argparse.ArgumentParser(prog="router", description=__doc__)
+    add_server_flags(parser, default_port=50050)
+    parser.add_argument("--model", default=None, help="checkpoint whose tokenizer and EOS ids to use (default: the built-in tiny model)")
+    parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeat for several)")
+    parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeat for several)")
+    parser.add_argument("--default-max-new-tokens", type=int, default=Limits.default_max_new_tokens)
+    parser.add_argument("--max-new-tokens-cap", type=int, default=Limits.max_new_tokens_cap)
+    parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a decode slot")
+    args = parser.parse_args(argv)
+    setup_process(args)
+    return RouterConfig(
+        model=resolve_model(args.model),
+        prefill_workers=tuple(args.prefill),
+        decode_workers=tuple(args.decode),
+        address=address(args),
+        limits=Limits(default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_cap=args.max_new_tokens_cap),
+        max_queue=args.max_queue,
+    )
+
+
+def main(argv=None) -> None:
+    from .server import serve
+
+    asyncio.run(serve(parse_config(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    default_max_new_tokens: int = 256
+    max_new_tokens_cap: int = 4096
+    max_stop_sequences: int = 16
+    max_stop_sequence_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_request_id_chars: int = 128
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str  # used for the tokenizer and the model's EOS ids
+    prefill_workers: tuple[str, ...]
+    decode_workers: tuple[str, ...]
+    address: str = "127.0.0.1:50050"
+    limits: Limits = Limits()
+    max_queue: int = 256  # requests waiting for a decode slot before RESOURCE_EXHAUSTED
+    load_poll_seconds: float = 1.0
+
+    def __post_init__(self):
+        if not self.prefill_workers:
+            raise ValueError("--prefill needs at least one prefill worker address")
+        if not self.decode_workers:
+            raise ValueError("--decode needs at least one decode worker address")

@@ -1,0 +1,142 @@
+"""The router's gRPC edge: the public GenerationService, converting at the boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from disagg.engine.model_files import eos_token_ids, vocab_size
+from disagg.rpc import PUBLIC_MESSAGE_BYTES, RequestError, start_server, stop_signals
+from disagg.v1 import generation_pb2 as pb
+from disagg.v1 import generation_pb2_grpc as pb_grpc
+
+from .config import RouterConfig
+from .lifecycle import Chunk, Lifecycle
+from .validation import GenerationRequest, ModelFacts, build_request, check_request_fields
+from .workers import WorkerPool
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class Router:
+    """Validation, tokenization and in-flight bookkeeping around the request lifecycle."""
+
+    def __init__(self, config: RouterConfig, tokenizer, facts: ModelFacts, pool: WorkerPool):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.facts = facts
+        self.pool = pool
+        self.lifecycle = Lifecycle(pool, tokenizer, facts)
+        self.in_flight: set[str] = set()
+        # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenizer")
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def prepare(self, message: pb.GenerateRequest) -> GenerationRequest:
+        check_request_fields(message, self.config.limits, self.facts)
+        prompt_ids = list(message.prompt_token_ids) or await self.tokenize(message.prompt)
+        return build_request(message, prompt_ids, self.config.limits, self.facts)
+
+    async def generate(self, request: GenerationRequest):
+        if request.request_id in self.in_flight:
+            raise RequestError(f"request_id {request.request_id!r} is already in flight")
+        self.in_flight.add(request.request_id)
+        try:
+            async for chunk in self.lifecycle.run(request):
+                yield chunk
+        finally:
+            self.in_flight.discard(request.request_id)
+
+
+def chunk_to_pb(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, finish_reason=int(chunk.finish))
+    if chunk.finish:
+        response.usage.prompt_tokens = chunk.prompt_tokens
+        response.usage.completion_tokens = chunk.completion_tokens
+        response.matched_stop = chunk.matched_stop
+        response.timings.queue_seconds = chunk.queue_seconds
+        response.timings.time_to_first_token_seconds = chunk.ttft_seconds
+        response.timings.total_seconds = chunk.total_seconds
+    return response
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self):
+        self.router: Router | None = None  # set once the workers are ready
+
+    async def _ready(self, context) -> Router:
+        if self.router is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is waiting for its workers")
+        return self.router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        router = await self._ready(context)
+        try:
+            generation = await router.prepare(request)
+            async for chunk in router.generate(generation):
+                yield chunk_to_pb(chunk, generation.request_id)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        router = await self._ready(context)
+        ids = await router.tokenize(request.text, request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        router = await self._ready(context)
+        facts, limits = router.facts, router.config.limits
+        return pb.GetModelInfoResponse(
+            model_name=facts.name,
+            max_seq_len=facts.max_seq_len,
+            vocab_size=facts.vocab_size,
+            eos_token_ids=facts.eos_token_ids,
+            default_max_new_tokens=limits.default_max_new_tokens,
+            max_new_tokens_cap=limits.max_new_tokens_cap,
+            backend=facts.backend,
+            dtype=facts.dtype,
+            prefill_workers=sum(w.healthy for w in router.pool.prefill),
+            decode_workers=sum(w.healthy for w in router.pool.decode),
+        )
+
+
+def model_facts(config: RouterConfig, pool: WorkerPool) -> ModelFacts:
+    loads = [w.load for w in pool.workers if w.healthy and w.load is not None]
+    names = {load.model_name for load in loads}
+    if len(names) > 1:
+        log.warning("workers report different models: %s", sorted(names))
+    first = loads[0]
+    return ModelFacts(
+        name=first.model_name,
+        vocab_size=vocab_size(config.model),
+        max_seq_len=min(load.max_seq_len for load in loads),
+        eos_token_ids=eos_token_ids(config.model),
+        backend=first.backend,
+        dtype=first.dtype,
+    )
+
+
+async def serve(config: RouterConfig) -> None:
+    from transformers import AutoTokenizer
+
+    servicer = GenerationServicer()
+    server = await start_server(config.address, lambda s: pb_grpc.add_GenerationServiceServicer_to_server(servicer, s), [SERVICE_NAME], PUBLIC_MESSAGE_BYTES)
+    log.info("router on port %d: waiting for workers", server.port)
+    tokenizer = await asyncio.get_running_loop().run_in_executor(None, AutoTokenizer.from_pretrained, config.model)
+    pool = WorkerPool.connect(config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds)
+    await pool.start()
+    await pool.wait_ready()
+    servicer.router = Router(config, tokenizer, model_facts(config, pool), pool)
+    await server.set_serving(True)
+    log.info("router serving on port %d", server.port)
+    await stop_signals().wait()
+    await server.set_serving(False)
+    await server.server.stop(grace=5)
+    await pool.close()
