@@ -77,11 +77,15 @@ class DecodeLease:
         self.pool, self.worker, self.call, self.reservation_id = pool, worker, call, reservation_id
 
     async def tokens(self) -> AsyncIterator[tuple[list[int], FinishReason]]:
-        try:
-            async for event in self.call:
-                yield list(event.tokens.token_ids), wire.finish_from_pb(event.tokens.finish)
-        except grpc.aio.AioRpcError as exc:
-            raise worker_failure(self.worker, exc) from exc
+        # read() throughout: grpc.aio forbids mixing read() and iteration on one call.
+        while True:
+            try:
+                event = await self.call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise worker_failure(self.worker, exc) from exc
+            if event is grpc.aio.EOF:
+                raise RequestError(f"decode worker {self.worker.address} ended the stream without finishing", grpc.StatusCode.UNAVAILABLE)
+            yield list(event.tokens.token_ids), wire.finish_from_pb(event.tokens.finish)
 
     async def close(self) -> None:
         self.call.cancel()

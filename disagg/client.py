@@ -1,0 +1,166 @@
+"""Python client for the public API: iterate over streamed chunks, sync or asyncio.
+
+    from disagg.client import Client
+    with Client("127.0.0.1:50050") as client:
+        for chunk in client.generate("The lighthouse keeper", max_new_tokens=32):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from disagg.v1 import generation_pb2 as pb
+from disagg.v1 import generation_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "length", "stop", "stop_sequence" on the last chunk
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    matched_stop: str = ""
+    ttft_seconds: float = 0.0
+
+
+@dataclass
+class Generation:
+    """A whole generation, joined from its chunks."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    matched_stop: str = ""
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.request_id = chunk.request_id
+        self.token_ids += chunk.token_ids
+        self.text += chunk.text
+        if chunk.finish_reason:
+            self.finish_reason, self.matched_stop = chunk.finish_reason, chunk.matched_stop
+            self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    prompt_token_ids: Sequence[int] = (),
+    max_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt or "",
+        prompt_token_ids=list(prompt_token_ids),
+        sampling=sampling,
+        stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos),
+    )
+
+
+def chunk_from_pb(msg: pb.GenerateResponse) -> GenerationChunk:
+    finish = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower() if msg.finish_reason else None
+    return GenerationChunk(
+        request_id=msg.request_id,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        finish_reason=finish,
+        prompt_tokens=msg.usage.prompt_tokens,
+        completion_tokens=msg.usage.completion_tokens,
+        matched_stop=msg.matched_stop,
+        ttft_seconds=msg.timings.time_to_first_token_seconds,
+    )
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:50050", timeout: float | None = None, channel: grpc.Channel | None = None):
+        self._channel = channel or grpc.insecure_channel(address)
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self.timeout = timeout
+
+    def generate(self, prompt: str | None = None, **params) -> Iterator[GenerationChunk]:
+        """Streams the generation; leaving the loop early cancels the request."""
+        call = self._stub.Generate(build_request(prompt, **params), timeout=self.timeout)
+        try:
+            for message in call:
+                yield chunk_from_pb(message)
+        finally:
+            call.cancel()
+
+    def complete(self, prompt: str | None = None, **params) -> Generation:
+        result = Generation()
+        for chunk in self.generate(prompt, **params):
+            result.add(chunk)
+        return result
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens), timeout=self.timeout).token_ids)
+
+    def model_info(self) -> pb.GetModelInfoResponse:
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str = "127.0.0.1:50050", timeout: float | None = None):
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self.timeout = timeout
+
+    async def generate(self, prompt: str | None = None, **params) -> AsyncIterator[GenerationChunk]:
+        call = self._stub.Generate(build_request(prompt, **params), timeout=self.timeout)
+        try:
+            async for message in call:
+                yield chunk_from_pb(message)
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str | None = None, **params) -> Generation:
+        result = Generation()
+        async for chunk in self.generate(prompt, **params):
+            result.add(chunk)
+        return result
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        response = await self._stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens), timeout=self.timeout)
+        return list(response.token_ids)
+
+    async def model_info(self) -> pb.GetModelInfoResponse:
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
