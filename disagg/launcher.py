@@ -1,0 +1,137 @@
+"""Starts a router, prefill workers and decode workers as local processes.
+
+`disagg serve` uses it for the one-command demo; the end-to-end tests use it
+to start real clusters. Each part is the same `python -m <part>` a user would
+run on its own machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ClusterSpec:
+    model: str
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    router_port: int = 0  # 0: a free port
+    dtype: str = "bfloat16"
+    batch_size: int = 8
+    threads_per_worker: int = 0  # 0: split the machine's cores between the workers
+    worker_args: list[str] = field(default_factory=list)  # extra flags for both workers
+    decode_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None  # None: inherit this process's stderr
+
+
+@dataclass
+class Process:
+    name: str
+    address: str
+    popen: subprocess.Popen
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.processes: list[Process] = []
+        self.router_address = f"127.0.0.1:{spec.router_port or free_port()}"
+
+    # -- start ----------------------------------------------------------------
+    def start(self, timeout: float = 180.0) -> "LocalCluster":
+        spec = self.spec
+        workers = spec.prefill_workers + spec.decode_workers
+        threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
+        common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(threads), *spec.worker_args]
+        prefill = [self._spawn(f"prefill-{i}", "prefill_worker", common + spec.prefill_args) for i in range(spec.prefill_workers)]
+        decode = [self._spawn(f"decode-{i}", "decode_worker", common + ["--batch-size", str(spec.batch_size), *spec.decode_args]) for i in range(spec.decode_workers)]
+        router_args = ["--model", spec.model, *spec.router_args]
+        router_args += [a for p in prefill for a in ("--prefill", p.address)]
+        router_args += [a for d in decode for a in ("--decode", d.address)]
+        self._spawn("router", "router", router_args, address=self.router_address)
+        self.wait_serving(timeout)
+        return self
+
+    def add_worker(self, role: str, extra: list[str] = ()) -> Process:
+        """Starts one more worker (not known to the running router)."""
+        spec = self.spec
+        common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(spec.threads_per_worker or 1), *spec.worker_args, *extra]
+        return self._spawn(f"{role}-extra-{len(self.processes)}", f"{role}_worker", common)
+
+    def _spawn(self, name: str, module: str, args: list[str], address: str | None = None) -> Process:
+        address = address or f"127.0.0.1:{free_port()}"
+        port = address.rsplit(":", 1)[1]
+        log = None
+        if self.spec.log_dir:
+            os.makedirs(self.spec.log_dir, exist_ok=True)
+            log = open(os.path.join(self.spec.log_dir, f"{name}.log"), "w")
+        popen = subprocess.Popen([sys.executable, "-m", module, "--port", port, *args], stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+        process = Process(name, address, popen)
+        self.processes.append(process)
+        return process
+
+    def wait_serving(self, timeout: float, address: str | None = None) -> None:
+        """Until the router (or the given server) reports SERVING on grpc.health.v1."""
+        address = address or self.router_address
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                self._check_alive()
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"{address} did not report SERVING within {timeout}s")
+
+    def _check_alive(self) -> None:
+        dead = [p for p in self.processes if p.popen.poll() is not None]
+        if dead:
+            raise RuntimeError(", ".join(f"{p.name} exited with {p.popen.returncode}" for p in dead))
+
+    def process(self, name: str) -> Process:
+        return next(p for p in self.processes if p.name == name)
+
+    def addresses(self, role: str) -> list[str]:
+        return [p.address for p in self.processes if p.name.startswith(role)]
+
+    # -- stop -------------------------------------------------------------------
+    def stop(self, timeout: float = 15.0) -> dict[str, int]:
+        """SIGTERM everything (router first), then SIGKILL what is left; returns exit codes."""
+        for p in reversed(self.processes):
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for p in self.processes:
+            try:
+                codes[p.name] = p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                codes[p.name] = p.popen.wait()
+        return codes
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny trained checkpoints made on the fly, their transformers
+references, and real local clusters (separate processes, real gRPC)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+
+import pytest
+
+from disagg.tinymodel import TinyModelSpec, cache_dir, ensure_tiny_model
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@functools.cache
+def tiny_model(architecture: str = "llama") -> str:
+    # Made once per machine (cached under DISAGG_CACHE); a few seconds each.
+    return str(ensure_tiny_model(TinyModelSpec(architecture=architecture), root=cache_dir() / "test-models"))
+
+
+class Reference:
+    """transformers generate() on the same weights, float32: the ground truth."""
+
+    def __init__(self, path: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.eos = self.tokenizer.eos_token_id
+
+    def ids(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt)["input_ids"]
+
+    @functools.cache
+    def _greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+        with self.torch.no_grad():
+            out = self.model.generate(self.torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.eos)
+        return tuple(out[0, len(prompt_ids) :].tolist())
+
+    def greedy(self, prompt: str | list[int], max_new_tokens: int) -> list[int]:
+        ids = self.ids(prompt) if isinstance(prompt, str) else prompt
+        return list(self._greedy(tuple(ids), max_new_tokens))
+
+
+@functools.cache
+def reference(architecture: str = "llama") -> Reference:
+    return Reference(tiny_model(architecture))
+
+
+@pytest.fixture(scope="session")
+def llama_path() -> str:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def llama_ref() -> Reference:
+    return reference("llama")
+
+
+def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, decode: int = 1, **spec):
+    from disagg.launcher import ClusterSpec, LocalCluster
+
+    name = f"{architecture}-{prefill}p{decode}d"
+    cluster = LocalCluster(ClusterSpec(model=tiny_model(architecture), prefill_workers=prefill, decode_workers=decode, dtype="float32", log_dir=str(tmp_root / name), **spec))
+    try:
+        return cluster.start()
+    except Exception:
+        cluster.stop()
+        for log in sorted((tmp_root / name).glob("*.log")):
+            print(f"--- {log.name}\n{log.read_text()[-3000:]}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def cluster_logs(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("clusters")
+
+
+@pytest.fixture(scope="session")
+def llama_cluster(cluster_logs):
+    cluster = start_cluster(cluster_logs, "llama")
+    yield cluster
+    cluster.stop()
