@@ -1,0 +1,80 @@
+"""The torch backend and the batcher in one process, against transformers generate()."""
+
+import threading
+
+import pytest
+
+from conftest import ARCHITECTURES, reference, tiny_model
+from decode_worker.batcher import Batcher, Sequence
+from disagg.engine.backends import load_backend
+from disagg.engine.kv_wire import KvKind
+from disagg.engine.requests import FinishReason, Sampling, Stopping
+
+PROMPTS = ["The baker opens", "Our café on the corner serves", "Snow fell", "A river runs through the old town. Seven bridges"]
+
+
+def run_batch(backend, ref, prompts, max_new, async_mode, slots=None):
+    """Prefills each prompt, copies its KV into a slot, decodes all together."""
+    out, finished, retired = {}, {}, []
+    done = threading.Event()
+
+    def publish(events):
+        for e in events:
+            out[e.key] += e.token_ids
+            if e.finish is not FinishReason.NONE:
+                finished[e.key] = e.finish
+
+    def on_retired(keys):
+        retired.extend(keys)
+        if len(retired) == len(prompts):
+            done.set()
+
+    batcher = Batcher(backend, publish, on_retired, async_mode=async_mode)
+    batcher.start()
+    for i, prompt in enumerate(prompts):
+        ids = ref.ids(prompt)
+        slot = slots[i] if slots else i
+        result = backend.prefill(ids, Sampling())
+        for layer, (k, v) in enumerate(result.layers):
+            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
+            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+        out[str(i)] = [result.first_token]
+        batcher.admit(Sequence(str(i), slot, len(ids), result.first_token, Sampling(), Stopping(max_new[i], frozenset([ref.eos]))))
+    assert done.wait(60), "batch did not finish"
+    batcher.stop()
+    return out, finished, batcher.stats
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+def test_batched_greedy_decode_equals_generate(architecture, async_mode):
+    ref = reference(architecture)
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32")
+    backend.allocate_slots(6)
+    max_new = [6, 11, 17, 23]
+    # Slots 1, 4, 2, 5: not contiguous, so the gather path runs as well as the view path.
+    out, finished, _ = run_batch(backend, ref, PROMPTS, max_new, async_mode, slots=[1, 4, 2, 5])
+    for i, prompt in enumerate(PROMPTS):
+        expected = ref.greedy(prompt, max_new[i])
+        assert out[str(i)] == expected, prompt
+        assert finished[str(i)] == (FinishReason.STOP if expected[-1] == ref.eos else FinishReason.LENGTH)
+
+
+def test_async_mode_drops_exactly_the_extra_tokens_after_eos():
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(2)
+    prompt = "The farmer counted his sheep at sunset: one, two, three, four, five, six, seven, eight, nine, ten. All of them"
+    expected = ref.greedy(prompt, 40)
+    assert expected[-1] == ref.eos and len(expected) < 40, "the prompt must end in EOS for this test"
+    out, finished, stats = run_batch(backend, ref, [prompt], [40], async_mode=True)
+    assert out["0"] == expected and finished["0"] is FinishReason.STOP
+    assert stats.dropped_tokens == 1  # one async step past EOS, never more
+
+
+def test_bf16_is_the_default_and_allocates_the_slot_cache_once():
+    backend = load_backend("torch", model=tiny_model("llama"))
+    assert backend.info.dtype == "bfloat16"
+    info = backend.info
+    size = backend.allocate_slots(3)
+    assert size == 2 * info.num_layers * 3 * info.kv_heads * info.max_seq_len * info.head_dim * 2

@@ -1,0 +1,213 @@
+"""End to end: router, prefill and decode workers as real processes, real gRPC,
+real KV transfer between processes, against transformers generate()."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import ARCHITECTURES, reference, start_cluster
+from disagg.client import AsyncClient, Client
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
+PROMPTS = [
+    "The lighthouse keeper climbed",
+    "In the morning the fishing boats",
+    "The cat slept",
+    "Every spring the school holds a fair. There are games, music,",
+    "The market is busy on Saturdays. People buy apples, cheese, fish,",
+    "At night",
+]
+
+
+def decode_load(address: str) -> wpb.WorkerLoad:
+    with grpc.insecure_channel(address) as channel:
+        return wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5)
+
+
+def assert_decode_workers_idle(cluster) -> None:
+    import time
+
+    # Slots free at once on finish; retirement after the async step takes a few ms.
+    for address in cluster.addresses("decode"):
+        for _ in range(50):
+            load = decode_load(address)
+            if load.slots_in_use == 0:
+                break
+            time.sleep(0.05)
+        assert (load.slots_in_use, load.reservations, load.active, load.inflight_transfers) == (0, 0, 0, 0), address
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_cluster(request, cluster_logs, llama_cluster):
+    if request.param == "llama":
+        yield "llama", llama_cluster
+        return
+    cluster = start_cluster(cluster_logs, request.param)
+    yield request.param, cluster
+    cluster.stop()
+
+
+def test_greedy_equals_generate_for_each_architecture(arch_cluster):
+    architecture, cluster = arch_cluster
+    ref = reference(architecture)
+    with Client(cluster.router_address, timeout=60) as client:
+        for prompt in PROMPTS:
+            result = client.complete(prompt, max_new_tokens=24)
+            assert result.token_ids == ref.greedy(prompt, 24), prompt
+    assert_decode_workers_idle(cluster)
+
+
+@pytest.fixture(scope="module")
+def two_by_two(cluster_logs):
+    cluster = start_cluster(cluster_logs, "llama", prefill=2, decode=2, batch_size=4)
+    yield cluster
+    cluster.stop()
+
+
+def test_two_prefill_and_two_decode_workers_give_generate_output_and_share_load(two_by_two):
+    ref = reference("llama")
+    prompts = PROMPTS * 2
+
+    async def run():
+        async with AsyncClient(two_by_two.router_address, timeout=120) as client:
+            return await asyncio.gather(*(client.complete(p, max_new_tokens=20) for p in prompts))
+
+    results = asyncio.run(run())
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == ref.greedy(prompt, 20), prompt
+    assert_decode_workers_idle(two_by_two)
+
+
+def test_sixteen_concurrent_requests_each_equal_their_solo_generate(llama_cluster, llama_ref):
+    from disagg.tinymodel import paragraphs
+
+    texts = paragraphs()
+    # Different prompt lengths (3 to ~40 words) and different max_new_tokens.
+    cases = [(" ".join(texts[i % len(texts)].split()[: 3 + (i * 5) % 37]), 4 + (i * 7) % 40) for i in range(16)]
+
+    async def run():
+        async with AsyncClient(llama_cluster.router_address, timeout=120) as client:
+            return await asyncio.gather(*(client.complete(p, max_new_tokens=n) for p, n in cases))
+
+    for (prompt, n), result in zip(cases, asyncio.run(run())):
+        expected = llama_ref.greedy(prompt, n)
+        assert result.token_ids == expected, prompt
+        assert result.completion_tokens == len(expected)
+        assert result.prompt_tokens == len(llama_ref.ids(prompt))
+    assert_decode_workers_idle(llama_cluster)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama_cluster, llama_ref):
+    prompt, params = "The old map shows", dict(max_new_tokens=30, temperature=1.5, top_p=0.95, seed=1234, ignore_eos=True)
+    with Client(llama_cluster.router_address, timeout=60) as client:
+        alone = client.complete(prompt, **params).token_ids
+        other_seed = client.complete(prompt, **{**params, "seed": 99}).token_ids
+        top_k_one = client.complete(prompt, max_new_tokens=30, temperature=1.5, top_k=1, seed=5, ignore_eos=True).token_ids
+    assert alone != other_seed
+    greedy = llama_ref.greedy(prompt, 30)
+    assert llama_ref.eos not in greedy, "the prompt must not reach EOS within 30 tokens for this check"
+    assert top_k_one == greedy
+
+    async def crowd():
+        async with AsyncClient(llama_cluster.router_address, timeout=120) as client:
+            others = [client.complete(p, max_new_tokens=30, temperature=1.0, seed=i) for i, p in enumerate(PROMPTS[:4] * 2)]
+            return await asyncio.gather(client.complete(prompt, **params), *others)
+
+    in_batch = asyncio.run(crowd())[0].token_ids
+    assert in_batch == alone
+
+
+def test_finish_reasons_and_usage(llama_cluster, llama_ref):
+    eos_prompt = "The farmer counted his sheep at sunset: one, two, three, four, five, six, seven, eight, nine, ten. All of them"
+    eos_ref = llama_ref.greedy(eos_prompt, 40)
+    assert eos_ref[-1] == llama_ref.eos and len(eos_ref) < 40
+    plain = "The baker opens his shop"
+    plain_ref = llama_ref.greedy(plain, 30)
+    with Client(llama_cluster.router_address, timeout=60) as client:
+        length = client.complete(plain, max_new_tokens=7)
+        assert (length.finish_reason, length.completion_tokens, length.token_ids) == ("length", 7, plain_ref[:7])
+        assert length.prompt_tokens == len(llama_ref.ids(plain))
+
+        eos = client.complete(eos_prompt, max_new_tokens=40)
+        assert (eos.finish_reason, eos.token_ids) == ("stop", eos_ref)
+        assert eos.completion_tokens == len(eos_ref)
+
+        stop_id = plain_ref[5]
+        by_token = client.complete(plain, max_new_tokens=30, stop_token_ids=[stop_id])
+        cut = plain_ref.index(stop_id) + 1
+        assert (by_token.finish_reason, by_token.token_ids) == ("stop", plain_ref[:cut])
+
+        full_text = llama_ref.tokenizer.decode(plain_ref, skip_special_tokens=True)
+        stop_text = full_text.split()[4]  # a word well inside the continuation
+        by_text = client.complete(plain, max_new_tokens=30, stop=[stop_text])
+        assert by_text.finish_reason == "stop_sequence" and by_text.matched_stop == stop_text
+        assert by_text.text == full_text[: full_text.index(stop_text)]
+        assert stop_text not in by_text.text
+        assert by_text.completion_tokens == len(by_text.token_ids) < 30
+
+        single = client.complete(plain, max_new_tokens=1)
+        assert (single.finish_reason, single.token_ids) == ("length", plain_ref[:1])
+
+        ignore = client.complete(eos_prompt, max_new_tokens=len(eos_ref) + 3, ignore_eos=True)
+        assert ignore.finish_reason == "length" and ignore.token_ids[: len(eos_ref)] == eos_ref
+    assert_decode_workers_idle(llama_cluster)
+
+
+def test_streamed_text_equals_decode_of_all_ids_with_multibyte_characters(llama_cluster, llama_ref):
+    prompt = "Our café on the corner serves coffee, tea and a"
+    with Client(llama_cluster.router_address, timeout=60) as client:
+        chunks = list(client.generate(prompt, max_new_tokens=60))
+    ids = [t for c in chunks for t in c.token_ids]
+    text = "".join(c.text for c in chunks)
+    assert ids == llama_ref.greedy(prompt, 60)
+    assert text == llama_ref.tokenizer.decode(ids, skip_special_tokens=True)
+    assert any(ord(ch) > 127 for ch in text), "the continuation should contain multi-byte characters"
+    assert not any("\ufffd" in c.text for c in chunks)
+    assert chunks[-1].finish_reason is not None and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_prompt_token_ids_tokenize_and_model_info(llama_cluster, llama_ref):
+    prompt = "The clock tower"
+    with Client(llama_cluster.router_address, timeout=60) as client:
+        ids = client.tokenize(prompt)
+        assert ids == llama_ref.ids(prompt)
+        by_ids = client.complete(prompt_token_ids=ids, max_new_tokens=10)
+        assert by_ids.token_ids == llama_ref.greedy(prompt, 10)
+        info = client.model_info()
+    assert info.vocab_size == llama_ref.model.config.vocab_size
+    assert list(info.eos_token_ids) == [llama_ref.eos]
+    assert info.max_seq_len == llama_ref.model.config.max_position_embeddings
+    assert info.backend == "torch" and info.dtype == "float32" and info.default_max_new_tokens > 0
+    assert (info.prefill_workers, info.decode_workers) == (1, 1)
+
+
+def test_every_server_reports_serving(llama_cluster):
+    for process in llama_cluster.processes:
+        with grpc.insecure_channel(process.address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING, process.name
+
+
+def test_bad_input_names_the_field_and_the_server_keeps_serving(llama_cluster, llama_ref):
+    cases = [
+        (dict(), "exactly one of prompt or prompt_token_ids"),
+        (dict(prompt="x", prompt_token_ids=[1]), "exactly one of prompt or prompt_token_ids"),
+        (dict(prompt_token_ids=[1, 10**6]), "prompt_token_ids"),
+        (dict(prompt="x", temperature=-1.0), "sampling.temperature"),
+        (dict(prompt="x", top_p=1.5), "sampling.top_p"),
+        (dict(prompt="x", max_new_tokens=10**6), "stopping.max_new_tokens"),
+        (dict(prompt="x " * 300, max_new_tokens=400), "maximum sequence length"),
+    ]
+    with Client(llama_cluster.router_address, timeout=30) as client:
+        for params, field in cases:
+            prompt = params.pop("prompt", None)
+            with pytest.raises(grpc.RpcError) as error:
+                client.complete(prompt, **params)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, params
+            assert field in error.value.details(), (params, error.value.details())
+        assert client.complete("The cat", max_new_tokens=5).token_ids == llama_ref.greedy("The cat", 5)
