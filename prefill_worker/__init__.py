@@ -4,8 +4,9 @@ sends the prompt's KV straight to the reserved decode slot.
 Lifecycle of a request here, in order:
 1. `Prefill` arrives with token ids, sampling and (usually) a KV target.
 2. It waits for the device thread (one prompt at a time, as NxDI's ctx_batch_size=1).
-3. As each layer's K/V is computed, it is cut into pieces and streamed to the
-   decode worker's `PushKv`, overlapping the remaining layers.
+3. As each layer's K/V is computed, it is cut into pieces for the decode
+   worker's `PushKv`; on an accelerator they are sent at once, overlapping the
+   remaining layers, on a CPU right after the first token (config.py says why).
 4. The first token is returned to the router at once; the commit (carrying the
    first token) closes the transfer, and `kv_sent` reports the acknowledgement.
 """

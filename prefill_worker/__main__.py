@@ -15,6 +15,8 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
     add_server_flags(parser, default_port=50051)
     add_model_flags(parser)
     parser.add_argument("--kv-piece-bytes", type=int, default=4 * 1024 * 1024, help="largest KV piece in one gRPC message")
+    parser.add_argument("--stream-kv", dest="stream_kv", action="store_true", default=None, help="send KV layer by layer during prefill (default on accelerators)")
+    parser.add_argument("--no-stream-kv", dest="stream_kv", action="store_false", help="send KV after the first token (default on CPU)")
     args = parser.parse_args(argv)
     setup_process(args)
     return PrefillWorkerConfig(
@@ -27,6 +29,7 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
         global_topk=args.global_topk,
         threads=args.threads,
         kv_piece_bytes=args.kv_piece_bytes,
+        stream_kv_during_prefill=args.stream_kv,
     )
 
 

@@ -75,12 +75,16 @@ class PrefillWorker:
             pieces = encode(layer, KvKind.KEY, keys, self.config.kv_piece_bytes) + encode(layer, KvKind.VALUE, values, self.config.kv_piece_bytes)
             loop.call_soon_threadsafe(outbox.put_nowait, pieces)
 
-        sender = asyncio.create_task(self._send_kv(target, outbox)) if target else None
+        sender = None
+        if target is not None and self.config.streams_kv_during_prefill:
+            sender = asyncio.create_task(self._send_kv(target, outbox))
         started = time.perf_counter()
         self.pending += 1
         try:
             result = await loop.run_in_executor(self._device, self.backend.prefill, token_ids, sampling, on_layer if target else None)
             yield FirstToken(result.first_token, time.perf_counter() - started)
+            if target is not None and sender is None:
+                sender = asyncio.create_task(self._send_kv(target, outbox))
             if sender is not None:
                 outbox.put_nowait(KvCommit(result.first_token, len(token_ids), self.info.num_layers))
                 sent_at = time.perf_counter()

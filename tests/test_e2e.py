@@ -64,7 +64,8 @@ def test_greedy_equals_generate_for_each_architecture(arch_cluster):
 
 @pytest.fixture(scope="module")
 def two_by_two(cluster_logs):
-    cluster = start_cluster(cluster_logs, "llama", prefill=2, decode=2, batch_size=4)
+    # --stream-kv: this cluster sends KV layer by layer during prefill (the CPU default sends after).
+    cluster = start_cluster(cluster_logs, "llama", prefill=2, decode=2, batch_size=4, prefill_args=["--stream-kv"])
     yield cluster
     cluster.stop()
 
