@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from disagg.flags import add_model_flags, add_server_flags, address, resolve_model, setup_process
+from disagg.flags import add_model_flags, add_server_flags, address, internal_tls, resolve_model, setup_process
 
 from .config import DecodeWorkerConfig
 
@@ -31,6 +31,8 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
         lease_seconds=args.lease_seconds,
         global_topk=args.global_topk,
         threads=args.threads,
+        grace_seconds=args.grace_seconds,
+        tls=internal_tls(args),
     )
 
 

@@ -45,7 +45,8 @@ class Sequence:
     prompt_len: int
     first_token: int
     sampling: Sampling
-    stopping: Stopping
+    stopping: Stopping  # max_new_tokens counts from first_token
+    step_offset: int = 0  # sampling counter of first_token (tokens generated on an earlier worker)
     generated: int = 1  # tokens the host has seen, the first one included
     scheduled: int = 1  # tokens seen plus tokens being computed
     in_flight: int = 0  # steps submitted and not yet processed that include this row
@@ -204,7 +205,7 @@ class Batcher:
             input_ids=torch.tensor(host_tokens),
             params=torch.tensor([s.params_row() for s in rows], dtype=torch.float32),
             seeds=torch.tensor([s.sampling.seed for s in rows]),
-            steps=torch.tensor([s.scheduled for s in rows]),  # sampling counter of the token produced
+            steps=torch.tensor([s.step_offset + s.scheduled for s in rows]),  # sampling counter of the token produced
             kv_len=max(positions) + 1,
             contiguous_from=slots[0] if slots[-1] - slots[0] == len(slots) - 1 else None,
         )

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.security import TlsFiles
+
 
 @dataclass(frozen=True)
 class DecodeWorkerConfig:
@@ -17,6 +19,8 @@ class DecodeWorkerConfig:
     global_topk: int = 0
     threads: int = 0  # torch threads; 0 keeps torch's default
     metrics_port: int = 0
+    grace_seconds: float = 30.0  # SIGTERM: how long streams in flight may take to finish
+    tls: TlsFiles | None = None  # mutual TLS for DecodeService (router and prefill workers)
 
     def __post_init__(self):
         if self.batch_size < 1:

@@ -8,19 +8,19 @@ import logging
 import grpc
 
 from disagg import wire
-from disagg.engine.kv_wire import KvWireError
 from disagg.engine.backends import load_backend
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, start_server, stop_signals
+from disagg.engine.kv_wire import KvWireError
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, UnparsableMessage, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
-from disagg.v1 import worker_pb2_grpc as wgrpc
 
 from .config import DecodeWorkerConfig
 from .worker import DecodeWorker
 
 log = logging.getLogger(__name__)
+SERVICE = wpb.DESCRIPTOR.services_by_name["DecodeService"]
 
 
-class DecodeServicer(wgrpc.DecodeServiceServicer):
+class DecodeServicer:
     """Thin: converts protobuf to engine types and back; the worker does the work."""
 
     def __init__(self):
@@ -34,7 +34,8 @@ class DecodeServicer(wgrpc.DecodeServiceServicer):
     async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
         worker = await self._ready(context)
         try:
-            stream = worker.open_stream(request.request_id, request.prompt_len, wire.sampling_from_pb(request.sampling), wire.stopping_from_pb(request.stopping))
+            check_parsed(request)
+            stream = worker.open_stream(request.request_id, request.prompt_len, wire.sampling_from_pb(request.sampling), wire.stopping_from_pb(request.stopping), request.first_step)
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
         try:
@@ -52,6 +53,8 @@ class DecodeServicer(wgrpc.DecodeServiceServicer):
 
         async def messages():
             async for chunk in request_iterator:
+                if isinstance(chunk, UnparsableMessage):
+                    raise KvWireError(chunk.as_error().args[0])
                 try:
                     yield wire.chunk_from_pb(chunk)
                 except ValueError as exc:
@@ -69,9 +72,14 @@ class DecodeServicer(wgrpc.DecodeServiceServicer):
         return wpb.WorkerLoad(role="decode", model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **worker.load())
 
 
+def backend_options(config) -> dict:
+    return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk)
+
+
 async def serve(config: DecodeWorkerConfig) -> None:
     servicer = DecodeServicer()
-    server = await start_server(config.address, lambda s: wgrpc.add_DecodeServiceServicer_to_server(servicer, s), [SERVICE_NAME], INTERNAL_MESSAGE_BYTES)
+    credentials = config.tls.server_credentials(require_client_cert=True) if config.tls else None
+    server = await start_server(config.address, servicer, SERVICE, INTERNAL_MESSAGE_BYTES, credentials)
     log.info("decode worker on port %d: loading %s", server.port, config.model)
     backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **backend_options(config)))
     worker = DecodeWorker(backend, config)
@@ -79,14 +87,5 @@ async def serve(config: DecodeWorkerConfig) -> None:
     servicer.worker = worker
     await server.set_serving(True)
     log.info("decode worker serving on port %d (%s, %d slots, async=%s)", server.port, backend.info.dtype, config.batch_size, config.async_mode)
-    await stop_signals().wait()
-    await server.set_serving(False)
-    await server.server.stop(grace=5)
+    await serve_until_signal(server, config.grace_seconds)
     await worker.stop()
-
-
-SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["DecodeService"].full_name
-
-
-def backend_options(config) -> dict:
-    return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk)

@@ -31,6 +31,7 @@ class DecodeStream:
     reservation: Reservation
     sampling: Sampling
     stopping: Stopping
+    first_step: int
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent | RequestError
     transferring: bool = False
 
@@ -68,13 +69,15 @@ class DecodeWorker:
         self._kv_writer.shutdown(wait=True)
 
     # -- Decode stream -----------------------------------------------------
-    def open_stream(self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping) -> DecodeStream:
+    def open_stream(self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0) -> DecodeStream:
         if not 0 < prompt_len < self.info.max_seq_len:
             raise RequestError(f"prompt_len {prompt_len} must be in [1, {self.info.max_seq_len})")
+        if stopping.max_new_tokens < 1:
+            raise RequestError(f"stopping.max_new_tokens must be at least 1, got {stopping.max_new_tokens}")
         if not self.slots.can_reserve():
             raise RequestError(f"all {self.slots.num_slots} slots are in use", grpc.StatusCode.RESOURCE_EXHAUSTED)
         reservation = self.slots.reserve(request_id, prompt_len, self.config.lease_seconds)
-        stream = DecodeStream(reservation, sampling, stopping)
+        stream = DecodeStream(reservation, sampling, stopping, first_step)
         self._streams[stream.key] = stream
         return stream
 
@@ -107,7 +110,12 @@ class DecodeWorker:
 
     # -- KV receive --------------------------------------------------------
     async def receive_kv(self, messages: AsyncIterator[tuple[str, KvPiece | KvCommit]]) -> int:
-        """Consumes one transfer; returns the bytes received. Any fault fails the reservation."""
+        """Consumes one transfer; returns the bytes received.
+
+        A transfer that is refused or breaks leaves its reservation waiting for
+        KV, so the router can send it again from another prefill worker; the
+        lease still frees the slot if nothing complete arrives in time.
+        """
         stream: DecodeStream | None = None  # set once this transfer owns a reservation
         received = 0
         try:
@@ -124,15 +132,7 @@ class DecodeWorker:
                 received += await self._write_piece(stream, coverage, message)
             raise RequestError("KV transfer ended without a commit", grpc.StatusCode.ABORTED)
         except KvWireError as exc:
-            error = RequestError(f"KV chunk refused: {exc}")
-            self._fail_transfer(stream, error)
-            raise error from exc
-        except RequestError as exc:
-            self._fail_transfer(stream, exc)
-            raise
-        except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
-            self._fail_transfer(stream, RequestError(f"KV transfer broke: {type(exc).__name__}", grpc.StatusCode.ABORTED))
-            raise
+            raise RequestError(f"KV chunk refused: {exc}") from exc
         finally:
             if stream is not None:
                 stream.transferring = False
@@ -145,11 +145,6 @@ class DecodeWorker:
             raise RequestError(f"reservation_id {key!r} already has a transfer in progress", grpc.StatusCode.ALREADY_EXISTS)
         stream.transferring = True
         return stream
-
-    def _fail_transfer(self, stream: DecodeStream | None, error: RequestError) -> None:
-        # A transfer refused before it owned a reservation holds nothing to free.
-        if stream is not None and self.slots.is_reserved(stream.key):
-            self._fail(stream.key, error)
 
     async def _write_piece(self, stream: DecodeStream, coverage: KvCoverage, piece: KvPiece) -> int:
         info = self.info
@@ -178,7 +173,7 @@ class DecodeWorker:
             raise KvWireError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
         reservation = self.slots.activate(stream.key)
         stream.transferring = False
-        self.batcher.admit(Sequence(stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping))
+        self.batcher.admit(Sequence(stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step))
 
     # -- from the batcher's thread ------------------------------------------
     def _publish_threadsafe(self, events: list[TokenEvent]) -> None:
@@ -203,7 +198,7 @@ class DecodeWorker:
             await asyncio.sleep(interval)
             for reservation in self.slots.expired():
                 log.warning("reservation %s: no KV within %.1fs; freeing slot %d", reservation.reservation_id, self.config.lease_seconds, reservation.slot)
-                self._fail(reservation.reservation_id, RequestError(f"KV did not arrive within the {self.config.lease_seconds}s lease", grpc.StatusCode.DEADLINE_EXCEEDED))
+                self._fail(reservation.reservation_id, RequestError(f"KV did not arrive within the {self.config.lease_seconds}s lease", grpc.StatusCode.ABORTED))
 
     # -- load ----------------------------------------------------------------
     def load(self) -> dict:

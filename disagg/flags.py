@@ -15,6 +15,11 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     parser.add_argument("--bind-all", action="store_true", help="bind to all interfaces (0.0.0.0)")
     parser.add_argument("--port", type=int, default=default_port, help=f"port to listen on (default {default_port}; 0 picks a free one)")
     parser.add_argument("--log-level", default=os.environ.get("DISAGG_LOG_LEVEL", "INFO"))
+    parser.add_argument("--grace-seconds", type=float, default=30.0, help="on SIGTERM, how long calls in flight may take to finish")
+    tls = parser.add_argument_group("mutual TLS between the router and the workers")
+    tls.add_argument("--tls-cert", help="this process's certificate (PEM); serves and connects with it")
+    tls.add_argument("--tls-key", help="its private key (PEM)")
+    tls.add_argument("--tls-ca", help="CA (PEM) that peers' certificates must be signed by")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +34,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def address(args) -> str:
     return f"{'0.0.0.0' if args.bind_all else args.host}:{args.port}"
+
+
+def internal_tls(args):
+    from disagg.security import tls_from_flags
+
+    tls = tls_from_flags(args.tls_cert, args.tls_key, args.tls_ca, "--tls-cert/--tls-key/--tls-ca")
+    if tls is not None and not tls.ca:
+        raise SystemExit("--tls-ca is required with --tls-cert: internal links use mutual TLS")
+    return tls
 
 
 def resolve_model(model: str | None) -> str:

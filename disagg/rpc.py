@@ -10,6 +10,8 @@ import signal
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -36,6 +38,56 @@ class RequestError(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class UnparsableMessage:
+    """Stands in for a request whose bytes are not the declared message type."""
+
+    type_name: str
+    error: str
+
+    def as_error(self) -> RequestError:
+        return RequestError(f"request does not parse as {self.type_name}: {self.error}")
+
+
+def _lenient_parser(message_class):
+    # gRPC answers INTERNAL when a deserializer raises; parsing here instead lets
+    # the servicer answer INVALID_ARGUMENT (bad bytes, invalid UTF-8 in a string).
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return UnparsableMessage(message_class.DESCRIPTOR.full_name, str(exc) or "malformed bytes")
+
+    return parse
+
+
+def register_service(server: grpc.aio.Server, servicer, service_descriptor) -> None:
+    """Adds servicer's methods for a service, built from its descriptor."""
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in service_descriptor.methods:
+        request_class = message_factory.GetMessageClass(method.input_type)
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient_parser(request_class),
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))
+
+
+def check_parsed(message):
+    """Raises RequestError for a message that did not parse."""
+    if isinstance(message, UnparsableMessage):
+        raise message.as_error()
+    return message
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -47,24 +99,40 @@ class RunningServer:
         await self.health.set("", status)
 
 
-async def start_server(address: str, register, service_names: list[str], max_message_bytes: int) -> RunningServer:
+async def start_server(
+    address: str,
+    servicer,
+    service_descriptor,
+    max_message_bytes: int,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: tuple = (),
+) -> RunningServer:
     """Starts a grpc.aio server on address ("host:port", port 0 picks one).
 
-    register(server) adds the servicers; health (NOT_SERVING until the caller
-    says otherwise) and reflection are added here for every server.
+    Health (NOT_SERVING until the caller says otherwise) and reflection are
+    added here for every server.
     """
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
-    register(server)
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
+    register_service(server, servicer, service_descriptor)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    reflection.enable_server_reflection([service_descriptor.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     await server.start()
     running = RunningServer(server, port, health_servicer)
     await running.set_serving(False)
     return running
+
+
+async def serve_until_signal(server: RunningServer, grace_seconds: float) -> None:
+    """Serves until SIGTERM or SIGINT, then drains: health goes NOT_SERVING, new
+    calls are refused with UNAVAILABLE, calls in flight get grace_seconds to finish."""
+    await stop_signals().wait()
+    log.info("draining: NOT_SERVING; calls in flight have %.1fs to finish", grace_seconds)
+    await server.set_serving(False)
+    await server.server.stop(grace_seconds)
 
 
 def stop_signals() -> asyncio.Event:

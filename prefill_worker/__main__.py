@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from disagg.flags import add_model_flags, add_server_flags, address, resolve_model, setup_process
+from disagg.flags import add_model_flags, add_server_flags, address, internal_tls, resolve_model, setup_process
 
 from .config import PrefillWorkerConfig
 
@@ -28,6 +28,8 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
         max_seq_len=args.max_seq_len,
         global_topk=args.global_topk,
         threads=args.threads,
+        grace_seconds=args.grace_seconds,
+        tls=internal_tls(args),
         kv_piece_bytes=args.kv_piece_bytes,
         stream_kv_during_prefill=args.stream_kv,
     )

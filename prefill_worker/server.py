@@ -9,18 +9,17 @@ import grpc
 
 from disagg import wire
 from disagg.engine.backends import load_backend
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, start_server, stop_signals
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
-from disagg.v1 import worker_pb2_grpc as wgrpc
 
 from .config import PrefillWorkerConfig
 from .worker import FirstToken, KvTarget, PrefillWorker
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["PrefillService"].full_name
+SERVICE = wpb.DESCRIPTOR.services_by_name["PrefillService"]
 
 
-class PrefillServicer(wgrpc.PrefillServiceServicer):
+class PrefillServicer:
     def __init__(self):
         self.worker: PrefillWorker | None = None  # set once the model is loaded
 
@@ -31,9 +30,11 @@ class PrefillServicer(wgrpc.PrefillServiceServicer):
 
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
         worker = await self._ready(context)
-        target = KvTarget(request.kv_target.address, request.kv_target.reservation_id) if request.HasField("kv_target") else None
         try:
-            async for event in worker.prefill(list(request.token_ids), wire.sampling_from_pb(request.sampling), target):
+            check_parsed(request)
+            target = KvTarget(request.kv_target.address, request.kv_target.reservation_id) if request.HasField("kv_target") else None
+            events = worker.prefill(list(request.token_ids), wire.sampling_from_pb(request.sampling), target, request.first_step, context.time_remaining())
+            async for event in events:
                 if isinstance(event, FirstToken):
                     yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=event.token_id, prefill_seconds=event.prefill_seconds))
                 else:
@@ -49,14 +50,13 @@ class PrefillServicer(wgrpc.PrefillServiceServicer):
 
 async def serve(config: PrefillWorkerConfig) -> None:
     servicer = PrefillServicer()
-    server = await start_server(config.address, lambda s: wgrpc.add_PrefillServiceServicer_to_server(servicer, s), [SERVICE_NAME], INTERNAL_MESSAGE_BYTES)
+    credentials = config.tls.server_credentials(require_client_cert=True) if config.tls else None
+    server = await start_server(config.address, servicer, SERVICE, INTERNAL_MESSAGE_BYTES, credentials)
     log.info("prefill worker on port %d: loading %s", server.port, config.model)
     options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk)
     backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **options))
     servicer.worker = PrefillWorker(backend, config)
     await server.set_serving(True)
     log.info("prefill worker serving on port %d (%s)", server.port, backend.info.dtype)
-    await stop_signals().wait()
-    await server.set_serving(False)
-    await server.server.stop(grace=5)
+    await serve_until_signal(server, config.grace_seconds)
     await servicer.worker.stop()

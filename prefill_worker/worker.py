@@ -15,7 +15,8 @@ from disagg import wire
 from disagg.engine.backends import Backend
 from disagg.engine.kv_wire import KvCommit, KvKind, encode
 from disagg.engine.requests import Sampling
-from disagg.rpc import RequestError, channel_options
+from disagg.rpc import RequestError
+from disagg.security import open_channel
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
 from .config import PrefillWorkerConfig
@@ -65,7 +66,11 @@ class PrefillWorker:
         if bad is not None:
             raise RequestError(f"token_ids contains {bad}, outside the vocabulary [0, {self.info.vocab_size})")
 
-    async def prefill(self, token_ids: list[int], sampling: Sampling, target: KvTarget | None) -> AsyncIterator[FirstToken | KvSent]:
+    async def prefill(self, token_ids: list[int], sampling: Sampling, target: KvTarget | None, first_step: int = 0, timeout: float | None = None) -> AsyncIterator[FirstToken | KvSent]:
+        """Yields the first token, then (with a target) the acknowledged transfer.
+
+        timeout is what is left of the caller's deadline; the KV send inherits it.
+        """
         self.validate(token_ids)
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue = asyncio.Queue()
@@ -77,14 +82,14 @@ class PrefillWorker:
 
         sender = None
         if target is not None and self.config.streams_kv_during_prefill:
-            sender = asyncio.create_task(self._send_kv(target, outbox))
+            sender = asyncio.create_task(self._send_kv(target, outbox, timeout))
         started = time.perf_counter()
         self.pending += 1
         try:
-            result = await loop.run_in_executor(self._device, self.backend.prefill, token_ids, sampling, on_layer if target else None)
+            result = await loop.run_in_executor(self._device, self.backend.prefill, token_ids, sampling, on_layer if target else None, first_step)
             yield FirstToken(result.first_token, time.perf_counter() - started)
             if target is not None and sender is None:
-                sender = asyncio.create_task(self._send_kv(target, outbox))
+                sender = asyncio.create_task(self._send_kv(target, outbox, timeout))
             if sender is not None:
                 outbox.put_nowait(KvCommit(result.first_token, len(token_ids), self.info.num_layers))
                 sent_at = time.perf_counter()
@@ -94,7 +99,7 @@ class PrefillWorker:
             if sender is not None and not sender.done():
                 sender.cancel()  # the decode worker sees the broken transfer and frees the slot
 
-    async def _send_kv(self, target: KvTarget, outbox: asyncio.Queue) -> int:
+    async def _send_kv(self, target: KvTarget, outbox: asyncio.Queue, timeout: float | None) -> int:
         stub = wgrpc.DecodeServiceStub(self._channel(target.address))
 
         async def chunks():
@@ -110,16 +115,20 @@ class PrefillWorker:
 
         self.inflight_transfers += 1
         try:
-            ack = await stub.PushKv(chunks(), timeout=self.config.kv_send_timeout)
+            limit = self.config.kv_send_timeout if timeout is None else min(timeout, self.config.kv_send_timeout)
+            ack = await stub.PushKv(chunks(), timeout=limit)
             return ack.bytes_received
         except grpc.aio.AioRpcError as exc:
-            raise RequestError(f"KV transfer to {target.address} failed: {exc.details()}", exc.code()) from exc
+            # ABORTED tells the router this worker is fine: the hand-off failed
+            # (the decode worker refused it or went away), so it re-plans the decode side.
+            # The pieces not sent are dropped with the outbox.
+            raise RequestError(f"KV transfer to {target.address} failed: {exc.code().name}: {exc.details()}", grpc.StatusCode.ABORTED) from exc
         finally:
             self.inflight_transfers -= 1
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options())
+            self._channels[address] = open_channel(address, self.config.tls)
         return self._channels[address]
 
     def load(self) -> dict:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from disagg.flags import add_server_flags, address, resolve_model, setup_process
+import os
+
+from disagg.flags import add_server_flags, address, internal_tls, resolve_model, setup_process
+from disagg.security import tls_from_flags
 
 from .config import Limits, RouterConfig
 
@@ -19,6 +22,9 @@ def parse_config(argv=None) -> RouterConfig:
     parser.add_argument("--default-max-new-tokens", type=int, default=Limits.default_max_new_tokens)
     parser.add_argument("--max-new-tokens-cap", type=int, default=Limits.max_new_tokens_cap)
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a decode slot")
+    parser.add_argument("--public-tls-cert", help="TLS certificate (PEM) for the public port")
+    parser.add_argument("--public-tls-key", help="its private key (PEM)")
+    parser.add_argument("--auth-token", default=os.environ.get("DISAGG_AUTH_TOKEN"), help="require 'authorization: Bearer <token>' on the public API (default: $DISAGG_AUTH_TOKEN)")
     args = parser.parse_args(argv)
     setup_process(args)
     return RouterConfig(
@@ -28,6 +34,10 @@ def parse_config(argv=None) -> RouterConfig:
         address=address(args),
         limits=Limits(default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_cap=args.max_new_tokens_cap),
         max_queue=args.max_queue,
+        grace_seconds=args.grace_seconds,
+        tls=internal_tls(args),
+        public_tls=tls_from_flags(args.public_tls_cert, args.public_tls_key, None, "--public-tls-cert/--public-tls-key"),
+        auth_token=args.auth_token or None,
     )
 
 

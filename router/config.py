@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.security import TlsFiles
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -22,6 +24,10 @@ class RouterConfig:
     limits: Limits = Limits()
     max_queue: int = 256  # requests waiting for a decode slot before RESOURCE_EXHAUSTED
     load_poll_seconds: float = 1.0
+    grace_seconds: float = 30.0
+    tls: TlsFiles | None = None  # mutual TLS to the workers
+    public_tls: TlsFiles | None = None  # TLS on the public port
+    auth_token: str | None = None  # bearer token required on the public API (health stays open)
 
     def __post_init__(self):
         if not self.prefill_workers:

@@ -1,22 +1,32 @@
 """One request's path through the workers: decode slot, prefill, first token, decode stream.
 
-Every worker call is opened inside an AsyncExitStack, so whatever ends the
-request (a stop, an error, a client cancel or deadline) cancels every call
-still open, and each worker frees what it held for the request.
+    attempt: reserve a decode slot -> prefill (retried on another prefill worker
+             if one dies) -> first token -> KV delivery watched in the background
+             -> tokens from the decode stream
+    run:     attempts until the request finishes; when a decode worker fails,
+             the next attempt prefills the prompt plus the tokens generated so
+             far on another decode worker, so the stream goes on with no token
+             lost or repeated (sampling counters carry over too)
+
+Every worker call is opened inside an AsyncExitStack, so whatever ends an
+attempt (a stop, an error, a client cancel or deadline) cancels every call
+still open, and each worker frees what it held for the request. Each call
+carries what is left of the client's deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import grpc
 
 from disagg import wire
-from disagg.engine.requests import FinishReason, token_finish
+from disagg.engine.requests import FinishReason, Stopping, token_finish
 from disagg.rpc import RequestError
 from disagg.v1 import worker_pb2 as wpb
 
@@ -24,9 +34,13 @@ from .detokenizer import IncrementalDetokenizer, StopSequenceMatcher
 from .validation import GenerationRequest, ModelFacts
 from .workers import Worker, WorkerPool
 
+log = logging.getLogger(__name__)
+
 # How long to wait before asking again when a decode worker refuses a slot that
 # the router counted as free (it is still retiring the previous request's slot).
 SLOT_RETRY_SECONDS = 0.005
+# Worker codes that mean "this worker, not the request": try elsewhere.
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 
 
 @dataclass
@@ -63,11 +77,50 @@ class TextAssembler:
         return Chunk(token_ids, text, finish)
 
 
-def worker_failure(worker: Worker, exc: grpc.aio.AioRpcError) -> RequestError:
+class WorkerLost(Exception):
+    """A worker failed this request in a way another worker can make good."""
+
+    def __init__(self, worker: Worker, detail: str, unreachable: bool = False):
+        super().__init__(f"{worker.role} worker {worker.address}: {detail}")
+        self.worker = worker
+        self.unreachable = unreachable  # gone, rather than refusing this one request
+
+
+def worker_failure(worker: Worker, exc: grpc.aio.AioRpcError) -> Exception:
     code = exc.code()
-    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+    if code in LOST:
+        return WorkerLost(worker, f"{code.name}: {exc.details()}", unreachable=code is grpc.StatusCode.UNAVAILABLE)
+    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return RequestError(f"{worker.role} worker {worker.address}: {exc.details()}", code)
-    return RequestError(f"{worker.role} worker {worker.address} failed: {code.name}: {exc.details()}", grpc.StatusCode.UNAVAILABLE)
+    return RequestError(f"{worker.role} worker {worker.address} failed: {code.name}: {exc.details()}", grpc.StatusCode.INTERNAL)
+
+
+@dataclass
+class Plan:
+    """What one attempt asks of the workers: the request resumed after `done` tokens."""
+
+    request: GenerationRequest
+    done: list[int]  # tokens already streamed to the client
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.request.prompt_ids + self.done
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.done)
+
+    @property
+    def stopping(self) -> Stopping:
+        return replace(self.request.stopping, max_new_tokens=self.remaining)
+
+
+class Deadline:
+    def __init__(self, seconds: float | None):
+        self._at = None if seconds is None else time.monotonic() + seconds
+
+    def remaining(self) -> float | None:
+        return None if self._at is None else max(0.001, self._at - time.monotonic())
 
 
 class DecodeLease:
@@ -75,21 +128,39 @@ class DecodeLease:
 
     def __init__(self, pool: WorkerPool, worker: Worker, call, reservation_id: str):
         self.pool, self.worker, self.call, self.reservation_id = pool, worker, call, reservation_id
+        self.error: Exception | None = None  # set when the KV delivery failed for good
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.call.cancel()
 
     async def tokens(self) -> AsyncIterator[tuple[list[int], FinishReason]]:
         # read() throughout: grpc.aio forbids mixing read() and iteration on one call.
         while True:
             try:
                 event = await self.call.read()
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+                if self.error is not None:
+                    raise self.error from None
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
                 raise worker_failure(self.worker, exc) from exc
             if event is grpc.aio.EOF:
-                raise RequestError(f"decode worker {self.worker.address} ended the stream without finishing", grpc.StatusCode.UNAVAILABLE)
+                raise self.error or WorkerLost(self.worker, "the stream ended without finishing")
             yield list(event.tokens.token_ids), wire.finish_from_pb(event.tokens.finish)
 
     async def close(self) -> None:
         self.call.cancel()
         self.pool.release_decode(self.worker)
+
+
+@dataclass
+class PrefillCall:
+    worker: Worker
+    call: object  # the Prefill stream
+
+    def cancel(self) -> None:
+        self.call.cancel()
 
 
 class Lifecycle:
@@ -98,50 +169,79 @@ class Lifecycle:
         self.tokenizer = tokenizer
         self.facts = facts
 
-    async def run(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+    async def run(self, request: GenerationRequest, timeout: float | None = None) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
+        deadline = Deadline(timeout)
         text = TextAssembler(self.tokenizer, request)
+        done: list[int] = []
+        timings = {"queue": 0.0, "ttft": 0.0}
+        attempts_left = 2 * len(self.pool.decode) + 1
+        while True:
+            try:
+                async with contextlib.aclosing(self._attempt(Plan(request, list(done)), deadline, timings, started)) as tokens:
+                    async for token_ids, finish in tokens:
+                        done += token_ids
+                        chunk = text.add(token_ids, finish)
+                        if chunk.finish is not FinishReason.NONE:
+                            chunk.prompt_tokens, chunk.completion_tokens = len(request.prompt_ids), text.completion_tokens
+                            chunk.queue_seconds, chunk.ttft_seconds = timings["queue"], timings["ttft"]
+                            chunk.total_seconds = time.perf_counter() - started
+                            yield chunk
+                            return
+                        if chunk.token_ids or chunk.text:
+                            yield chunk
+            except WorkerLost as lost:
+                attempts_left -= 1
+                if lost.unreachable:
+                    self.pool.mark_unavailable(lost.worker)
+                if attempts_left <= 0:
+                    raise RequestError(f"gave up after repeated worker failures; last: {lost}", grpc.StatusCode.UNAVAILABLE) from lost
+                log.warning("request %s: %s; resuming after %d tokens", request.request_id, lost, len(done))
+
+    async def _attempt(self, plan: Plan, deadline: Deadline, timings: dict, started: float) -> AsyncIterator[tuple[list[int], FinishReason]]:
+        """Tokens of one attempt: the prefill's first token, then the decode stream's."""
         async with contextlib.AsyncExitStack() as calls:
             lease = None
-            if request.max_new_tokens > 1:  # a single token needs no decode worker
-                lease = await self._reserve_decode(request)
+            if plan.remaining > 1:  # a single token needs no decode worker
+                lease = await self._reserve_decode(plan, deadline)
                 calls.push_async_callback(lease.close)
-            queued = time.perf_counter() - started
-            prefill = self._start_prefill(request, lease)
-            calls.callback(prefill.cancel)
-            first = await self._first_token(prefill)
-            ttft = time.perf_counter() - started
-            finish = token_finish(first, 1, len(request.prompt_ids) + 1, request.stopping, self.facts.max_seq_len)
-            chunk = text.add([first], finish)
-            if chunk.finish is FinishReason.NONE:
-                yield chunk
-                async for token_ids, finish in lease.tokens():
-                    chunk = text.add(token_ids, finish)
-                    if chunk.finish is not FinishReason.NONE:
-                        break
-                    if chunk.token_ids or chunk.text:
-                        yield chunk
-            chunk.prompt_tokens = len(request.prompt_ids)
-            chunk.completion_tokens = text.completion_tokens
-            chunk.queue_seconds, chunk.ttft_seconds, chunk.total_seconds = queued, ttft, time.perf_counter() - started
-            yield chunk
+            if not plan.done:
+                timings["queue"] = time.perf_counter() - started
+            first, prefill = await self._prefill(plan, lease, deadline, calls)
+            if not plan.done:
+                timings["ttft"] = time.perf_counter() - started
+            seq_len = len(plan.context_ids) + 1
+            finish = token_finish(first, 1, seq_len, plan.stopping, self.facts.max_seq_len)
+            yield [first], finish
+            if finish is not FinishReason.NONE:
+                return
+            delivery = asyncio.create_task(self._watch_delivery(prefill, plan, lease, deadline, calls))
+            delivery.add_done_callback(lambda task: task.cancelled() or task.exception() is None or lease.fail(task.exception()))
+            calls.callback(delivery.cancel)
+            async for token_ids, finish in lease.tokens():
+                yield token_ids, finish
 
-    async def _reserve_decode(self, request: GenerationRequest) -> DecodeLease:
-        decode_request = wpb.DecodeRequest(
-            request_id=request.request_id,
-            prompt_len=len(request.prompt_ids),
-            sampling=wire.sampling_to_pb(request.sampling),
-            stopping=wire.stopping_to_pb(request.stopping),
+    async def _reserve_decode(self, plan: Plan, deadline: Deadline) -> DecodeLease:
+        message = wpb.DecodeRequest(
+            request_id=plan.request.request_id,
+            prompt_len=len(plan.context_ids),
+            sampling=wire.sampling_to_pb(plan.request.sampling),
+            stopping=wire.stopping_to_pb(plan.stopping),
+            first_step=len(plan.done),
         )
         while True:
             worker = await self.pool.acquire_decode()
-            call = worker.stub.Decode(decode_request)
+            call = worker.stub.Decode(message, timeout=deadline.remaining())
             try:
                 event = await call.read()
+                if event is grpc.aio.EOF:
+                    raise WorkerLost(worker, "the stream ended before reserving a slot")
                 return DecodeLease(self.pool, worker, call, event.reserved.reservation_id)
             except grpc.aio.AioRpcError as exc:
                 self.pool.release_decode(worker)
-                if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    self.pool.mark_unavailable(worker)
+                elif exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise worker_failure(worker, exc) from exc
             except BaseException:
                 call.cancel()
@@ -149,29 +249,55 @@ class Lifecycle:
                 raise
             await asyncio.sleep(SLOT_RETRY_SECONDS)
 
-    def _start_prefill(self, request: GenerationRequest, lease: DecodeLease | None) -> "PrefillCall":
-        worker = self.pool.pick_prefill()
+    def _start_prefill(self, plan: Plan, lease: DecodeLease | None, deadline: Deadline, exclude: set[str]) -> PrefillCall:
+        worker = self.pool.pick_prefill(exclude)
         target = wpb.KvTarget(address=lease.worker.address, reservation_id=lease.reservation_id) if lease else None
-        message = wpb.PrefillRequest(request_id=request.request_id, token_ids=request.prompt_ids, sampling=wire.sampling_to_pb(request.sampling), kv_target=target)
-        worker.outstanding += 1
-        return PrefillCall(worker, worker.stub.Prefill(message))
+        message = wpb.PrefillRequest(
+            request_id=plan.request.request_id,
+            token_ids=plan.context_ids,
+            sampling=wire.sampling_to_pb(plan.request.sampling),
+            kv_target=target,
+            first_step=len(plan.done),
+        )
+        return PrefillCall(worker, worker.stub.Prefill(message, timeout=deadline.remaining()))
 
-    async def _first_token(self, prefill: "PrefillCall") -> int:
-        try:
-            event = await prefill.call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise worker_failure(prefill.worker, exc) from exc
-        finally:
-            prefill.worker.outstanding -= 1
-        if event is grpc.aio.EOF or not event.HasField("first_token"):
-            raise RequestError(f"prefill worker {prefill.worker.address} ended without a first token", grpc.StatusCode.UNAVAILABLE)
-        return event.first_token.token_id
+    async def _prefill(self, plan: Plan, lease: DecodeLease | None, deadline: Deadline, calls, exclude: set[str] | None = None) -> tuple[int, PrefillCall]:
+        """The first token, from the first prefill worker that lives to give it."""
+        exclude = set() if exclude is None else exclude
+        while True:
+            prefill = self._start_prefill(plan, lease, deadline, exclude)
+            calls.callback(prefill.cancel)
+            prefill.worker.outstanding += 1
+            try:
+                event = await prefill.call.read()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise worker_failure(prefill.worker, exc) from exc
+                self.pool.mark_unavailable(prefill.worker)
+                exclude.add(prefill.worker.address)
+                continue
+            finally:
+                prefill.worker.outstanding -= 1
+            if event is grpc.aio.EOF or not event.HasField("first_token"):
+                raise WorkerLost(prefill.worker, "ended without a first token")
+            return event.first_token.token_id, prefill
 
-
-@dataclass
-class PrefillCall:
-    worker: Worker
-    call: object  # the Prefill stream; its kv_sent event is not awaited: the decode stream shows a failed transfer
-
-    def cancel(self) -> None:
-        self.call.cancel()
+    async def _watch_delivery(self, prefill: PrefillCall, plan: Plan, lease: DecodeLease, deadline: Deadline, calls) -> None:
+        """Until the decode worker has the KV; a prefill worker that dies mid-transfer is replaced."""
+        exclude: set[str] = set()
+        while True:
+            try:
+                event = await prefill.call.read()
+                if event is not grpc.aio.EOF and event.HasField("kv_sent"):
+                    return
+                raise WorkerLost(prefill.worker, "ended without confirming the KV transfer")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.ABORTED:
+                    raise WorkerLost(lease.worker, f"KV hand-off failed: {exc.details()}") from exc
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise worker_failure(prefill.worker, exc) from exc
+            # The prefill worker went away mid-transfer: the reservation waits for
+            # KV again, so another prefill worker sends it (its first token is the same).
+            self.pool.mark_unavailable(prefill.worker)
+            exclude.add(prefill.worker.address)
+            _, prefill = await self._prefill(plan, lease, deadline, calls, exclude)

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from disagg.engine.model_files import eos_token_ids, vocab_size
-from disagg.rpc import PUBLIC_MESSAGE_BYTES, RequestError, start_server, stop_signals
+from disagg.rpc import PUBLIC_MESSAGE_BYTES, RequestError, check_parsed, serve_until_signal, start_server
+from disagg.security import BearerTokenInterceptor
 from disagg.v1 import generation_pb2 as pb
-from disagg.v1 import generation_pb2_grpc as pb_grpc
 
 from .config import RouterConfig
 from .lifecycle import Chunk, Lifecycle
@@ -19,7 +19,7 @@ from .validation import GenerationRequest, ModelFacts, build_request, check_requ
 from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"]
 
 
 class Router:
@@ -40,16 +40,17 @@ class Router:
         return await loop.run_in_executor(self._tokenizer_pool, lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     async def prepare(self, message: pb.GenerateRequest) -> GenerationRequest:
+        check_parsed(message)
         check_request_fields(message, self.config.limits, self.facts)
         prompt_ids = list(message.prompt_token_ids) or await self.tokenize(message.prompt)
         return build_request(message, prompt_ids, self.config.limits, self.facts)
 
-    async def generate(self, request: GenerationRequest):
+    async def generate(self, request: GenerationRequest, timeout: float | None = None):
         if request.request_id in self.in_flight:
             raise RequestError(f"request_id {request.request_id!r} is already in flight")
         self.in_flight.add(request.request_id)
         try:
-            async for chunk in self.lifecycle.run(request):
+            async for chunk in self.lifecycle.run(request, timeout):
                 yield chunk
         finally:
             self.in_flight.discard(request.request_id)
@@ -67,7 +68,7 @@ def chunk_to_pb(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
     return response
 
 
-class GenerationServicer(pb_grpc.GenerationServiceServicer):
+class GenerationServicer:
     def __init__(self):
         self.router: Router | None = None  # set once the workers are ready
 
@@ -80,13 +81,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         router = await self._ready(context)
         try:
             generation = await router.prepare(request)
-            async for chunk in router.generate(generation):
+            async for chunk in router.generate(generation, context.time_remaining()):
                 yield chunk_to_pb(chunk, generation.request_id)
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         router = await self._ready(context)
+        try:
+            check_parsed(request)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
         ids = await router.tokenize(request.text, request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
@@ -127,16 +132,16 @@ async def serve(config: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
     servicer = GenerationServicer()
-    server = await start_server(config.address, lambda s: pb_grpc.add_GenerationServiceServicer_to_server(servicer, s), [SERVICE_NAME], PUBLIC_MESSAGE_BYTES)
+    credentials = config.public_tls.server_credentials(require_client_cert=False) if config.public_tls else None
+    interceptors = (BearerTokenInterceptor(config.auth_token),) if config.auth_token else ()
+    server = await start_server(config.address, servicer, SERVICE, PUBLIC_MESSAGE_BYTES, credentials, interceptors)
     log.info("router on port %d: waiting for workers", server.port)
     tokenizer = await asyncio.get_running_loop().run_in_executor(None, AutoTokenizer.from_pretrained, config.model)
-    pool = WorkerPool.connect(config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds)
+    pool = WorkerPool.connect(config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls)
     await pool.start()
     await pool.wait_ready()
     servicer.router = Router(config, tokenizer, model_facts(config, pool), pool)
     await server.set_serving(True)
     log.info("router serving on port %d", server.port)
-    await stop_signals().wait()
-    await server.set_serving(False)
-    await server.server.stop(grace=5)
+    await serve_until_signal(server, config.grace_seconds)
     await pool.close()

@@ -13,8 +13,10 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.rpc import RequestError, channel_options
+from disagg.rpc import RequestError
+from disagg.security import TlsFiles, open_channel
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
@@ -27,6 +29,7 @@ class Worker:
     role: str  # "prefill" or "decode"
     channel: grpc.aio.Channel
     stub: object
+    health: health_pb2_grpc.HealthStub
     healthy: bool = False
     load: wpb.WorkerLoad | None = None
     outstanding: int = 0  # this router's requests on it now
@@ -36,10 +39,10 @@ class Worker:
         return (self.load.capacity if self.load else 0) - self.outstanding
 
 
-def _connect(address: str, role: str) -> Worker:
-    channel = grpc.aio.insecure_channel(address, options=channel_options())
+def _connect(address: str, role: str, tls: TlsFiles | None) -> Worker:
+    channel = open_channel(address, tls)
     stub = wgrpc.PrefillServiceStub(channel) if role == "prefill" else wgrpc.DecodeServiceStub(channel)
-    return Worker(address, role, channel, stub)
+    return Worker(address, role, channel, stub, health_pb2_grpc.HealthStub(channel))
 
 
 @dataclass
@@ -53,8 +56,8 @@ class WorkerPool:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
-    def connect(cls, prefill: tuple[str, ...], decode: tuple[str, ...], max_queue: int, poll_seconds: float) -> "WorkerPool":
-        return cls([_connect(a, "prefill") for a in prefill], [_connect(a, "decode") for a in decode], max_queue, poll_seconds)
+    def connect(cls, prefill: tuple[str, ...], decode: tuple[str, ...], max_queue: int, poll_seconds: float, tls: TlsFiles | None = None) -> "WorkerPool":
+        return cls([_connect(a, "prefill", tls) for a in prefill], [_connect(a, "decode", tls) for a in decode], max_queue, poll_seconds)
 
     @property
     def workers(self) -> list[Worker]:
@@ -81,27 +84,46 @@ class WorkerPool:
             await asyncio.gather(*(self._poll(w) for w in self.workers))
             self._changed.set()
             self._admit_waiters()
+            self._fail_waiters_if_no_decode()
             await asyncio.sleep(self.poll_seconds)
 
     async def _poll(self, worker: Worker) -> None:
+        # A worker takes requests while its health says SERVING: a draining
+        # worker (SIGTERM) says NOT_SERVING and finishes what it has.
+        timeout = max(1.0, self.poll_seconds)
         try:
-            worker.load = await worker.stub.GetLoad(wpb.LoadRequest(), timeout=max(1.0, self.poll_seconds))
-            if not worker.healthy:
-                log.info("%s worker %s is ready", worker.role, worker.address)
-            worker.healthy = True
+            health = await worker.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            serving = health.status == health_pb2.HealthCheckResponse.SERVING
+            if serving:
+                worker.load = await worker.stub.GetLoad(wpb.LoadRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            if worker.healthy:
-                log.warning("%s worker %s is unavailable: %s", worker.role, worker.address, exc.code().name)
-            worker.healthy = False
+            serving, reason = False, exc.code().name
+        else:
+            reason = "NOT_SERVING"
+        if serving != worker.healthy:
+            log.log(logging.INFO if serving else logging.WARNING, "%s worker %s is %s", worker.role, worker.address, "ready" if serving else f"unavailable ({reason})")
+        worker.healthy = serving
 
     def mark_unavailable(self, worker: Worker) -> None:
+        """A call found the worker gone; the poller brings it back when it answers again."""
+        if worker.healthy:
+            log.warning("%s worker %s stopped answering", worker.role, worker.address)
         worker.healthy = False
+        self._fail_waiters_if_no_decode()
+
+    def _fail_waiters_if_no_decode(self) -> None:
+        if any(w.healthy for w in self.decode):
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(RequestError("no decode worker is available", grpc.StatusCode.UNAVAILABLE))
 
     # -- prefill choice -----------------------------------------------------
-    def pick_prefill(self) -> Worker:
-        healthy = [w for w in self.prefill if w.healthy]
+    def pick_prefill(self, exclude: set[str] = frozenset()) -> Worker:
+        healthy = [w for w in self.prefill if w.healthy and w.address not in exclude]
         if not healthy:
-            raise RequestError("no prefill worker is available", grpc.StatusCode.UNAVAILABLE)
+            raise RequestError("no prefill worker is available" + (" (the others failed this request)" if exclude else ""), grpc.StatusCode.UNAVAILABLE)
         return min(healthy, key=lambda w: (w.outstanding + (w.load.queued if w.load else 0)))
 
     # -- decode admission ---------------------------------------------------

@@ -24,51 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/worker.proto\x12\tdisagg.v1\"Q\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x03\"@\n\x0eWorkerStopping\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\"\x91\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerSampling\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.disagg.v1.WorkerStopping\"G\n\x08Reserved\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"J\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\'\n\x06\x66inish\x18\x02 \x01(\x0e\x32\x17.disagg.v1.WorkerFinish\"j\n\x0b\x44\x65\x63odeEvent\x12\'\n\x08reserved\x18\x01 \x01(\x0b\x32\x13.disagg.v1.ReservedH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.disagg.v1.DecodeTokensH\x00\x42\x07\n\x05\x65vent\"\xb7\x01\n\x07KvChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x1f\n\x04kind\x18\x03 \x01(\x0e\x32\x11.disagg.v1.KvKind\x12\x13\n\x0btoken_start\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12#\n\x06\x63ommit\x18\x08 \x01(\x0b\x32\x13.disagg.v1.KvCommit\"G\n\x08KvCommit\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\"\x1f\n\x05KvAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\"3\n\x08KvTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\"\x8c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerSampling\x12&\n\tkv_target\x18\x04 \x01(\x0b\x32\x13.disagg.v1.KvTarget\"7\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\"(\n\x06KvSent\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"k\n\x0cPrefillEvent\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.disagg.v1.FirstTokenH\x00\x12$\n\x07kv_sent\x18\x02 \x01(\x0b\x32\x11.disagg.v1.KvSentH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bLoadRequest\"\xf1\x01\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x05\x12\x14\n\x0cslots_in_use\x18\x03 \x01(\x05\x12\x14\n\x0creservations\x18\x04 \x01(\x05\x12\x0e\n\x06\x61\x63tive\x18\x05 \x01(\x05\x12\x1a\n\x12inflight_transfers\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\r\n\x05\x64type\x18\x0c \x01(\t*X\n\x0cWorkerFinish\x12\x16\n\x12WORKER_FINISH_NONE\x10\x00\x12\x18\n\x14WORKER_FINISH_LENGTH\x10\x01\x12\x16\n\x12WORKER_FINISH_STOP\x10\x02*E\n\x06KvKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_KIND_KEY\x10\x01\x12\x11\n\rKV_KIND_VALUE\x10\x02\x32\xb9\x01\n\rDecodeService\x12<\n\x06\x44\x65\x63ode\x12\x18.disagg.v1.DecodeRequest\x1a\x16.disagg.v1.DecodeEvent0\x01\x12\x30\n\x06PushKv\x12\x12.disagg.v1.KvChunk\x1a\x10.disagg.v1.KvAck(\x01\x12\x38\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x15.disagg.v1.WorkerLoad2\x8b\x01\n\x0ePrefillService\x12?\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x17.disagg.v1.PrefillEvent0\x01\x12\x38\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x15.disagg.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/worker.proto\x12\tdisagg.v1\"Q\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x03\"@\n\x0eWorkerStopping\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\"\xa5\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerSampling\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.disagg.v1.WorkerStopping\x12\x12\n\nfirst_step\x18\x05 \x01(\x05\"G\n\x08Reserved\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"J\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\'\n\x06\x66inish\x18\x02 \x01(\x0e\x32\x17.disagg.v1.WorkerFinish\"j\n\x0b\x44\x65\x63odeEvent\x12\'\n\x08reserved\x18\x01 \x01(\x0b\x32\x13.disagg.v1.ReservedH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.disagg.v1.DecodeTokensH\x00\x42\x07\n\x05\x65vent\"\xb7\x01\n\x07KvChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x1f\n\x04kind\x18\x03 \x01(\x0e\x32\x11.disagg.v1.KvKind\x12\x13\n\x0btoken_start\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12#\n\x06\x63ommit\x18\x08 \x01(\x0b\x32\x13.disagg.v1.KvCommit\"G\n\x08KvCommit\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\"\x1f\n\x05KvAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\"3\n\x08KvTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\"\xa0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerSampling\x12&\n\tkv_target\x18\x04 \x01(\x0b\x32\x13.disagg.v1.KvTarget\x12\x12\n\nfirst_step\x18\x05 \x01(\x05\"7\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\"(\n\x06KvSent\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"k\n\x0cPrefillEvent\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.disagg.v1.FirstTokenH\x00\x12$\n\x07kv_sent\x18\x02 \x01(\x0b\x32\x11.disagg.v1.KvSentH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bLoadRequest\"\xf1\x01\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x05\x12\x14\n\x0cslots_in_use\x18\x03 \x01(\x05\x12\x14\n\x0creservations\x18\x04 \x01(\x05\x12\x0e\n\x06\x61\x63tive\x18\x05 \x01(\x05\x12\x1a\n\x12inflight_transfers\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\r\n\x05\x64type\x18\x0c \x01(\t*X\n\x0cWorkerFinish\x12\x16\n\x12WORKER_FINISH_NONE\x10\x00\x12\x18\n\x14WORKER_FINISH_LENGTH\x10\x01\x12\x16\n\x12WORKER_FINISH_STOP\x10\x02*E\n\x06KvKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_KIND_KEY\x10\x01\x12\x11\n\rKV_KIND_VALUE\x10\x02\x32\xb9\x01\n\rDecodeService\x12<\n\x06\x44\x65\x63ode\x12\x18.disagg.v1.DecodeRequest\x1a\x16.disagg.v1.DecodeEvent0\x01\x12\x30\n\x06PushKv\x12\x12.disagg.v1.KvChunk\x1a\x10.disagg.v1.KvAck(\x01\x12\x38\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x15.disagg.v1.WorkerLoad2\x8b\x01\n\x0ePrefillService\x12?\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x17.disagg.v1.PrefillEvent0\x01\x12\x38\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x15.disagg.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERFINISH']._serialized_start=1546
-  _globals['_WORKERFINISH']._serialized_end=1634
-  _globals['_KVKIND']._serialized_start=1636
-  _globals['_KVKIND']._serialized_end=1705
+  _globals['_WORKERFINISH']._serialized_start=1586
+  _globals['_WORKERFINISH']._serialized_end=1674
+  _globals['_KVKIND']._serialized_start=1676
+  _globals['_KVKIND']._serialized_end=1745
   _globals['_WORKERSAMPLING']._serialized_start=37
   _globals['_WORKERSAMPLING']._serialized_end=118
   _globals['_WORKERSTOPPING']._serialized_start=120
   _globals['_WORKERSTOPPING']._serialized_end=184
   _globals['_DECODEREQUEST']._serialized_start=187
-  _globals['_DECODEREQUEST']._serialized_end=332
-  _globals['_RESERVED']._serialized_start=334
-  _globals['_RESERVED']._serialized_end=405
-  _globals['_DECODETOKENS']._serialized_start=407
-  _globals['_DECODETOKENS']._serialized_end=481
-  _globals['_DECODEEVENT']._serialized_start=483
-  _globals['_DECODEEVENT']._serialized_end=589
-  _globals['_KVCHUNK']._serialized_start=592
-  _globals['_KVCHUNK']._serialized_end=775
-  _globals['_KVCOMMIT']._serialized_start=777
-  _globals['_KVCOMMIT']._serialized_end=848
-  _globals['_KVACK']._serialized_start=850
-  _globals['_KVACK']._serialized_end=881
-  _globals['_KVTARGET']._serialized_start=883
-  _globals['_KVTARGET']._serialized_end=934
-  _globals['_PREFILLREQUEST']._serialized_start=937
-  _globals['_PREFILLREQUEST']._serialized_end=1077
-  _globals['_FIRSTTOKEN']._serialized_start=1079
-  _globals['_FIRSTTOKEN']._serialized_end=1134
-  _globals['_KVSENT']._serialized_start=1136
-  _globals['_KVSENT']._serialized_end=1176
-  _globals['_PREFILLEVENT']._serialized_start=1178
-  _globals['_PREFILLEVENT']._serialized_end=1285
-  _globals['_LOADREQUEST']._serialized_start=1287
-  _globals['_LOADREQUEST']._serialized_end=1300
-  _globals['_WORKERLOAD']._serialized_start=1303
-  _globals['_WORKERLOAD']._serialized_end=1544
-  _globals['_DECODESERVICE']._serialized_start=1708
-  _globals['_DECODESERVICE']._serialized_end=1893
-  _globals['_PREFILLSERVICE']._serialized_start=1896
-  _globals['_PREFILLSERVICE']._serialized_end=2035
+  _globals['_DECODEREQUEST']._serialized_end=352
+  _globals['_RESERVED']._serialized_start=354
+  _globals['_RESERVED']._serialized_end=425
+  _globals['_DECODETOKENS']._serialized_start=427
+  _globals['_DECODETOKENS']._serialized_end=501
+  _globals['_DECODEEVENT']._serialized_start=503
+  _globals['_DECODEEVENT']._serialized_end=609
+  _globals['_KVCHUNK']._serialized_start=612
+  _globals['_KVCHUNK']._serialized_end=795
+  _globals['_KVCOMMIT']._serialized_start=797
+  _globals['_KVCOMMIT']._serialized_end=868
+  _globals['_KVACK']._serialized_start=870
+  _globals['_KVACK']._serialized_end=901
+  _globals['_KVTARGET']._serialized_start=903
+  _globals['_KVTARGET']._serialized_end=954
+  _globals['_PREFILLREQUEST']._serialized_start=957
+  _globals['_PREFILLREQUEST']._serialized_end=1117
+  _globals['_FIRSTTOKEN']._serialized_start=1119
+  _globals['_FIRSTTOKEN']._serialized_end=1174
+  _globals['_KVSENT']._serialized_start=1176
+  _globals['_KVSENT']._serialized_end=1216
+  _globals['_PREFILLEVENT']._serialized_start=1218
+  _globals['_PREFILLEVENT']._serialized_end=1325
+  _globals['_LOADREQUEST']._serialized_start=1327
+  _globals['_LOADREQUEST']._serialized_end=1340
+  _globals['_WORKERLOAD']._serialized_start=1343
+  _globals['_WORKERLOAD']._serialized_end=1584
+  _globals['_DECODESERVICE']._serialized_start=1748
+  _globals['_DECODESERVICE']._serialized_end=1933
+  _globals['_PREFILLSERVICE']._serialized_start=1936
+  _globals['_PREFILLSERVICE']._serialized_end=2075
 # @@protoc_insertion_point(module_scope)

@@ -46,16 +46,18 @@ class WorkerStopping(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "stopping")
+    __slots__ = ("request_id", "prompt_len", "sampling", "stopping", "first_step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: WorkerSampling
     stopping: WorkerStopping
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stopping: _Optional[_Union[WorkerStopping, _Mapping]] = ...) -> None: ...
+    first_step: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stopping: _Optional[_Union[WorkerStopping, _Mapping]] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("reservation_id", "slot", "lease_seconds")
@@ -128,16 +130,18 @@ class KvTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., reservation_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "kv_target")
+    __slots__ = ("request_id", "token_ids", "sampling", "kv_target", "first_step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: WorkerSampling
     kv_target: KvTarget
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., kv_target: _Optional[_Union[KvTarget, _Mapping]] = ...) -> None: ...
+    first_step: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., kv_target: _Optional[_Union[KvTarget, _Mapping]] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "prefill_seconds")

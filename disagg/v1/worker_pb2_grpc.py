@@ -224,7 +224,8 @@ class PrefillServiceServicer:
     def Prefill(self, request, context):
         """Encodes the prompt, samples the first token, and (when a target is set)
         sends the KV to the decode worker. Events: first_token as soon as it is
-        sampled, then kv_sent once the decode worker acknowledged the KV.
+        sampled, then kv_sent once the decode worker acknowledged the KV. A KV
+        transfer that fails ends the call with ABORTED (the prefill itself was fine).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,8 +60,8 @@ class Backend(abc.ABC):
     info: ModelInfo
 
     @abc.abstractmethod
-    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None) -> PrefillResult:
-        """Encodes one prompt and samples its first token (sampling step 0)."""
+    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
+        """Encodes one prompt and samples its next token with sampling counter first_step."""
 
     @abc.abstractmethod
     def allocate_slots(self, num_slots: int) -> int:

@@ -65,7 +65,7 @@ class TorchBackend(Backend):
         self.cache: SlotKvCache | None = None
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None) -> PrefillResult:
+    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
         layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def keep_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -80,7 +80,7 @@ class TorchBackend(Backend):
             out.logits[:, -1],  # [1, vocab]
             params_tensor([sampling], self.device),
             torch.tensor([sampling.seed], device=self.device),
-            torch.zeros(1, dtype=torch.long, device=self.device),
+            torch.full((1,), first_step, dtype=torch.long, device=self.device),
             self.config.global_topk,
         )
         return PrefillResult(first_token=int(first[0]), layers=[layers[i] for i in range(self.info.num_layers)])
