@@ -41,7 +41,7 @@ def cmd_serve(args) -> int:
 def cmd_generate(args) -> int:
     from disagg.client import Client
 
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
         last = None
         for chunk in client.generate(
             args.prompt,
@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--timeout", type=float, default=120.0)
+    gen.add_argument("--tls-ca", default=None, help="CA (PEM) of a router serving TLS")
+    gen.add_argument("--token", default=os.environ.get("DISAGG_AUTH_TOKEN"), help="bearer token (default: $DISAGG_AUTH_TOKEN)")
     gen.set_defaults(run=cmd_generate)
 
     make = sub.add_parser("make-model", help="make a small trained checkpoint offline")

@@ -92,15 +92,30 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> GenerationChunk:
     )
 
 
+def _credentials(tls_ca: str | bytes | None) -> grpc.ChannelCredentials | None:
+    if tls_ca is None:
+        return None
+    root = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
+    return grpc.ssl_channel_credentials(root_certificates=root)
+
+
+def _metadata(token: str | None) -> tuple | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50050", timeout: float | None = None, channel: grpc.Channel | None = None):
-        self._channel = channel or grpc.insecure_channel(address)
+    """tls_ca: the CA (path or PEM bytes) of a router serving TLS; token: its bearer token."""
+
+    def __init__(self, address: str = "127.0.0.1:50050", timeout: float | None = None, tls_ca: str | bytes | None = None, token: str | None = None):
+        credentials = _credentials(tls_ca)
+        self._channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._metadata = _metadata(token)
         self.timeout = timeout
 
     def generate(self, prompt: str | None = None, **params) -> Iterator[GenerationChunk]:
         """Streams the generation; leaving the loop early cancels the request."""
-        call = self._stub.Generate(build_request(prompt, **params), timeout=self.timeout)
+        call = self._stub.Generate(build_request(prompt, **params), timeout=self.timeout, metadata=self._metadata)
         try:
             for message in call:
                 yield chunk_from_pb(message)
@@ -114,10 +129,11 @@ class Client:
         return result
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens), timeout=self.timeout).token_ids)
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self._stub.Tokenize(request, timeout=self.timeout, metadata=self._metadata).token_ids)
 
     def model_info(self) -> pb.GetModelInfoResponse:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()
@@ -130,13 +146,15 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str = "127.0.0.1:50050", timeout: float | None = None):
-        self._channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str = "127.0.0.1:50050", timeout: float | None = None, tls_ca: str | bytes | None = None, token: str | None = None):
+        credentials = _credentials(tls_ca)
+        self._channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._metadata = _metadata(token)
         self.timeout = timeout
 
     async def generate(self, prompt: str | None = None, **params) -> AsyncIterator[GenerationChunk]:
-        call = self._stub.Generate(build_request(prompt, **params), timeout=self.timeout)
+        call = self._stub.Generate(build_request(prompt, **params), timeout=self.timeout, metadata=self._metadata)
         try:
             async for message in call:
                 yield chunk_from_pb(message)
@@ -150,11 +168,12 @@ class AsyncClient:
         return result
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        response = await self._stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens), timeout=self.timeout)
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        response = await self._stub.Tokenize(request, timeout=self.timeout, metadata=self._metadata)
         return list(response.token_ids)
 
     async def model_info(self) -> pb.GetModelInfoResponse:
-        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -49,14 +49,58 @@ class UnparsableMessage:
         return RequestError(f"request does not parse as {self.type_name}: {self.error}")
 
 
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]  # IndexError on truncated input
+        value |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if byte < 0x80:
+            return value, i
+
+
+def invalid_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
+    """The dotted name of the first string field holding invalid UTF-8, if any."""
+    i = 0
+    try:
+        while i < len(data):
+            key, i = _varint(data, i)
+            field, wire_type = descriptor.fields_by_number.get(key >> 3), key & 7
+            if wire_type == 0:
+                _, i = _varint(data, i)
+            elif wire_type in (1, 5):
+                i += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                length, i = _varint(data, i)
+                chunk, i = data[i : i + length], i + length
+                if field is None:
+                    continue
+                if field.type == field.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return prefix + field.name
+                elif field.type == field.TYPE_MESSAGE:
+                    found = invalid_utf8_field(field.message_type, chunk, f"{prefix}{field.name}.")
+                    if found:
+                        return found
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
 def _lenient_parser(message_class):
     # gRPC answers INTERNAL when a deserializer raises; parsing here instead lets
     # the servicer answer INVALID_ARGUMENT (bad bytes, invalid UTF-8 in a string).
     def parse(data: bytes):
         try:
             return message_class.FromString(data)
-        except DecodeError as exc:
-            return UnparsableMessage(message_class.DESCRIPTOR.full_name, str(exc) or "malformed bytes")
+        except DecodeError:
+            field = invalid_utf8_field(message_class.DESCRIPTOR, data)
+            reason = f"field {field} is not valid UTF-8" if field else "the bytes are not a valid message of this type"
+            return UnparsableMessage(message_class.DESCRIPTOR.full_name, reason)
 
     return parse
 

@@ -36,14 +36,15 @@ class Reference:
         return self.tokenizer(prompt)["input_ids"]
 
     @functools.cache
-    def _greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    def _greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
+        extra = {"eos_token_id": None} if ignore_eos else {}
         with self.torch.no_grad():
-            out = self.model.generate(self.torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.eos)
+            out = self.model.generate(self.torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.eos, **extra)
         return tuple(out[0, len(prompt_ids) :].tolist())
 
-    def greedy(self, prompt: str | list[int], max_new_tokens: int) -> list[int]:
+    def greedy(self, prompt: str | list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
         ids = self.ids(prompt) if isinstance(prompt, str) else prompt
-        return list(self._greedy(tuple(ids), max_new_tokens))
+        return list(self._greedy(tuple(ids), max_new_tokens, ignore_eos))
 
 
 @functools.cache
@@ -85,3 +86,17 @@ def llama_cluster(cluster_logs):
     cluster = start_cluster(cluster_logs, "llama")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def lone_decode_worker(cluster_logs):
+    """One decode worker process alone (no router), with a 1 s lease, for the internal API."""
+    from disagg.launcher import ClusterSpec, LocalCluster
+
+    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", log_dir=str(cluster_logs / "lone-decode")))
+    worker = cluster.add_worker("decode", ["--lease-seconds", "1", "--batch-size", "2"])
+    try:
+        cluster.wait_serving(120, worker.address)
+        yield worker.address
+    finally:
+        cluster.stop()
