@@ -87,5 +87,5 @@ async def serve(config: DecodeWorkerConfig) -> None:
     servicer.worker = worker
     await server.set_serving(True)
     log.info("decode worker serving on port %d (%s, %d slots, async=%s)", server.port, backend.info.dtype, config.batch_size, config.async_mode)
-    await serve_until_signal(server, config.grace_seconds)
+    await serve_until_signal(server, config.grace_seconds, busy=worker.busy)
     await worker.stop()

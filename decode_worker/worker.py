@@ -201,6 +201,9 @@ class DecodeWorker:
                 self._fail(reservation.reservation_id, RequestError(f"KV did not arrive within the {self.config.lease_seconds}s lease", grpc.StatusCode.ABORTED))
 
     # -- load ----------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self._streams) or self.slots.free_slots < self.slots.num_slots
+
     def load(self) -> dict:
         return {
             "capacity": self.slots.num_slots,

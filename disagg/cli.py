@@ -28,7 +28,7 @@ def cmd_serve(args) -> int:
         print(f"\nTry:  disagg generate --address {cluster.router_address} \"The lighthouse keeper\"\nCtrl-C stops everything.", flush=True)
         while not stop["now"]:
             time.sleep(0.5)
-            cluster._check_alive()
+            cluster.check_alive()
     except KeyboardInterrupt:
         pass
     finally:

@@ -39,6 +39,7 @@ class ClusterSpec:
     prefill_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: inherit this process's stderr
+    public_tls_ca: str | None = None  # the router serves TLS: check its health with this CA
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Process:
     name: str
     address: str
     popen: subprocess.Popen
+    command: list[str]
 
 
 class LocalCluster:
@@ -53,6 +55,7 @@ class LocalCluster:
         self.spec = spec
         self.processes: list[Process] = []
         self.router_address = f"127.0.0.1:{spec.router_port or free_port()}"
+        self._started = False
 
     # -- start ----------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "LocalCluster":
@@ -67,6 +70,7 @@ class LocalCluster:
         router_args += [a for d in decode for a in ("--decode", d.address)]
         self._spawn("router", "router", router_args, address=self.router_address)
         self.wait_serving(timeout)
+        self._started = True
         return self
 
     def add_worker(self, role: str, extra: list[str] = ()) -> Process:
@@ -77,24 +81,42 @@ class LocalCluster:
 
     def _spawn(self, name: str, module: str, args: list[str], address: str | None = None) -> Process:
         address = address or f"127.0.0.1:{free_port()}"
-        port = address.rsplit(":", 1)[1]
+        command = [sys.executable, "-m", module, "--port", address.rsplit(":", 1)[1], *args]
+        process = Process(name, address, self._popen(name, command), command)
+        self.processes.append(process)
+        return process
+
+    def _popen(self, name: str, command: list[str]) -> subprocess.Popen:
         log = None
         if self.spec.log_dir:
             os.makedirs(self.spec.log_dir, exist_ok=True)
-            log = open(os.path.join(self.spec.log_dir, f"{name}.log"), "w")
-        popen = subprocess.Popen([sys.executable, "-m", module, "--port", port, *args], stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
-        process = Process(name, address, popen)
-        self.processes.append(process)
+            log = open(os.path.join(self.spec.log_dir, f"{name}.log"), "a")
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+
+    def restart(self, name: str) -> Process:
+        """Starts a process that has exited again, with the same command and address."""
+        process = self.process(name)
+        if process.popen.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        process.popen = self._popen(name, process.command)
         return process
+
+    def signal(self, name: str, sig: int) -> None:
+        self.process(name).popen.send_signal(sig)
 
     def wait_serving(self, timeout: float, address: str | None = None) -> None:
         """Until the router (or the given server) reports SERVING on grpc.health.v1."""
         address = address or self.router_address
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(address) as channel:
+        if address == self.router_address and self.spec.public_tls_ca:
+            with open(self.spec.public_tls_ca, "rb") as ca:
+                channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca.read()))
+        else:
+            channel = grpc.insecure_channel(address)
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
-                self._check_alive()
+                self.check_alive(None if address == self.router_address and not self._started else address)
                 try:
                     if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                         return
@@ -103,8 +125,9 @@ class LocalCluster:
                 time.sleep(0.2)
         raise TimeoutError(f"{address} did not report SERVING within {timeout}s")
 
-    def _check_alive(self) -> None:
-        dead = [p for p in self.processes if p.popen.poll() is not None]
+    def check_alive(self, address: str | None = None) -> None:
+        watched = [p for p in self.processes if address is None or p.address == address]
+        dead = [p for p in watched if p.popen.poll() is not None]
         if dead:
             raise RuntimeError(", ".join(f"{p.name} exited with {p.popen.returncode}" for p in dead))
 

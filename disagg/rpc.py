@@ -132,11 +132,37 @@ def check_parsed(message):
     return message
 
 
+def refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that ends any call with code; an interceptor returns it to refuse."""
+
+    async def refuse(request, context):
+        await context.abort(code, message)
+
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+# Calls that a draining server still takes: probes, and KV for slots it already reserved.
+DRAIN_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/disagg.v1.DecodeService/PushKv")
+
+
+class DrainInterceptor(grpc.aio.ServerInterceptor):
+    """Once draining, refuses new calls with UNAVAILABLE while calls in flight go on."""
+
+    def __init__(self):
+        self.draining = False
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if self.draining and not details.method.startswith(DRAIN_EXEMPT_PREFIXES):
+            return refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        return await continuation(details)
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    drain: DrainInterceptor
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -156,7 +182,8 @@ async def start_server(
     Health (NOT_SERVING until the caller says otherwise) and reflection are
     added here for every server.
     """
-    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
+    drain = DrainInterceptor()
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=(drain, *interceptors))
     register_service(server, servicer, service_descriptor)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -165,18 +192,25 @@ async def start_server(
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     await server.start()
-    running = RunningServer(server, port, health_servicer)
+    running = RunningServer(server, port, health_servicer, drain)
     await running.set_serving(False)
     return running
 
 
-async def serve_until_signal(server: RunningServer, grace_seconds: float) -> None:
-    """Serves until SIGTERM or SIGINT, then drains: health goes NOT_SERVING, new
-    calls are refused with UNAVAILABLE, calls in flight get grace_seconds to finish."""
+async def serve_until_signal(server: RunningServer, grace_seconds: float, busy) -> None:
+    """Serves until SIGTERM or SIGINT, then drains: health goes NOT_SERVING (and
+    keeps answering), new calls are refused with UNAVAILABLE, and the work in
+    flight (busy() is true while there is some) gets grace_seconds to finish."""
     await stop_signals().wait()
-    log.info("draining: NOT_SERVING; calls in flight have %.1fs to finish", grace_seconds)
+    log.info("draining: NOT_SERVING; work in flight has %.1fs to finish", grace_seconds)
     await server.set_serving(False)
-    await server.server.stop(grace_seconds)
+    server.drain.draining = True
+    deadline = asyncio.get_running_loop().time() + grace_seconds
+    while busy() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    if busy():
+        log.warning("grace period over; cutting the work still in flight")
+    await server.server.stop(0.5)
 
 
 def stop_signals() -> asyncio.Event:

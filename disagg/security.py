@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from disagg.rpc import channel_options
+from disagg.rpc import channel_options, refusal
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
@@ -66,13 +66,6 @@ def open_channel(address: str, tls: TlsFiles | None, max_message_bytes: int | No
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 
-def _deny(message: str) -> grpc.RpcMethodHandler:
-    async def abort(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    return grpc.unary_unary_rpc_method_handler(abort)
-
-
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
@@ -82,7 +75,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization")
         if given is None:
-            return _deny("missing authorization metadata: send 'authorization: Bearer <token>'")
+            return refusal(grpc.StatusCode.UNAUTHENTICATED, "missing authorization metadata: send 'authorization: Bearer <token>'")
         if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
-            return _deny("authorization token is not valid")
+            return refusal(grpc.StatusCode.UNAUTHENTICATED, "authorization token is not valid")
         return await continuation(details)

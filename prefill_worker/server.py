@@ -58,5 +58,5 @@ async def serve(config: PrefillWorkerConfig) -> None:
     servicer.worker = PrefillWorker(backend, config)
     await server.set_serving(True)
     log.info("prefill worker serving on port %d (%s)", server.port, backend.info.dtype)
-    await serve_until_signal(server, config.grace_seconds)
+    await serve_until_signal(server, config.grace_seconds, busy=servicer.worker.busy)
     await servicer.worker.stop()

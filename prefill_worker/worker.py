@@ -131,5 +131,8 @@ class PrefillWorker:
             self._channels[address] = open_channel(address, self.config.tls)
         return self._channels[address]
 
+    def busy(self) -> bool:
+        return self.pending > 0 or self.inflight_transfers > 0
+
     def load(self) -> dict:
         return {"capacity": 1, "queued": self.pending, "inflight_transfers": self.inflight_transfers}

@@ -143,5 +143,5 @@ async def serve(config: RouterConfig) -> None:
     servicer.router = Router(config, tokenizer, model_facts(config, pool), pool)
     await server.set_serving(True)
     log.info("router serving on port %d", server.port)
-    await serve_until_signal(server, config.grace_seconds)
+    await serve_until_signal(server, config.grace_seconds, busy=lambda: bool(servicer.router.in_flight))
     await pool.close()

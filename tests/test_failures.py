@@ -1,0 +1,148 @@
+"""Worker failure and graceful shutdown, with real processes and real signals."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import start_cluster
+from disagg.client import Client
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+from test_cancellation import wait_until_nothing_held
+
+LONG_PROMPT = "The ship's captain looked at the stars"
+
+
+@pytest.fixture
+def cluster(cluster_logs, request):
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4)
+    yield cluster
+    cluster.stop()
+
+
+def active_decode_worker(cluster) -> str:
+    for name in ("decode-0", "decode-1"):
+        with grpc.insecure_channel(cluster.process(name).address) as channel:
+            if wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5).active:
+                return name
+    raise AssertionError("no decode worker is running the request")
+
+
+def wait_router_sees(cluster, name: str, up: bool, within: float = 10.0) -> None:
+    """Until a request routed by the router would (not) use the worker; via its health."""
+    address = cluster.process(name).address
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                serving = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            serving = False
+        if serving == up:
+            time.sleep(1.5)  # the router polls health every second
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} did not become {'SERVING' if up else 'unavailable'}")
+
+
+def test_a_prefill_worker_killed_during_prefill_is_retried_elsewhere(cluster, llama_ref):
+    with Client(cluster.router_address, timeout=60) as client:
+        assert client.complete("The cat", max_new_tokens=3).token_ids == llama_ref.greedy("The cat", 3)
+        # Freeze prefill-0 (the router's first choice when both are idle), send, then kill it mid-prefill.
+        cluster.signal("prefill-0", signal.SIGSTOP)
+        stream = client.generate(LONG_PROMPT, max_new_tokens=20)
+        time.sleep(0.3)
+        cluster.signal("prefill-0", signal.SIGKILL)
+        tokens = [t for chunk in stream for t in chunk.token_ids]
+        assert tokens == llama_ref.greedy(LONG_PROMPT, 20)
+
+        cluster.signal("prefill-1", signal.SIGKILL)
+        cluster.process("prefill-1").popen.wait()
+        with pytest.raises(grpc.RpcError) as error:
+            client.complete("The cat", max_new_tokens=3)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill worker is available" in error.value.details()
+    assert all(v[:4] == (0, 0, 0, 0) for k, v in wait_until_nothing_held_decode(cluster).items())
+
+
+def wait_until_nothing_held_decode(cluster):
+    alive = [p for p in cluster.processes if p.name.startswith("decode") and p.popen.poll() is None]
+    held = {}
+    for process in alive:
+        with grpc.insecure_channel(process.address) as channel:
+            for _ in range(20):
+                load = wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5)
+                if load.slots_in_use == 0:
+                    break
+                time.sleep(0.05)
+        held[process.name] = (load.slots_in_use, load.reservations, load.active, load.inflight_transfers)
+    return held
+
+
+def test_a_decode_worker_killed_mid_stream_moves_the_request_with_no_token_lost(cluster, llama_ref):
+    expected = llama_ref.greedy(LONG_PROMPT, 300, ignore_eos=True)
+    with Client(cluster.router_address, timeout=120) as client:
+        stream = client.generate(LONG_PROMPT, max_new_tokens=300, ignore_eos=True)
+        received = [t for _, chunk in zip(range(10), stream) for t in chunk.token_ids]
+        victim = active_decode_worker(cluster)
+        cluster.signal(victim, signal.SIGKILL)
+        rest = list(stream)
+        tokens = received + [t for chunk in rest for t in chunk.token_ids]
+        assert tokens == expected  # nothing lost, nothing repeated
+        assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 300
+
+        survivor = "decode-1" if victim == "decode-0" else "decode-0"
+        cluster.signal(survivor, signal.SIGKILL)
+        cluster.process(survivor).popen.wait()
+        with pytest.raises(grpc.RpcError) as error:
+            client.complete("The cat", max_new_tokens=5)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "no decode worker is available" in error.value.details()
+
+        # The same worker comes back on the same address: used again, no router restart.
+        cluster.process(victim).popen.wait()
+        cluster.restart(victim)
+        wait_router_sees(cluster, victim, up=True, within=120)
+        assert client.complete("The cat", max_new_tokens=5).token_ids == llama_ref.greedy("The cat", 5)
+
+
+def test_sigterm_on_a_decode_worker_drains_it_and_new_requests_go_elsewhere(cluster, llama_ref):
+    expected = llama_ref.greedy(LONG_PROMPT, 300, ignore_eos=True)
+    with Client(cluster.router_address, timeout=120) as client:
+        stream = client.generate(LONG_PROMPT, max_new_tokens=300, ignore_eos=True)
+        received = [t for _, chunk in zip(range(5), stream) for t in chunk.token_ids]
+        draining = active_decode_worker(cluster)
+        cluster.signal(draining, signal.SIGTERM)
+        with grpc.insecure_channel(cluster.process(draining).address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for _ in range(50):
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                time.sleep(0.02)
+            else:
+                raise AssertionError("draining worker still reports SERVING")
+        # New requests are served by the other worker while this one drains.
+        assert client.complete("The cat", max_new_tokens=5).token_ids == llama_ref.greedy("The cat", 5)
+        tokens = received + [t for chunk in stream for t in chunk.token_ids]
+    assert tokens == expected  # the stream in flight was not cut
+    assert cluster.process(draining).popen.wait(timeout=30) == 0
+
+
+def test_sigterm_on_the_router_finishes_streams_refuses_new_calls_and_exits_zero(cluster, llama_ref):
+    expected = llama_ref.greedy(LONG_PROMPT, 300, ignore_eos=True)
+    with Client(cluster.router_address, timeout=120) as client:
+        stream = client.generate(LONG_PROMPT, max_new_tokens=300, ignore_eos=True)
+        received = [t for _, chunk in zip(range(5), stream) for t in chunk.token_ids]
+        cluster.signal("router", signal.SIGTERM)
+        time.sleep(0.2)
+        with Client(cluster.router_address, timeout=10) as late, pytest.raises(grpc.RpcError) as error:
+            late.complete("The cat", max_new_tokens=3)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        tokens = received + [t for chunk in stream for t in chunk.token_ids]
+    assert tokens == expected
+    assert cluster.process("router").popen.wait(timeout=30) == 0
+    codes = cluster.stop()
+    assert all(code == 0 for code in codes.values()), codes
