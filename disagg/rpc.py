@@ -27,6 +27,11 @@ def channel_options(max_message_bytes: int = INTERNAL_MESSAGE_BYTES) -> list[tup
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 20_000),
+        # A worker that restarts on its address is found again within seconds,
+        # not after gRPC's default backoff of up to two minutes.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
 
 
