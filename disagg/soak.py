@@ -1,0 +1,184 @@
+"""Soak run: requests with random cancels and deadlines while workers are killed
+and restarted; then every greedy request that finished must equal generate(),
+and every worker must hold nothing.
+
+    python -m disagg.soak --requests 400 --concurrency 24 --kills 4
+
+Loopback only, bounded in count and time. Exits 1 if a finished request was
+wrong or anything is still held at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from disagg.client import AsyncClient
+from disagg.launcher import ClusterSpec, LocalCluster
+from disagg.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
+
+@dataclass
+class Report:
+    requests: int = 0
+    outcomes: collections.Counter = field(default_factory=collections.Counter)
+    wrong: list = field(default_factory=list)
+    kills: list = field(default_factory=list)
+    held_at_end: dict = field(default_factory=dict)
+    rss_mib: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return not self.wrong and all(v == [0, 0, 0, 0, 0] for v in self.held_at_end.values())
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def held(cluster: LocalCluster) -> dict[str, list[int]]:
+    out = {}
+    for p in cluster.processes:
+        role = p.name.split("-")[0]
+        if role not in ("prefill", "decode") or p.popen.poll() is not None:
+            continue
+        with grpc.insecure_channel(p.address) as channel:
+            stub = wgrpc.PrefillServiceStub(channel) if role == "prefill" else wgrpc.DecodeServiceStub(channel)
+            load = stub.GetLoad(wpb.LoadRequest(), timeout=5)
+        out[p.name] = [load.slots_in_use, load.reservations, load.active, load.inflight_transfers, load.queued]
+    return out
+
+
+class Reference:
+    def __init__(self, model: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch, self.tokenizer = torch, AutoTokenizer.from_pretrained(model)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self._cache: dict[str, list[int]] = {}
+
+    def greedy(self, prompt: str, n: int, longest: int) -> list[int]:
+        if prompt not in self._cache:
+            ids = self.tokenizer(prompt)["input_ids"]
+            with self.torch.no_grad():
+                out = self.model.generate(self.torch.tensor([ids]), max_new_tokens=longest, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
+            self._cache[prompt] = out[0, len(ids) :].tolist()
+        return self._cache[prompt][:n]
+
+
+async def chaos(cluster: LocalCluster, kills: int, every: float, rng: random.Random, report: Report, stop: asyncio.Event) -> None:
+    """Kills a random worker, restarts it on its address, repeats; one of each role always lives."""
+    for _ in range(kills):
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+            return
+        except asyncio.TimeoutError:
+            pass
+        role = rng.choice(["prefill", "decode"])
+        victim = rng.choice([p for p in cluster.processes if p.name.startswith(role)])
+        victim.popen.send_signal(signal.SIGKILL)
+        await asyncio.get_running_loop().run_in_executor(None, victim.popen.wait)
+        report.kills.append(victim.name)
+        cluster.restart(victim.name)
+        await asyncio.get_running_loop().run_in_executor(None, cluster.wait_serving, 120.0, victim.address)
+
+
+async def workload(cluster: LocalCluster, ref: Reference, args, rng: random.Random, report: Report) -> None:
+    texts = paragraphs()
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def one(client: AsyncClient, hurried: AsyncClient) -> None:
+        text = rng.choice(texts).split()
+        prompt = " ".join(text[: rng.randint(2, min(30, len(text)))])
+        n = rng.randint(1, args.max_new_tokens)
+        fate = rng.random()
+        async with gate:
+            target = hurried if fate < args.deadline_share else client
+            task = asyncio.ensure_future(target.complete(prompt, max_new_tokens=n))
+            if args.deadline_share <= fate < args.deadline_share + args.cancel_share:
+                await asyncio.sleep(rng.uniform(0, 0.1))
+                task.cancel()
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                report.outcomes["CANCELLED (by client)"] += 1
+                return
+            except grpc.aio.AioRpcError as exc:
+                report.outcomes[exc.code().name] += 1
+                return
+        report.outcomes["OK"] += 1
+        expected = ref.greedy(prompt, n, args.max_new_tokens)
+        if result.token_ids != expected:
+            report.wrong.append({"prompt": prompt, "n": n, "got": result.token_ids, "expected": expected})
+
+    async with AsyncClient(cluster.router_address, timeout=120) as client, AsyncClient(cluster.router_address, timeout=args.deadline) as hurried:
+        await asyncio.gather(*(one(client, hurried) for _ in range(args.requests)))
+
+
+async def soak(cluster: LocalCluster, ref: Reference, args) -> Report:
+    rng = random.Random(args.seed)
+    report = Report(requests=args.requests)
+    stop = asyncio.Event()
+    started = time.perf_counter()
+    killer = asyncio.create_task(chaos(cluster, args.kills, args.kill_every, rng, report, stop))
+    await asyncio.wait_for(workload(cluster, ref, args, rng, report), args.max_seconds)
+    stop.set()
+    await killer
+    report.seconds = time.perf_counter() - started
+    await asyncio.sleep(1.0)  # everything is freed within a second
+    report.held_at_end = held(cluster)
+    report.rss_mib = {p.name: round(rss_mib(p.popen.pid), 1) for p in cluster.processes if p.popen.poll() is None}
+    return report
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m disagg.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: a tiny trained Llama made offline")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--cancel-share", type=float, default=0.25)
+    parser.add_argument("--deadline-share", type=float, default=0.1)
+    parser.add_argument("--deadline", type=float, default=0.05, help="seconds, for the share of requests with a deadline")
+    parser.add_argument("--kills", type=int, default=4)
+    parser.add_argument("--kill-every", type=float, default=3.0)
+    parser.add_argument("--max-seconds", type=float, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the report here too")
+    parser.add_argument("--log-dir", default="/tmp/disagg-soak-logs")
+    return parser.parse_args(argv)
+
+
+def run(argv=None) -> Report:
+    args = parse_args(argv)
+    model = args.model or str(ensure_tiny_model(TinyModelSpec()))
+    ref = Reference(model)
+    spec = ClusterSpec(model=model, prefill_workers=2, decode_workers=2, batch_size=4, dtype="float32", log_dir=args.log_dir)
+    with LocalCluster(spec) as cluster:
+        report = asyncio.run(soak(cluster, ref, args))
+    summary = {k: (dict(v) if isinstance(v, collections.Counter) else v) for k, v in report.__dict__.items()}
+    summary["wrong"] = len(report.wrong)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**summary, "wrong_examples": report.wrong[:5]}, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    raise SystemExit(0 if run().clean else 1)
