@@ -164,6 +164,10 @@ class DecodeWorker:
         return len(piece.data)
 
     def _commit(self, stream: DecodeStream, coverage: KvCoverage, commit: KvCommit) -> None:
+        # The last piece's write yielded to the loop: the lease may have run out or the
+        # Decode call may have ended meanwhile.
+        if not self.slots.is_reserved(stream.key):
+            raise RequestError(f"reservation_id {stream.key!r} expired or was released during the transfer", grpc.StatusCode.NOT_FOUND)
         if commit.prompt_len != stream.reservation.prompt_len or commit.num_layers != self.info.num_layers:
             raise KvWireError(f"commit for {commit.prompt_len} tokens x {commit.num_layers} layers does not match the reservation ({stream.reservation.prompt_len} x {self.info.num_layers})")
         if not 0 <= commit.first_token < self.info.vocab_size:

@@ -32,6 +32,7 @@ from disagg.v1 import worker_pb2_grpc as wgrpc
 class Report:
     requests: int = 0
     outcomes: collections.Counter = field(default_factory=collections.Counter)
+    finished: list = field(default_factory=list)  # (prompt, n, token ids), checked after the run
     wrong: list = field(default_factory=list)
     kills: list = field(default_factory=list)
     held_at_end: dict = field(default_factory=dict)
@@ -98,7 +99,15 @@ async def chaos(cluster: LocalCluster, kills: int, every: float, rng: random.Ran
         await asyncio.get_running_loop().run_in_executor(None, cluster.wait_serving, 120.0, victim.address)
 
 
-async def workload(cluster: LocalCluster, ref: Reference, args, rng: random.Random, report: Report) -> None:
+def check_outputs(ref: Reference, report: Report, longest: int) -> None:
+    # After the run, so generate() never stalls the client's event loop.
+    for prompt, n, got in report.finished:
+        expected = ref.greedy(prompt, n, longest)
+        if got != expected:
+            report.wrong.append({"prompt": prompt, "n": n, "got": got, "expected": expected})
+
+
+async def workload(cluster: LocalCluster, args, rng: random.Random, report: Report) -> None:
     texts = paragraphs()
     gate = asyncio.Semaphore(args.concurrency)
 
@@ -122,21 +131,19 @@ async def workload(cluster: LocalCluster, ref: Reference, args, rng: random.Rand
                 report.outcomes[exc.code().name] += 1
                 return
         report.outcomes["OK"] += 1
-        expected = ref.greedy(prompt, n, args.max_new_tokens)
-        if result.token_ids != expected:
-            report.wrong.append({"prompt": prompt, "n": n, "got": result.token_ids, "expected": expected})
+        report.finished.append((prompt, n, result.token_ids))
 
     async with AsyncClient(cluster.router_address, timeout=120) as client, AsyncClient(cluster.router_address, timeout=args.deadline) as hurried:
         await asyncio.gather(*(one(client, hurried) for _ in range(args.requests)))
 
 
-async def soak(cluster: LocalCluster, ref: Reference, args) -> Report:
+async def soak(cluster: LocalCluster, args) -> Report:
     rng = random.Random(args.seed)
     report = Report(requests=args.requests)
     stop = asyncio.Event()
     started = time.perf_counter()
     killer = asyncio.create_task(chaos(cluster, args.kills, args.kill_every, rng, report, stop))
-    await asyncio.wait_for(workload(cluster, ref, args, rng, report), args.max_seconds)
+    await asyncio.wait_for(workload(cluster, args, rng, report), args.max_seconds)
     stop.set()
     await killer
     report.seconds = time.perf_counter() - started
@@ -170,8 +177,9 @@ def run(argv=None) -> Report:
     ref = Reference(model)
     spec = ClusterSpec(model=model, prefill_workers=2, decode_workers=2, batch_size=4, dtype="float32", log_dir=args.log_dir)
     with LocalCluster(spec) as cluster:
-        report = asyncio.run(soak(cluster, ref, args))
-    summary = {k: (dict(v) if isinstance(v, collections.Counter) else v) for k, v in report.__dict__.items()}
+        report = asyncio.run(soak(cluster, args))
+    check_outputs(ref, report, args.max_new_tokens)
+    summary = {k: (dict(v) if isinstance(v, collections.Counter) else v) for k, v in report.__dict__.items() if k != "finished"}
     summary["wrong"] = len(report.wrong)
     print(json.dumps(summary, indent=2))
     if args.json:
