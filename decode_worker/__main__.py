@@ -12,7 +12,7 @@ from .config import DecodeWorkerConfig
 
 def parse_config(argv=None) -> DecodeWorkerConfig:
     parser = argparse.ArgumentParser(prog="decode_worker", description=__doc__)
-    add_server_flags(parser, default_port=50061)
+    add_server_flags(parser, default_port=50061, default_metrics_port=9402)
     add_model_flags(parser)
     parser.add_argument("--batch-size", type=int, default=8, help="decode slots: requests decoded together")
     parser.add_argument("--no-async", dest="async_mode", action="store_false", help="turn async mode off (host and device work in turn)")
@@ -32,6 +32,7 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
         global_topk=args.global_topk,
         threads=args.threads,
         grace_seconds=args.grace_seconds,
+        metrics_port=args.metrics_port,
         tls=internal_tls(args),
     )
 

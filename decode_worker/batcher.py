@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from disagg.engine.backends import Backend, StepInputs
+from disagg.metrics import DecodeMetrics
 from disagg.engine.requests import FinishReason, Sampling, Stopping, token_finish
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class Batcher:
         publish: Callable[[list[TokenEvent]], None],
         on_retired: Callable[[list[str]], None],
         async_mode: bool = True,
+        metrics: DecodeMetrics | None = None,
     ):
         self.backend = backend
         self.max_seq_len = backend.info.max_seq_len
@@ -103,7 +106,10 @@ class Batcher:
         self._last_output: torch.Tensor | None = None  # touched only on the device thread
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._stopping = False
+        self._resumed_from_idle = True  # the next step follows an empty batch: no host gap to count
+        self._last_step_end: float | None = None  # device thread only
         self.stats = BatcherStats()
+        self.metrics = metrics or DecodeMetrics(CollectorRegistry())
 
     # -- called from any thread -----------------------------------------
     def start(self) -> None:
@@ -145,6 +151,7 @@ class Batcher:
         self._retire(everything=True)
 
     def _drain_inbox(self, block: bool) -> None:
+        self._resumed_from_idle |= block
         try:
             command = self._inbox.get(block=block)
             while True:
@@ -212,19 +219,25 @@ class Batcher:
         for s in rows:
             s.scheduled += 1
             s.in_flight += 1
-        output = self._device.submit(self._device_step, inputs, torch.tensor(from_prev))
+        output = self._device.submit(self._device_step, inputs, torch.tensor(from_prev), self._resumed_from_idle)
+        self._resumed_from_idle = False
         return _Step(rows, output)
 
-    def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor) -> torch.Tensor:
+    def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool) -> torch.Tensor:
         # Runs on the device thread, in submission order, so _last_output is the
         # previous step's output whenever from_prev points into it.
         if bool((from_prev >= 0).any()):
             carried = self._last_output[from_prev.clamp(min=0)]
             inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids)
         start = time.perf_counter()
+        if not after_idle and self._last_step_end is not None:
+            # Device idle while a busy batch waited on the host: what async mode hides.
+            self.metrics.host_gap.observe(start - self._last_step_end)
         output = self.backend.decode_step(inputs)
         self._last_output = output
-        elapsed = time.perf_counter() - start
+        self._last_step_end = time.perf_counter()
+        elapsed = self._last_step_end - start
+        self.metrics.step.observe(elapsed)
         self.stats.device_seconds += elapsed
         self.stats.step_seconds = (self.stats.step_seconds + [elapsed])[-256:]
         return output
@@ -246,5 +259,7 @@ class Batcher:
         self.stats.steps += 1
         self.stats.tokens += len(events)
         self.stats.last_batch_size = len(step.rows)
+        self.metrics.tokens.inc(len(events))
+        self.metrics.batch_size.set(len(step.rows))
         if events:
             self._publish(events)

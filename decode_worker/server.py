@@ -10,6 +10,7 @@ import grpc
 from disagg import wire
 from disagg.engine.backends import load_backend
 from disagg.engine.kv_wire import KvWireError
+from disagg.metrics import DecodeMetrics, serve_metrics
 from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, UnparsableMessage, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
@@ -82,7 +83,7 @@ async def serve(config: DecodeWorkerConfig) -> None:
     server = await start_server(config.address, servicer, SERVICE, INTERNAL_MESSAGE_BYTES, credentials)
     log.info("decode worker on port %d: loading %s", server.port, config.model)
     backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **backend_options(config)))
-    worker = DecodeWorker(backend, config)
+    worker = DecodeWorker(backend, config, serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics))
     await worker.start()
     servicer.worker = worker
     await server.set_serving(True)

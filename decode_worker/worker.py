@@ -16,6 +16,7 @@ from disagg.engine.backends import Backend
 from disagg.engine.kv_wire import KvCommit, KvCoverage, KvPiece, KvWireError, decode
 from disagg.engine.requests import FinishReason, Sampling, Stopping
 from disagg.engine.slots import Reservation, SlotManager, SlotState
+from disagg.metrics import DecodeMetrics
 from disagg.rpc import RequestError
 
 from .batcher import Batcher, Sequence, TokenEvent
@@ -41,8 +42,9 @@ class DecodeStream:
 
 
 class DecodeWorker:
-    def __init__(self, backend: Backend, config: DecodeWorkerConfig):
+    def __init__(self, backend: Backend, config: DecodeWorkerConfig, metrics: DecodeMetrics):
         self.backend = backend
+        self.metrics = metrics
         self.config = config
         self.info = backend.info
         self.slots = SlotManager(config.batch_size)
@@ -51,7 +53,8 @@ class DecodeWorker:
         # released reservation always finishes before the slot's next owner writes.
         self._kv_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode)
+        self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics)
+        metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
         self._reaper: asyncio.Task | None = None
         self.kv_bytes_received = 0
 
@@ -128,11 +131,16 @@ class DecodeWorker:
                 if isinstance(message, KvCommit):
                     self._commit(stream, coverage, message)
                     self.kv_bytes_received += received
+                    self.metrics.kv_bytes.inc(received)
                     return received
                 received += await self._write_piece(stream, coverage, message)
             raise RequestError("KV transfer ended without a commit", grpc.StatusCode.ABORTED)
         except KvWireError as exc:
+            self.metrics.kv_failures.inc()
             raise RequestError(f"KV chunk refused: {exc}") from exc
+        except BaseException:
+            self.metrics.kv_failures.inc()
+            raise
         finally:
             if stream is not None:
                 stream.transferring = False

@@ -10,11 +10,12 @@ import logging
 import os
 
 
-def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind; localhost unless you pass --bind-all")
     parser.add_argument("--bind-all", action="store_true", help="bind to all interfaces (0.0.0.0)")
     parser.add_argument("--port", type=int, default=default_port, help=f"port to listen on (default {default_port}; 0 picks a free one)")
     parser.add_argument("--log-level", default=os.environ.get("DISAGG_LOG_LEVEL", "INFO"))
+    parser.add_argument("--metrics-port", type=int, default=default_metrics_port, help=f"Prometheus metrics port (default {default_metrics_port}; 0 turns them off)")
     parser.add_argument("--grace-seconds", type=float, default=30.0, help="on SIGTERM, how long calls in flight may take to finish")
     tls = parser.add_argument_group("mutual TLS between the router and the workers")
     tls.add_argument("--tls-cert", help="this process's certificate (PEM); serves and connects with it")

@@ -48,6 +48,7 @@ class Process:
     address: str
     popen: subprocess.Popen
     command: list[str]
+    metrics_address: str
 
 
 class LocalCluster:
@@ -81,8 +82,9 @@ class LocalCluster:
 
     def _spawn(self, name: str, module: str, args: list[str], address: str | None = None) -> Process:
         address = address or f"127.0.0.1:{free_port()}"
-        command = [sys.executable, "-m", module, "--port", address.rsplit(":", 1)[1], *args]
-        process = Process(name, address, self._popen(name, command), command)
+        metrics_port = free_port()
+        command = [sys.executable, "-m", module, "--port", address.rsplit(":", 1)[1], "--metrics-port", str(metrics_port), *args]
+        process = Process(name, address, self._popen(name, command), command, f"127.0.0.1:{metrics_port}")
         self.processes.append(process)
         return process
 

@@ -12,7 +12,7 @@ from .config import PrefillWorkerConfig
 
 def parse_config(argv=None) -> PrefillWorkerConfig:
     parser = argparse.ArgumentParser(prog="prefill_worker", description=__doc__)
-    add_server_flags(parser, default_port=50051)
+    add_server_flags(parser, default_port=50051, default_metrics_port=9401)
     add_model_flags(parser)
     parser.add_argument("--kv-piece-bytes", type=int, default=4 * 1024 * 1024, help="largest KV piece in one gRPC message")
     parser.add_argument("--stream-kv", dest="stream_kv", action="store_true", default=None, help="send KV layer by layer during prefill (default on accelerators)")
@@ -29,6 +29,7 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
         global_topk=args.global_topk,
         threads=args.threads,
         grace_seconds=args.grace_seconds,
+        metrics_port=args.metrics_port,
         tls=internal_tls(args),
         kv_piece_bytes=args.kv_piece_bytes,
         stream_kv_during_prefill=args.stream_kv,

@@ -18,6 +18,7 @@ class PrefillWorkerConfig:
     kv_piece_bytes: int = 4 * 1024 * 1024  # one gRPC message of KV
     kv_send_timeout: float = 60.0
     grace_seconds: float = 30.0
+    metrics_port: int = 0
     tls: TlsFiles | None = None  # mutual TLS: serving PrefillService and connecting to decode workers
     # Send each layer's KV while later layers compute. That overlap is real on an
     # accelerator; on a CPU the send takes cores from the prefill itself (3 ms of

@@ -9,6 +9,7 @@ import grpc
 
 from disagg import wire
 from disagg.engine.backends import load_backend
+from disagg.metrics import PrefillMetrics, serve_metrics
 from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
@@ -55,7 +56,7 @@ async def serve(config: PrefillWorkerConfig) -> None:
     log.info("prefill worker on port %d: loading %s", server.port, config.model)
     options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk)
     backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **options))
-    servicer.worker = PrefillWorker(backend, config)
+    servicer.worker = PrefillWorker(backend, config, serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], PrefillMetrics))
     await server.set_serving(True)
     log.info("prefill worker serving on port %d (%s)", server.port, backend.info.dtype)
     await serve_until_signal(server, config.grace_seconds, busy=servicer.worker.busy)

@@ -15,6 +15,7 @@ from disagg import wire
 from disagg.engine.backends import Backend
 from disagg.engine.kv_wire import KvCommit, KvKind, encode
 from disagg.engine.requests import Sampling
+from disagg.metrics import PrefillMetrics, outcome_label
 from disagg.rpc import RequestError
 from disagg.security import open_channel
 from disagg.v1 import worker_pb2_grpc as wgrpc
@@ -43,14 +44,16 @@ class KvSent:
 
 
 class PrefillWorker:
-    def __init__(self, backend: Backend, config: PrefillWorkerConfig):
+    def __init__(self, backend: Backend, config: PrefillWorkerConfig, metrics: PrefillMetrics):
         self.backend = backend
+        self.metrics = metrics
         self.config = config
         self.info = backend.info
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.pending = 0  # prefills submitted and not finished (running one included)
         self.inflight_transfers = 0
+        metrics.queued.set_function(lambda: self.pending)
 
     async def stop(self) -> None:
         for channel in self._channels.values():
@@ -85,8 +88,10 @@ class PrefillWorker:
             sender = asyncio.create_task(self._send_kv(target, outbox, timeout))
         started = time.perf_counter()
         self.pending += 1
+        outcome = "cancelled"
         try:
             result = await loop.run_in_executor(self._device, self.backend.prefill, token_ids, sampling, on_layer if target else None, first_step)
+            self.metrics.prefill.observe(time.perf_counter() - started)
             yield FirstToken(result.first_token, time.perf_counter() - started)
             if target is not None and sender is None:
                 sender = asyncio.create_task(self._send_kv(target, outbox, timeout))
@@ -94,7 +99,12 @@ class PrefillWorker:
                 outbox.put_nowait(KvCommit(result.first_token, len(token_ids), self.info.num_layers))
                 sent_at = time.perf_counter()
                 yield KvSent(await sender, time.perf_counter() - sent_at)
+            outcome = "ok"
+        except RequestError as exc:
+            outcome = outcome_label(exc.code)
+            raise
         finally:
+            self.metrics.requests.labels(outcome).inc()
             self.pending -= 1
             if sender is not None and not sender.done():
                 sender.cancel()  # the decode worker sees the broken transfer and frees the slot
@@ -116,9 +126,13 @@ class PrefillWorker:
         self.inflight_transfers += 1
         try:
             limit = self.config.kv_send_timeout if timeout is None else min(timeout, self.config.kv_send_timeout)
+            started = time.perf_counter()
             ack = await stub.PushKv(chunks(), timeout=limit)
+            self.metrics.kv_seconds.observe(time.perf_counter() - started)
+            self.metrics.kv_bytes.inc(ack.bytes_received)
             return ack.bytes_received
         except grpc.aio.AioRpcError as exc:
+            self.metrics.kv_failures.inc()
             # ABORTED tells the router this worker is fine: the hand-off failed
             # (the decode worker refused it or went away), so it re-plans the decode side.
             # The pieces not sent are dropped with the outbox.

@@ -15,7 +15,7 @@ from .config import Limits, RouterConfig
 
 def parse_config(argv=None) -> RouterConfig:
     parser = argparse.ArgumentParser(prog="router", description=__doc__)
-    add_server_flags(parser, default_port=50050)
+    add_server_flags(parser, default_port=50050, default_metrics_port=9400)
     parser.add_argument("--model", default=None, help="checkpoint whose tokenizer and EOS ids to use (default: the built-in tiny model)")
     parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeat for several)")
     parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeat for several)")
@@ -35,6 +35,7 @@ def parse_config(argv=None) -> RouterConfig:
         limits=Limits(default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_cap=args.max_new_tokens_cap),
         max_queue=args.max_queue,
         grace_seconds=args.grace_seconds,
+        metrics_port=args.metrics_port,
         tls=internal_tls(args),
         public_tls=tls_from_flags(args.public_tls_cert, args.public_tls_key, None, "--public-tls-cert/--public-tls-key"),
         auth_token=args.auth_token or None,

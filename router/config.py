@@ -25,6 +25,7 @@ class RouterConfig:
     max_queue: int = 256  # requests waiting for a decode slot before RESOURCE_EXHAUSTED
     load_poll_seconds: float = 1.0
     grace_seconds: float = 30.0
+    metrics_port: int = 0
     tls: TlsFiles | None = None  # mutual TLS to the workers
     public_tls: TlsFiles | None = None  # TLS on the public port
     auth_token: str | None = None  # bearer token required on the public API (health stays open)

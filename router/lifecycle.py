@@ -27,6 +27,7 @@ import grpc
 
 from disagg import wire
 from disagg.engine.requests import FinishReason, Stopping, token_finish
+from disagg.metrics import RouterMetrics
 from disagg.rpc import RequestError
 from disagg.v1 import worker_pb2 as wpb
 
@@ -164,10 +165,11 @@ class PrefillCall:
 
 
 class Lifecycle:
-    def __init__(self, pool: WorkerPool, tokenizer, facts: ModelFacts):
+    def __init__(self, pool: WorkerPool, tokenizer, facts: ModelFacts, metrics: RouterMetrics):
         self.pool = pool
         self.tokenizer = tokenizer
         self.facts = facts
+        self.metrics = metrics
 
     async def run(self, request: GenerationRequest, timeout: float | None = None) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
@@ -176,27 +178,43 @@ class Lifecycle:
         done: list[int] = []
         timings = {"queue": 0.0, "ttft": 0.0}
         attempts_left = 2 * len(self.pool.decode) + 1
+        last_token_at = None
         while True:
             try:
                 async with contextlib.aclosing(self._attempt(Plan(request, list(done)), deadline, timings, started)) as tokens:
                     async for token_ids, finish in tokens:
+                        last_token_at = self._observe_tokens(len(token_ids), last_token_at, timings)
                         done += token_ids
                         chunk = text.add(token_ids, finish)
                         if chunk.finish is not FinishReason.NONE:
                             chunk.prompt_tokens, chunk.completion_tokens = len(request.prompt_ids), text.completion_tokens
                             chunk.queue_seconds, chunk.ttft_seconds = timings["queue"], timings["ttft"]
                             chunk.total_seconds = time.perf_counter() - started
+                            self.metrics.e2e.observe(chunk.total_seconds)
                             yield chunk
                             return
                         if chunk.token_ids or chunk.text:
                             yield chunk
             except WorkerLost as lost:
+                self.metrics.failovers.labels(lost.worker.role).inc()
                 attempts_left -= 1
                 if lost.unreachable:
                     self.pool.mark_unavailable(lost.worker)
                 if attempts_left <= 0:
                     raise RequestError(f"gave up after repeated worker failures; last: {lost}", grpc.StatusCode.UNAVAILABLE) from lost
                 log.warning("request %s: %s; resuming after %d tokens", request.request_id, lost, len(done))
+
+    def _observe_tokens(self, count: int, last_token_at: float | None, timings: dict) -> float:
+        now = time.perf_counter()
+        self.metrics.tokens.inc(count)
+        if last_token_at is None:
+            self.metrics.queue.observe(timings["queue"])
+            self.metrics.ttft.observe(timings["ttft"])
+        elif count:
+            gap = (now - last_token_at) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        return now
 
     async def _attempt(self, plan: Plan, deadline: Deadline, timings: dict, started: float) -> AsyncIterator[tuple[list[int], FinishReason]]:
         """Tokens of one attempt: the prefill's first token, then the decode stream's."""

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from disagg.engine.model_files import eos_token_ids, vocab_size
+from disagg.metrics import RouterMetrics, outcome_label, serve_metrics
 from disagg.rpc import PUBLIC_MESSAGE_BYTES, RequestError, check_parsed, serve_until_signal, start_server
 from disagg.security import BearerTokenInterceptor
 from disagg.v1 import generation_pb2 as pb
@@ -25,13 +26,16 @@ SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"]
 class Router:
     """Validation, tokenization and in-flight bookkeeping around the request lifecycle."""
 
-    def __init__(self, config: RouterConfig, tokenizer, facts: ModelFacts, pool: WorkerPool):
+    def __init__(self, config: RouterConfig, tokenizer, facts: ModelFacts, pool: WorkerPool, metrics: RouterMetrics):
         self.config = config
         self.tokenizer = tokenizer
         self.facts = facts
         self.pool = pool
-        self.lifecycle = Lifecycle(pool, tokenizer, facts)
+        self.metrics = metrics
+        self.lifecycle = Lifecycle(pool, tokenizer, facts, metrics)
         self.in_flight: set[str] = set()
+        metrics.in_flight.set_function(lambda: len(self.in_flight))
+        metrics.queued.set_function(lambda: pool.queued)
         # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenizer")
 
@@ -49,11 +53,17 @@ class Router:
         if request.request_id in self.in_flight:
             raise RequestError(f"request_id {request.request_id!r} is already in flight")
         self.in_flight.add(request.request_id)
+        outcome = "cancelled"
         try:
             async for chunk in self.lifecycle.run(request, timeout):
                 yield chunk
+            outcome = "ok"
+        except RequestError as exc:
+            outcome = outcome_label(exc.code)
+            raise
         finally:
             self.in_flight.discard(request.request_id)
+            self.metrics.requests.labels(outcome).inc()
 
 
 def chunk_to_pb(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
@@ -140,7 +150,8 @@ async def serve(config: RouterConfig) -> None:
     pool = WorkerPool.connect(config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls)
     await pool.start()
     await pool.wait_ready()
-    servicer.router = Router(config, tokenizer, model_facts(config, pool), pool)
+    metrics = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], RouterMetrics)
+    servicer.router = Router(config, tokenizer, model_facts(config, pool), pool, metrics)
     await server.set_serving(True)
     log.info("router serving on port %d", server.port)
     await serve_until_signal(server, config.grace_seconds, busy=lambda: bool(servicer.router.in_flight))

@@ -1,0 +1,60 @@
+"""Prometheus metrics: one scheme for every part, each part on its own port.
+
+Names are `disagg_<part>_<what>_<unit>`; a process registers only its part's
+metrics. docs/metrics.md lists them with their labels.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Token and step latencies on a CPU run from ~1 ms; first tokens and requests to minutes.
+FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+SLOW = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("disagg_router_requests", "Generate calls by outcome (ok, cancelled, or a status code)", ["outcome"], registry=registry)
+        self.queue = Histogram("disagg_router_queue_seconds", "Time waiting for a decode slot", buckets=SLOW, registry=registry)
+        self.ttft = Histogram("disagg_router_time_to_first_token_seconds", "Request arrival to first token sent", buckets=SLOW, registry=registry)
+        self.itl = Histogram("disagg_router_inter_token_latency_seconds", "Time between consecutive tokens of a stream", buckets=FAST, registry=registry)
+        self.e2e = Histogram("disagg_router_request_seconds", "Request arrival to last token", buckets=SLOW, registry=registry)
+        self.tokens = Counter("disagg_router_generated_tokens", "Tokens streamed to clients", registry=registry)
+        self.failovers = Counter("disagg_router_worker_failovers", "Requests moved off a failed worker", ["role"], registry=registry)
+        self.queued = Gauge("disagg_router_queued_requests", "Requests waiting for a decode slot", registry=registry)
+        self.in_flight = Gauge("disagg_router_in_flight_requests", "Generate calls in progress", registry=registry)
+
+
+class PrefillMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("disagg_prefill_requests", "Prefill calls by outcome", ["outcome"], registry=registry)
+        self.prefill = Histogram("disagg_prefill_seconds", "Queue plus compute time of a prefill, to its first token", buckets=SLOW, registry=registry)
+        self.queued = Gauge("disagg_prefill_queued_requests", "Prefills submitted and not finished", registry=registry)
+        self.kv_seconds = Histogram("disagg_prefill_kv_transfer_seconds", "KV hand-off, first piece sent to acknowledgement", buckets=SLOW, registry=registry)
+        self.kv_bytes = Counter("disagg_prefill_kv_transfer_bytes", "KV bytes acknowledged by decode workers", registry=registry)
+        self.kv_failures = Counter("disagg_prefill_kv_transfer_failures", "KV hand-offs that failed", registry=registry)
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.slots_in_use = Gauge("disagg_decode_slots_in_use", "Slots reserved or running", registry=registry)
+        self.batch_size = Gauge("disagg_decode_running_batch_size", "Rows in the last decode step", registry=registry)
+        self.step = Histogram("disagg_decode_step_seconds", "Device time of one decode step", buckets=FAST, registry=registry)
+        self.host_gap = Histogram("disagg_decode_host_gap_seconds", "Device idle time between consecutive steps of a busy batch", buckets=FAST, registry=registry)
+        self.tokens = Counter("disagg_decode_tokens", "Tokens produced by decode steps (dropped async extras excluded)", registry=registry)
+        self.kv_bytes = Counter("disagg_decode_kv_received_bytes", "KV bytes received into slots", registry=registry)
+        self.kv_failures = Counter("disagg_decode_kv_receive_failures", "KV transfers refused or broken", registry=registry)
+
+
+def serve_metrics(port: int, host: str, metrics_class):
+    """Registers a part's metrics and serves them on host:port (port 0: not served)."""
+    registry = CollectorRegistry()
+    metrics = metrics_class(registry)
+    if port:
+        start_http_server(port, addr=host, registry=registry)
+    return metrics
+
+
+def outcome_label(code) -> str:
+    return "ok" if code is None else code.name.lower()
