@@ -31,6 +31,7 @@ class Worker:
     stub: object
     health: health_pb2_grpc.HealthStub
     healthy: bool = False
+    missed_polls: int = 0  # consecutive polls without an answer
     load: wpb.WorkerLoad | None = None
     outstanding: int = 0  # this router's requests on it now
 
@@ -96,8 +97,13 @@ class WorkerPool:
             serving = health.status == health_pb2.HealthCheckResponse.SERVING
             if serving:
                 worker.load = await worker.stub.GetLoad(wpb.LoadRequest(), timeout=timeout)
+            worker.missed_polls = 0
         except grpc.aio.AioRpcError as exc:
-            serving, reason = False, exc.code().name
+            # One slow answer on a busy machine is not a dead worker; a refused
+            # connection or a failed call marks it down at once (mark_unavailable).
+            worker.missed_polls += 1
+            serving = worker.healthy and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and worker.missed_polls < 2
+            reason = exc.code().name
         else:
             reason = "NOT_SERVING"
         if serving != worker.healthy:
@@ -121,10 +127,13 @@ class WorkerPool:
 
     # -- prefill choice -----------------------------------------------------
     def pick_prefill(self, exclude: set[str] = frozenset()) -> Worker:
-        healthy = [w for w in self.prefill if w.healthy and w.address not in exclude]
-        if not healthy:
+        """The least-loaded healthy prefill worker not in exclude; when none is
+        healthy, one the poller doubts is still worth a try before giving up."""
+        untried = [w for w in self.prefill if w.address not in exclude]
+        candidates = [w for w in untried if w.healthy] or (untried if exclude else [])
+        if not candidates:
             raise RequestError("no prefill worker is available" + (" (the others failed this request)" if exclude else ""), grpc.StatusCode.UNAVAILABLE)
-        return min(healthy, key=lambda w: (w.outstanding + (w.load.queued if w.load else 0)))
+        return min(candidates, key=lambda w: (not w.healthy, w.outstanding + (w.load.queued if w.load else 0)))
 
     # -- decode admission ---------------------------------------------------
     def _best_decode(self) -> Worker | None:
