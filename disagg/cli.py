@@ -60,6 +60,50 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import asyncio
+    import json
+
+    from disagg.loadgen import BenchConfig, plot, run_bench, table
+
+    config = BenchConfig(
+        address=args.address,
+        requests=args.requests,
+        rate=args.rate,
+        sweep=[float(r) for r in args.sweep.split(",")] if args.sweep else [],
+        concurrency=args.concurrency,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        dataset=args.dataset,
+        warmup=args.warmup,
+        duration=args.duration,
+        ttft_target=args.ttft_target / 1000,
+        itl_target=args.itl_target / 1000,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    cluster = None
+    if args.start_cluster:
+        from disagg.launcher import ClusterSpec, LocalCluster
+        from disagg.tinymodel import ensure_tiny_model
+
+        cluster = LocalCluster(ClusterSpec(model=args.model or str(ensure_tiny_model()), log_dir=args.log_dir)).start()
+        config.address = cluster.router_address
+    try:
+        runs = asyncio.run(run_bench(config))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    for run in runs:
+        print(table(run))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in run.items() if k != "_raw"} for run in runs], f, indent=2)
+    if args.plot:
+        print("plots: " + ", ".join(plot(runs, args.plot)))
+    return 0 if all(run["ok"] for run in runs) else 1
+
+
 def cmd_make_model(args) -> int:
     from disagg.tinymodel import TinyModelSpec, make_tiny_model
 
@@ -94,6 +138,28 @@ def main(argv=None) -> int:
     gen.add_argument("--tls-ca", default=None, help="CA (PEM) of a router serving TLS")
     gen.add_argument("--token", default=os.environ.get("DISAGG_AUTH_TOKEN"), help="bearer token (default: $DISAGG_AUTH_TOKEN)")
     gen.set_defaults(run=cmd_generate)
+
+    bench = sub.add_parser("bench", help="load-test the public API and report latency, throughput and goodput")
+    bench.add_argument("--address", default="127.0.0.1:50050")
+    bench.add_argument("--start-cluster", action="store_true", help="start a local cluster on --model (or the default model) to test")
+    bench.add_argument("--model", default=None)
+    bench.add_argument("--log-dir", default=None)
+    bench.add_argument("--requests", type=int, default=100, help="measured requests per run")
+    bench.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals at this many requests/s")
+    bench.add_argument("--sweep", default=None, help="open loop over several rates, e.g. 1,2,4,8")
+    bench.add_argument("--concurrency", type=int, default=8, help="closed loop (when no rate): users each sending one request after another")
+    bench.add_argument("--prompt-len", default="32", help="tokens: a number or a range low:high")
+    bench.add_argument("--output-len", default="32", help="tokens: a number or a range low:high")
+    bench.add_argument("--dataset", default=None, help="JSONL prompts: ShareGPT conversations or {prompt, output_len}")
+    bench.add_argument("--warmup", type=int, default=4, help="requests sent first and not counted")
+    bench.add_argument("--duration", type=float, default=None, help="cap each open-loop run at about this many seconds")
+    bench.add_argument("--ttft-target", type=float, default=500, help="goodput target for time to first token, ms")
+    bench.add_argument("--itl-target", type=float, default=50, help="goodput target for inter-token latency, ms")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", default=None, help="write the results here")
+    bench.add_argument("--plot", default=None, help="write PNG plots with this path prefix (needs matplotlib: pip install 'disagg[bench]')")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(run=cmd_bench)
 
     make = sub.add_parser("make-model", help="make a small trained checkpoint offline")
     make.add_argument("out")
