@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from disagg.flags import add_model_flags, add_server_flags, address, internal_tls, resolve_model, setup_process
+from disagg.flags import add_model_flags, add_server_flags, address, internal_tls, neuron_settings, resolve_model, setup_process
 
 from .config import DecodeWorkerConfig
 
@@ -19,21 +19,24 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
     parser.add_argument("--lease-seconds", type=float, default=30.0, help="how long a reserved slot waits for its KV")
     args = parser.parse_args(argv)
     setup_process(args)
+    settings, neuron = neuron_settings(args)
     return DecodeWorkerConfig(
-        model=resolve_model(args.model),
+        model=resolve_model(settings.get("model", args.model)),
         address=address(args),
         backend=args.backend,
-        dtype=args.dtype,
+        dtype=settings.get("dtype", args.dtype),
         device=args.device,
-        batch_size=args.batch_size,
-        max_seq_len=args.max_seq_len,
+        batch_size=settings.get("batch_size", args.batch_size),
+        max_seq_len=settings.get("max_seq_len", args.max_seq_len),
         async_mode=args.async_mode,
         lease_seconds=args.lease_seconds,
         global_topk=args.global_topk,
         threads=args.threads,
         grace_seconds=args.grace_seconds,
         metrics_port=args.metrics_port,
+        port_file=args.port_file,
         tls=internal_tls(args),
+        neuron=neuron,
     )
 
 

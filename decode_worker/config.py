@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg.security import TlsFiles
 
@@ -19,6 +19,8 @@ class DecodeWorkerConfig:
     global_topk: int = 0
     threads: int = 0  # torch threads; 0 keeps torch's default
     metrics_port: int = 0
+    port_file: str | None = None  # where to announce the bound ports
+    neuron: dict = field(default_factory=dict)  # neuron backend options (tp_degree, buckets, ...)
     grace_seconds: float = 30.0  # SIGTERM: how long streams in flight may take to finish
     tls: TlsFiles | None = None  # mutual TLS for DecodeService (router and prefill workers)
 

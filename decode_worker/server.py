@@ -11,7 +11,7 @@ from disagg import wire
 from disagg.engine.backends import load_backend
 from disagg.engine.kv_wire import KvWireError
 from disagg.metrics import DecodeMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, UnparsableMessage, check_parsed, serve_until_signal, start_server
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, UnparsableMessage, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
 from .config import DecodeWorkerConfig
@@ -74,16 +74,19 @@ class DecodeServicer:
 
 
 def backend_options(config) -> dict:
-    return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk)
+    neuron = {**config.neuron, "async_mode": config.async_mode}
+    return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=config.batch_size, neuron=neuron)
 
 
 async def serve(config: DecodeWorkerConfig) -> None:
     servicer = DecodeServicer()
     credentials = config.tls.server_credentials(require_client_cert=True) if config.tls else None
     server = await start_server(config.address, servicer, SERVICE, INTERNAL_MESSAGE_BYTES, credentials)
+    metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
+    announce_ports(config.port_file, server.port, metrics_port)
     log.info("decode worker on port %d: loading %s", server.port, config.model)
     backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **backend_options(config)))
-    worker = DecodeWorker(backend, config, serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics))
+    worker = DecodeWorker(backend, config, metrics)
     await worker.start()
     servicer.worker = worker
     await server.set_serving(True)

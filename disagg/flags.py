@@ -15,7 +15,8 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default
     parser.add_argument("--bind-all", action="store_true", help="bind to all interfaces (0.0.0.0)")
     parser.add_argument("--port", type=int, default=default_port, help=f"port to listen on (default {default_port}; 0 picks a free one)")
     parser.add_argument("--log-level", default=os.environ.get("DISAGG_LOG_LEVEL", "INFO"))
-    parser.add_argument("--metrics-port", type=int, default=default_metrics_port, help=f"Prometheus metrics port (default {default_metrics_port}; 0 turns them off)")
+    parser.add_argument("--metrics-port", type=int, default=default_metrics_port, help=f"Prometheus metrics port (default {default_metrics_port}; 0 turns them off; -1 takes a free one)")
+    parser.add_argument("--port-file", default=None, help="write the bound ports here as JSON (for --port 0)")
     parser.add_argument("--grace-seconds", type=float, default=30.0, help="on SIGTERM, how long calls in flight may take to finish")
     tls = parser.add_argument_group("mutual TLS between the router and the workers")
     tls.add_argument("--tls-cert", help="this process's certificate (PEM); serves and connects with it")
@@ -31,6 +32,14 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=0, help="prompt plus generated tokens (default: the model's limit, at most 4096)")
     parser.add_argument("--global-topk", type=int, default=0, help="cap sampling candidates per row, as NxDI's global_topk (0: whole vocabulary)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    neuron = parser.add_argument_group("neuron backend (NxD Inference)")
+    neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
+    neuron.add_argument("--context-buckets", default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
+    neuron.add_argument("--token-buckets", default=None, help="token-generation buckets")
+    neuron.add_argument("--neuron-compiled-path", default=None, help="root directory for compiled artifacts (one subdirectory per configuration)")
+    neuron.add_argument("--k-cache-transposed", action="store_true", default=None)
+    neuron.add_argument("--worker-config", default=None, help="JSON worker settings (our names or transformers-neuronx's: tp_degree, n_positions, batch_size, amp, context_length_estimate)")
+    neuron.add_argument("--serving-properties", default=None, help="an LMI serving.properties to take settings from")
 
 
 def address(args) -> str:
@@ -44,6 +53,40 @@ def internal_tls(args):
     if tls is not None and not tls.ca:
         raise SystemExit("--tls-ca is required with --tls-cert: internal links use mutual TLS")
     return tls
+
+
+def neuron_settings(args) -> tuple[dict, dict]:
+    """(worker overrides, neuron backend options) from the flags and any settings files;
+    flags given on the command line win over files."""
+    import logging
+
+    from disagg.engine.backends.neuron.settings import read_serving_properties, read_worker_config
+
+    merged: dict = {}
+    for path, reader in ((args.serving_properties, read_serving_properties), (args.worker_config, read_worker_config)):
+        if path:
+            settings, notes = reader(path)
+            for note in notes:
+                logging.getLogger("disagg.settings").warning("%s: %s", path, note)
+            merged.update(settings)
+    buckets = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    flags = {
+        "tp_degree": args.tp_degree,
+        "context_buckets": buckets(args.context_buckets) if args.context_buckets else None,
+        "token_buckets": buckets(args.token_buckets) if args.token_buckets else None,
+        "compiled_root": args.neuron_compiled_path,
+        "k_cache_transposed": args.k_cache_transposed,
+    }
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    worker_keys = ("model", "dtype", "max_seq_len", "batch_size")
+    worker = {k: merged.pop(k) for k in worker_keys if k in merged}
+    optimize = merged.pop("neuron_optimize_level", None)
+    if optimize is not None:
+        import os
+
+        # neuronx-cc reads its flags from the environment at compile time.
+        os.environ["NEURON_CC_FLAGS"] = f"{os.environ.get('NEURON_CC_FLAGS', '')} --optlevel {optimize}".strip()
+    return worker, merged
 
 
 def resolve_model(model: str | None) -> str:

@@ -7,22 +7,17 @@ run on its own machine.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import subprocess
+import tempfile
 import sys
 import time
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -55,8 +50,9 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
         self.processes: list[Process] = []
-        self.router_address = f"127.0.0.1:{spec.router_port or free_port()}"
+        self.router_address: str | None = None  # known once the router has bound its port
         self._started = False
+        self._port_dir = tempfile.mkdtemp(prefix="disagg-ports-")
 
     # -- start ----------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "LocalCluster":
@@ -69,7 +65,7 @@ class LocalCluster:
         router_args = ["--model", spec.model, *spec.router_args]
         router_args += [a for p in prefill for a in ("--prefill", p.address)]
         router_args += [a for d in decode for a in ("--decode", d.address)]
-        self._spawn("router", "router", router_args, address=self.router_address)
+        self.router_address = self._spawn("router", "router", router_args, port=spec.router_port).address
         self.wait_serving(timeout)
         self._started = True
         return self
@@ -80,11 +76,25 @@ class LocalCluster:
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(spec.threads_per_worker or 1), *spec.worker_args, *extra]
         return self._spawn(f"{role}-extra-{len(self.processes)}", f"{role}_worker", common)
 
-    def _spawn(self, name: str, module: str, args: list[str], address: str | None = None) -> Process:
-        address = address or f"127.0.0.1:{free_port()}"
-        metrics_port = free_port()
-        command = [sys.executable, "-m", module, "--port", address.rsplit(":", 1)[1], "--metrics-port", str(metrics_port), *args]
-        process = Process(name, address, self._popen(name, command), command, f"127.0.0.1:{metrics_port}")
+    def _spawn(self, name: str, module: str, args: list[str], port: int = 0, timeout: float = 60.0) -> Process:
+        """Starts a part on the given port (0: one it picks itself) and waits for
+        it to announce its bound ports, so no two processes race for one port."""
+        port_file = os.path.join(self._port_dir, f"{name}.json")
+        command = [sys.executable, "-m", module, "--port", str(port), "--metrics-port", "-1", "--port-file", port_file, *args]
+        popen = self._popen(name, command)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(port_file):
+            if popen.poll() is not None:
+                raise RuntimeError(f"{name} exited with {popen.returncode} before binding its port")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not bind a port within {timeout}s")
+            time.sleep(0.02)
+        with open(port_file) as f:
+            ports = json.load(f)
+        # A restart reuses the same ports, so peers find the process where it was.
+        command[command.index("--port") + 1] = str(ports["port"])
+        command[command.index("--metrics-port") + 1] = str(ports["metrics_port"])
+        process = Process(name, f"127.0.0.1:{ports['port']}", popen, command, f"127.0.0.1:{ports['metrics_port']}")
         self.processes.append(process)
         return process
 
@@ -96,12 +106,12 @@ class LocalCluster:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
 
     def restart(self, name: str) -> Process:
-        """Starts a process that has exited again, with the same command and address."""
+        """Starts a process that has exited again, with the same command and ports."""
         process = self.process(name)
-        if process.popen.poll() is None:
-            raise RuntimeError(f"{name} is still running")
-        process.popen = self._popen(name, process.command)
-        return process
+        if process.popen.poll() is not None:
+            process.popen = self._popen(name, process.command)
+            return process
+        raise RuntimeError(f"{name} is still running")
 
     def signal(self, name: str, sig: int) -> None:
         self.process(name).popen.send_signal(sig)

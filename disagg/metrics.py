@@ -48,12 +48,14 @@ class DecodeMetrics:
 
 
 def serve_metrics(port: int, host: str, metrics_class):
-    """Registers a part's metrics and serves them on host:port (port 0: not served)."""
+    """(metrics, bound port): a part's metrics served on host:port; port 0 serves
+    nothing (bound port 0), port -1 takes any free port."""
     registry = CollectorRegistry()
     metrics = metrics_class(registry)
-    if port:
-        start_http_server(port, addr=host, registry=registry)
-    return metrics
+    if not port:
+        return metrics, 0
+    httpd, _ = start_http_server(max(port, 0), addr=host, registry=registry)
+    return metrics, httpd.server_port
 
 
 def outcome_label(code) -> str:

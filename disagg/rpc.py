@@ -218,6 +218,18 @@ async def serve_until_signal(server: RunningServer, grace_seconds: float, busy) 
     await server.server.stop(0.5)
 
 
+def announce_ports(port_file: str | None, port: int, metrics_port: int) -> None:
+    """Writes the bound ports for whoever started this process with --port 0."""
+    if port_file:
+        import json
+        import os
+
+        tmp = f"{port_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"port": port, "metrics_port": metrics_port}, f)
+        os.replace(tmp, port_file)
+
+
 def stop_signals() -> asyncio.Event:
     """An event set on SIGINT or SIGTERM."""
     stop = asyncio.Event()

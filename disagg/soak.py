@@ -31,6 +31,7 @@ from disagg.v1 import worker_pb2_grpc as wgrpc
 @dataclass
 class Report:
     requests: int = 0
+    sent: int = 0  # requests started so far: the kills are spread over them
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     finished: list = field(default_factory=list)  # (prompt, n, token ids), checked after the run
     wrong: list = field(default_factory=list)
@@ -82,14 +83,16 @@ class Reference:
         return self._cache[prompt][:n]
 
 
-async def chaos(cluster: LocalCluster, kills: int, every: float, rng: random.Random, report: Report, stop: asyncio.Event) -> None:
-    """Kills a random worker, restarts it on its address, repeats; one of each role always lives."""
-    for _ in range(kills):
-        try:
-            await asyncio.wait_for(stop.wait(), every)
-            return
-        except asyncio.TimeoutError:
-            pass
+async def chaos(cluster: LocalCluster, kills: int, rng: random.Random, report: Report, stop: asyncio.Event) -> None:
+    """Kills a random worker, restarts it on its address, repeats; one of each role always lives.
+
+    Kill i comes when i/(kills+1) of the requests have been sent, so every kill
+    lands mid-workload however fast the machine is."""
+    for i in range(1, kills + 1):
+        while report.sent < report.requests * i // (kills + 1):
+            if stop.is_set():
+                return
+            await asyncio.sleep(0.005)
         role = rng.choice(["prefill", "decode"])
         victim = rng.choice([p for p in cluster.processes if p.name.startswith(role)])
         victim.popen.send_signal(signal.SIGKILL)
@@ -117,6 +120,7 @@ async def workload(cluster: LocalCluster, args, rng: random.Random, report: Repo
         n = rng.randint(1, args.max_new_tokens)
         fate = rng.random()
         async with gate:
+            report.sent += 1
             target = hurried if fate < args.deadline_share else client
             task = asyncio.ensure_future(target.complete(prompt, max_new_tokens=n))
             if args.deadline_share <= fate < args.deadline_share + args.cancel_share:
@@ -142,7 +146,7 @@ async def soak(cluster: LocalCluster, args) -> Report:
     report = Report(requests=args.requests)
     stop = asyncio.Event()
     started = time.perf_counter()
-    killer = asyncio.create_task(chaos(cluster, args.kills, args.kill_every, rng, report, stop))
+    killer = asyncio.create_task(chaos(cluster, args.kills, rng, report, stop))
     await asyncio.wait_for(workload(cluster, args, rng, report), args.max_seconds)
     stop.set()
     await killer
@@ -163,7 +167,6 @@ def parse_args(argv=None):
     parser.add_argument("--deadline-share", type=float, default=0.1)
     parser.add_argument("--deadline", type=float, default=0.05, help="seconds, for the share of requests with a deadline")
     parser.add_argument("--kills", type=int, default=4)
-    parser.add_argument("--kill-every", type=float, default=3.0)
     parser.add_argument("--max-seconds", type=float, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the report here too")

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg.security import TlsFiles
 
@@ -19,6 +19,8 @@ class PrefillWorkerConfig:
     kv_send_timeout: float = 60.0
     grace_seconds: float = 30.0
     metrics_port: int = 0
+    port_file: str | None = None  # where to announce the bound ports
+    neuron: dict = field(default_factory=dict)  # neuron backend options (tp_degree, buckets, ...)
     tls: TlsFiles | None = None  # mutual TLS: serving PrefillService and connecting to decode workers
     # Send each layer's KV while later layers compute. That overlap is real on an
     # accelerator; on a CPU the send takes cores from the prefill itself (3 ms of

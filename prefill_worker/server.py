@@ -10,7 +10,7 @@ import grpc
 from disagg import wire
 from disagg.engine.backends import load_backend
 from disagg.metrics import PrefillMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, check_parsed, serve_until_signal, start_server
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
 from .config import PrefillWorkerConfig
@@ -53,10 +53,12 @@ async def serve(config: PrefillWorkerConfig) -> None:
     servicer = PrefillServicer()
     credentials = config.tls.server_credentials(require_client_cert=True) if config.tls else None
     server = await start_server(config.address, servicer, SERVICE, INTERNAL_MESSAGE_BYTES, credentials)
+    metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], PrefillMetrics)
+    announce_ports(config.port_file, server.port, metrics_port)
     log.info("prefill worker on port %d: loading %s", server.port, config.model)
-    options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk)
+    options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1, neuron=config.neuron)
     backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **options))
-    servicer.worker = PrefillWorker(backend, config, serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], PrefillMetrics))
+    servicer.worker = PrefillWorker(backend, config, metrics)
     await server.set_serving(True)
     log.info("prefill worker serving on port %d (%s)", server.port, backend.info.dtype)
     await serve_until_signal(server, config.grace_seconds, busy=servicer.worker.busy)

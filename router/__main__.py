@@ -36,6 +36,7 @@ def parse_config(argv=None) -> RouterConfig:
         max_queue=args.max_queue,
         grace_seconds=args.grace_seconds,
         metrics_port=args.metrics_port,
+        port_file=args.port_file,
         tls=internal_tls(args),
         public_tls=tls_from_flags(args.public_tls_cert, args.public_tls_key, None, "--public-tls-cert/--public-tls-key"),
         auth_token=args.auth_token or None,

@@ -26,6 +26,7 @@ class RouterConfig:
     load_poll_seconds: float = 1.0
     grace_seconds: float = 30.0
     metrics_port: int = 0
+    port_file: str | None = None  # where to announce the bound ports
     tls: TlsFiles | None = None  # mutual TLS to the workers
     public_tls: TlsFiles | None = None  # TLS on the public port
     auth_token: str | None = None  # bearer token required on the public API (health stays open)

@@ -10,7 +10,7 @@ import grpc
 
 from disagg.engine.model_files import eos_token_ids, vocab_size
 from disagg.metrics import RouterMetrics, outcome_label, serve_metrics
-from disagg.rpc import PUBLIC_MESSAGE_BYTES, RequestError, check_parsed, serve_until_signal, start_server
+from disagg.rpc import PUBLIC_MESSAGE_BYTES, RequestError, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.security import BearerTokenInterceptor
 from disagg.v1 import generation_pb2 as pb
 
@@ -145,12 +145,13 @@ async def serve(config: RouterConfig) -> None:
     credentials = config.public_tls.server_credentials(require_client_cert=False) if config.public_tls else None
     interceptors = (BearerTokenInterceptor(config.auth_token),) if config.auth_token else ()
     server = await start_server(config.address, servicer, SERVICE, PUBLIC_MESSAGE_BYTES, credentials, interceptors)
+    metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], RouterMetrics)
+    announce_ports(config.port_file, server.port, metrics_port)
     log.info("router on port %d: waiting for workers", server.port)
     tokenizer = await asyncio.get_running_loop().run_in_executor(None, AutoTokenizer.from_pretrained, config.model)
     pool = WorkerPool.connect(config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls)
     await pool.start()
     await pool.wait_ready()
-    metrics = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], RouterMetrics)
     servicer.router = Router(config, tokenizer, model_facts(config, pool), pool, metrics)
     await server.set_serving(True)
     log.info("router serving on port %d", server.port)

@@ -7,15 +7,17 @@ from .base import Backend, ModelInfo, PrefillResult, StepInputs
 BACKENDS = ("torch", "neuron")
 
 
-def load_backend(name: str, **options) -> Backend:
+def load_backend(name: str, batch_size: int = 1, neuron: dict | None = None, **options) -> Backend:
+    """options: model, dtype, device, max_seq_len, global_topk; batch_size and the
+    neuron options only matter to the neuron backend, which compiles for them."""
     if name == "torch":
         from .torch_backend import TorchBackend, TorchBackendConfig
 
         return TorchBackend(TorchBackendConfig(**options))
     if name == "neuron":
-        from .neuron_backend import load_neuron_backend
+        from .neuron import load_neuron_backend
 
-        return load_neuron_backend(**options)
+        return load_neuron_backend(batch_size=batch_size, **options, **(neuron or {}))
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 

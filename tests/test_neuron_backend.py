@@ -1,0 +1,204 @@
+"""The neuron backend's own logic, and the whole gRPC path with --backend neuron.
+
+No Neuron device here: where NxDI itself is needed, tests/nxdi_standin is put
+on the path, a STAND-IN that implements the slice of NxDI's API we call on the
+CPU (see its docstring). Everything under disagg/engine/backends/neuron is the
+real code that runs on Trn1/Inf2/Trn2.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from conftest import reference, start_cluster, tiny_model
+from disagg.client import Client
+from disagg.engine.backends.neuron.config import NeuronOptions, compiled_path, neuron_config_kwargs
+from disagg.engine.backends.neuron.layout import KvLayout, Sharding, UnsupportedLayout, sort_rows
+from disagg.engine.backends.neuron.packages import INSTALL, NeuronPackagesMissing, import_nxdi
+from disagg.engine.backends.neuron.settings import read_serving_properties, read_worker_config
+from disagg.engine.kv_wire import KvKind
+from disagg.engine.requests import Sampling
+
+STANDIN = str(pathlib.Path(__file__).parent / "nxdi_standin")
+
+
+# -- the NxDI config we build ------------------------------------------------------
+def test_neuron_config_for_continuous_batching_with_on_device_sampling_and_async():
+    options = NeuronOptions(model="/m", tp_degree=8, batch_size=16, seq_len=4096, max_context_length=2048, context_buckets=(512, 1024, 2048), token_buckets=(4096,))
+    sampling = object()
+    kwargs = neuron_config_kwargs(options, sampling)
+    assert kwargs == {
+        "tp_degree": 8, "batch_size": 16, "ctx_batch_size": 1, "tkg_batch_size": 16, "max_batch_size": 16,
+        "seq_len": 4096, "max_context_length": 2048, "torch_dtype": "bfloat16", "is_continuous_batching": True,
+        "apply_seq_ids_mask": True, "on_device_sampling_config": sampling, "async_mode": True, "enable_bucketing": True,
+        "k_cache_transposed": False, "context_encoding_buckets": [512, 1024, 2048], "token_generation_buckets": [4096],
+    }
+    assert neuron_config_kwargs(NeuronOptions(model="/m", async_mode=False), sampling)["async_mode"] is False
+    assert "context_encoding_buckets" not in neuron_config_kwargs(NeuronOptions(model="/m"), sampling)  # NxDI's powers of two
+
+
+def test_a_changed_config_compiles_into_a_new_directory(tmp_path):
+    base = NeuronOptions(model="/models/llama", compiled_root=str(tmp_path))
+    assert compiled_path(base) == compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path)))
+    assert compiled_path(base) != compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), tp_degree=2))
+    assert compiled_path(base) != compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), token_buckets=(128, 2048)))
+
+
+@pytest.mark.parametrize("bad", [dict(dtype="int8"), dict(seq_len=128, max_context_length=256), dict(context_buckets=(512, 128))])
+def test_invalid_options_are_refused(bad):
+    with pytest.raises(ValueError):
+        NeuronOptions(model="/m", **bad)
+
+
+# -- rows, sampling parameters -----------------------------------------------------------
+def test_rows_sort_by_seq_id_and_outputs_go_back():
+    slots = [5, 1, 7, 3]
+    order, inverse = sort_rows(slots)
+    assert [slots[i] for i in order] == [1, 3, 5, 7]
+    outputs = torch.tensor([slots[i] * 10 for i in order])  # what the device returns, sorted
+    assert outputs[inverse].tolist() == [50, 10, 70, 30]
+
+
+def test_sampling_parameters_are_one_row_of_top_k_top_p_temperature_each():
+    from disagg.engine.sampler import params_tensor
+
+    params = params_tensor([Sampling(temperature=0.7, top_k=40, top_p=0.9), Sampling()])
+    assert params.shape == (2, 3) and params[0].tolist() == pytest.approx([40, 0.9, 0.7]) and params[1].tolist() == [0, 1.0, 0.0]
+
+
+# -- KV lines: layouts and conversion -----------------------------------------------------
+def rank_caches(layout: KvLayout, slots=3, seq_len=10, head_dim=4, is_key=True):
+    shape = (slots, layout.heads_per_rank, head_dim, seq_len) if is_key and layout.k_transposed else (slots, layout.heads_per_rank, seq_len, head_dim)
+    return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layout.tp_degree)]
+
+
+@pytest.mark.parametrize("tp,kv_heads,sharding", [(1, 2, Sharding.SHARD), (2, 2, Sharding.SHARD), (4, 2, Sharding.REPLICATE), (2, 8, Sharding.SHARD), (8, 2, Sharding.REPLICATE)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_write_then_read_is_byte_exact(tp, kv_heads, sharding, transposed):
+    layout = KvLayout(tp, kv_heads, num_attention_heads=kv_heads * 4, k_transposed=transposed)
+    assert layout.sharding is sharding
+    line = torch.randn(kv_heads, 6, 4).to(torch.bfloat16)
+    caches = rank_caches(layout, is_key=True)
+    layout.write_line(caches, slot=1, start=2, line=line, is_key=True)
+    read = layout.read_line(caches, slot=1, length=8, is_key=True)
+    assert read[:, 2:8].view(torch.int16).equal(line.view(torch.int16))
+    assert not read[:, :2].any()  # nothing written before start
+    assert all(not c[0].any() and not c[2].any() for c in caches)  # other slots untouched
+
+
+def test_replicated_heads_go_to_consecutive_ranks_as_nxdi_repeat_interleave():
+    layout = KvLayout(tp_degree=8, kv_heads=2, num_attention_heads=16)
+    assert [layout.rank_heads(r)[0] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert KvLayout(tp_degree=2, kv_heads=8, num_attention_heads=32).rank_heads(1) == [4, 5, 6, 7]
+
+
+def test_prefill_tp2_to_decode_tp8_conversion_through_the_wire():
+    prefill, decode = KvLayout(2, 4, 16), KvLayout(8, 4, 16, k_transposed=True)
+    line = torch.randn(4, 5, 4).to(torch.bfloat16)
+    src = rank_caches(prefill, is_key=True)
+    prefill.write_line(src, 0, 0, line, is_key=True)
+    wire = prefill.read_line(src, 0, 5, is_key=True)  # what a prefill worker sends
+    dst = rank_caches(decode, is_key=True)
+    decode.write_line(dst, 2, 0, wire, is_key=True)
+    assert decode.read_line(dst, 2, 5, is_key=True).view(torch.int16).equal(line.view(torch.int16))
+    assert dst[7][2, 0, :, :5].T.view(torch.int16).equal(line[3].view(torch.int16))  # rank 7 holds head 3, transposed
+
+
+@pytest.mark.parametrize("tp,kv_heads,heads,why", [(3, 2, 8, "neither divides the other"), (3, 8, 8, "do not divide by tp_degree"), (6, 4, 32, "neither divides the other")])
+def test_layouts_the_conversion_does_not_cover_are_refused_at_start_up(tp, kv_heads, heads, why):
+    with pytest.raises(UnsupportedLayout, match=why):
+        KvLayout(tp, kv_heads, heads)
+
+
+# -- packages --------------------------------------------------------------------------
+def test_missing_packages_name_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "neuronx_distributed_inference", None)  # what the PyPI placeholder amounts to
+    with pytest.raises(NeuronPackagesMissing) as error:
+        import_nxdi()
+    assert INSTALL in str(error.value) and "placeholders" in str(error.value)
+
+
+def test_the_torch_backend_never_imports_nxdi():
+    import disagg.engine.backends.torch_backend  # noqa: F401
+
+    assert not any(name.startswith("neuronx_distributed_inference") and sys.modules[name] is not None for name in sys.modules if name.startswith("neuronx_distributed_inference"))
+
+
+# -- settings files users already have -------------------------------------------------
+def test_lmi_serving_properties_map_to_our_settings_and_say_what_is_not_supported(tmp_path):
+    props = tmp_path / "serving.properties"
+    props.write_text("engine=Python\noption.model_id=/models/llama\noption.tensor_parallel_degree=8\noption.n_positions=4096\n"
+                     "option.max_rolling_batch_size=32\noption.context_length_estimate=512,1024,2048\noption.amp=bf16\n"
+                     "option.compiled_graph_path=/cache/neuron\noption.neuron_optimize_level=2\noption.load_in_8bit=true\noption.rolling_batch=auto\n")
+    settings, notes = read_serving_properties(str(props))
+    assert settings == {"model": "/models/llama", "tp_degree": 8, "max_seq_len": 4096, "batch_size": 32, "context_buckets": (512, 1024, 2048),
+                        "dtype": "bfloat16", "compiled_root": "/cache/neuron", "neuron_optimize_level": 2}
+    assert any(n.startswith("option.load_in_8bit: weight quantization") for n in notes)
+    assert any(n.startswith("option.rolling_batch: ignored") for n in notes) and any(n.startswith("engine: ignored") for n in notes)
+
+
+def test_transformers_neuronx_names_in_a_worker_config(tmp_path):
+    path = tmp_path / "worker.json"
+    path.write_text('{"tp_degree": 2, "n_positions": 1024, "batch_size": 4, "amp": "bf16", "context_length_estimate": [256, 1024]}')
+    settings, _ = read_worker_config(str(path))
+    assert settings == {"tp_degree": 2, "max_seq_len": 1024, "batch_size": 4, "dtype": "bfloat16", "context_buckets": (256, 1024)}
+
+
+# -- against the stand-in -----------------------------------------------------------------
+@pytest.fixture
+def standin(monkeypatch):
+    monkeypatch.syspath_prepend(STANDIN)
+    for name in [n for n in sys.modules if n.startswith("neuronx_distributed_inference")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+
+
+def test_compiles_once_then_loads_and_prefill_kv_matches_the_torch_backend(standin, tmp_path):
+    from disagg.engine.backends import load_backend
+
+    model = tiny_model("llama")
+    options = dict(model=model, dtype="float32", max_seq_len=64, batch_size=2, neuron={"tp_degree": 4, "compiled_root": str(tmp_path)})
+    first = load_backend("neuron", **options)
+    again = load_backend("neuron", **options)
+    (compiled,) = list(tmp_path.iterdir())
+    assert (compiled / "standin_compiles.txt").read_text().count("compiled") == 1
+    assert first.model.config.neuron_config.kwargs["tkg_batch_size"] == 2
+
+    ids = reference("llama").ids("The baker opens his shop")
+    torch_result = load_backend("torch", model=model, dtype="float32").prefill(ids, Sampling())
+    result = again.prefill(ids, Sampling())
+    assert result.first_token == torch_result.first_token
+    for (k, v), (tk, tv) in zip(result.layers, torch_result.layers):
+        torch.testing.assert_close(k, tk, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, tv, rtol=1e-4, atol=1e-5)
+    again.write_kv(1, 0, KvKind.KEY, 0, torch_result.layers[0][0])
+    assert again.layout.read_line(again._caches(0, KvKind.KEY), 1, len(ids), is_key=True).equal(torch_result.layers[0][0])
+
+
+@pytest.fixture(scope="module")
+def neuron_cluster(cluster_logs, tmp_path_factory):
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, previous) if p)
+    compiled = tmp_path_factory.mktemp("neuron-compiled")
+    try:
+        # Different tensor-parallel layouts on the two sides: KV heads sharded (tp 2) and replicated (tp 4).
+        cluster = start_cluster(cluster_logs, "llama", batch_size=4, worker_args=["--backend", "neuron", "--max-seq-len", "512", "--neuron-compiled-path", str(compiled)],
+                                prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "4"])
+    finally:
+        os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
+    yield cluster
+    cluster.stop()
+
+
+def test_the_grpc_path_with_backend_neuron_gives_the_torch_backends_tokens(neuron_cluster, llama_cluster):
+    prompts = ["The lighthouse keeper climbed", "Snow fell on the hills", "Our café on the corner"]
+    with Client(neuron_cluster.router_address, timeout=120) as neuron_client, Client(llama_cluster.router_address, timeout=120) as torch_client:
+        assert neuron_client.model_info().backend == "neuron"
+        for prompt in prompts:
+            got = neuron_client.complete(prompt, max_new_tokens=16)
+            assert got.token_ids == torch_client.complete(prompt, max_new_tokens=16).token_ids == reference("llama").greedy(prompt, 16)
