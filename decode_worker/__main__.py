@@ -16,6 +16,7 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
     add_model_flags(parser)
     parser.add_argument("--batch-size", type=int, default=8, help="decode slots: requests decoded together")
     parser.add_argument("--no-async", dest="async_mode", action="store_false", help="turn async mode off (host and device work in turn)")
+    parser.add_argument("--colocated", action="store_true", help="also serve prefill from this process (one worker doing both phases)")
     parser.add_argument("--lease-seconds", type=float, default=30.0, help="how long a reserved slot waits for its KV")
     args = parser.parse_args(argv)
     setup_process(args)
@@ -30,6 +31,7 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
         max_seq_len=settings.get("max_seq_len", args.max_seq_len),
         async_mode=args.async_mode,
         lease_seconds=args.lease_seconds,
+        colocated=args.colocated,
         global_topk=args.global_topk,
         threads=args.threads,
         grace_seconds=args.grace_seconds,

@@ -126,6 +126,10 @@ class Batcher:
         self._thread.join(timeout=30)
         self._device.shutdown(wait=True)
 
+    def run_on_device(self, fn, *args):
+        """Runs fn on the device thread between steps (colocated prefill); a concurrent future."""
+        return self._device.submit(fn, *args)
+
     @property
     def active_count(self) -> int:
         return len(self._active)

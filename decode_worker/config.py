@@ -21,6 +21,7 @@ class DecodeWorkerConfig:
     metrics_port: int = 0
     port_file: str | None = None  # where to announce the bound ports
     neuron: dict = field(default_factory=dict)  # neuron backend options (tp_degree, buckets, ...)
+    colocated: bool = False  # also serve PrefillService on this process (the non-disaggregated baseline)
     grace_seconds: float = 30.0  # SIGTERM: how long streams in flight may take to finish
     tls: TlsFiles | None = None  # mutual TLS for DecodeService (router and prefill workers)
 

@@ -14,6 +14,7 @@ from disagg.metrics import DecodeMetrics, serve_metrics
 from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, UnparsableMessage, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
+from .colocated import ColocatedPrefillServicer
 from .config import DecodeWorkerConfig
 from .worker import DecodeWorker
 
@@ -81,7 +82,10 @@ def backend_options(config) -> dict:
 async def serve(config: DecodeWorkerConfig) -> None:
     servicer = DecodeServicer()
     credentials = config.tls.server_credentials(require_client_cert=True) if config.tls else None
-    server = await start_server(config.address, servicer, SERVICE, INTERNAL_MESSAGE_BYTES, credentials)
+    services = [(servicer, SERVICE)]
+    if config.colocated:
+        services.append((ColocatedPrefillServicer(servicer), wpb.DESCRIPTOR.services_by_name["PrefillService"]))
+    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials)
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("decode worker on port %d: loading %s", server.port, config.model)

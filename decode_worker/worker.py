@@ -13,7 +13,7 @@ from typing import AsyncIterator
 import grpc
 
 from disagg.engine.backends import Backend
-from disagg.engine.kv_wire import KvCommit, KvCoverage, KvPiece, KvWireError, decode
+from disagg.engine.kv_wire import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode
 from disagg.engine.requests import FinishReason, Sampling, Stopping
 from disagg.engine.slots import Reservation, SlotManager, SlotState
 from disagg.metrics import DecodeMetrics
@@ -186,6 +186,31 @@ class DecodeWorker:
         reservation = self.slots.activate(stream.key)
         stream.transferring = False
         self.batcher.admit(Sequence(stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step))
+
+    # -- colocated mode: prefill on this worker's own device thread --------------
+    async def colocated_prefill(self, token_ids: list[int], sampling: Sampling, first_step: int):
+        result = await asyncio.wrap_future(self.batcher.run_on_device(self.backend.prefill, token_ids, sampling, None, first_step))
+        return result.first_token, result.layers
+
+    async def colocated_fill(self, key: str, token_ids: list[int], first_token: int, layers) -> int:
+        """Copies a local prefill's KV into the reserved slot and admits it: no wire, no codec."""
+        stream = self._streams.get(key)
+        if stream is None or not self.slots.is_reserved(key) or stream.reservation.prompt_len != len(token_ids):
+            raise RequestError(f"reservation_id {key!r} is unknown, expired or for another prompt", grpc.StatusCode.NOT_FOUND)
+        slot = stream.reservation.slot
+
+        def copy() -> int:
+            for layer, (keys, values) in enumerate(layers):
+                self.backend.write_kv(slot, layer, KvKind.KEY, 0, keys)
+                self.backend.write_kv(slot, layer, KvKind.VALUE, 0, values)
+            return sum(k.numel() * k.element_size() * 2 for k, _ in layers)
+
+        copied = await asyncio.wrap_future(self.batcher.run_on_device(copy))
+        if not self.slots.is_reserved(key):
+            raise RequestError(f"reservation_id {key!r} was released during the copy", grpc.StatusCode.NOT_FOUND)
+        reservation = self.slots.activate(key)
+        self.batcher.admit(Sequence(key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step))
+        return copied
 
     # -- from the batcher's thread ------------------------------------------
     def _publish_threadsafe(self, events: list[TokenEvent]) -> None:

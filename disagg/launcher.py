@@ -35,6 +35,7 @@ class ClusterSpec:
     router_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: inherit this process's stderr
     public_tls_ca: str | None = None  # the router serves TLS: check its health with this CA
+    colocated: bool = False  # decode workers also do the prefills (no prefill workers): the baseline
 
 
 @dataclass
@@ -57,11 +58,12 @@ class LocalCluster:
     # -- start ----------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "LocalCluster":
         spec = self.spec
-        workers = spec.prefill_workers + spec.decode_workers
+        workers = spec.decode_workers + (0 if spec.colocated else spec.prefill_workers)
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(threads), *spec.worker_args]
-        prefill = [self._spawn(f"prefill-{i}", "prefill_worker", common + spec.prefill_args) for i in range(spec.prefill_workers)]
-        decode = [self._spawn(f"decode-{i}", "decode_worker", common + ["--batch-size", str(spec.batch_size), *spec.decode_args]) for i in range(spec.decode_workers)]
+        decode_args = common + ["--batch-size", str(spec.batch_size), *spec.decode_args] + (["--colocated"] if spec.colocated else [])
+        decode = [self._spawn(f"decode-{i}", "decode_worker", decode_args) for i in range(spec.decode_workers)]
+        prefill = decode if spec.colocated else [self._spawn(f"prefill-{i}", "prefill_worker", common + spec.prefill_args) for i in range(spec.prefill_workers)]
         router_args = ["--model", spec.model, *spec.router_args]
         router_args += [a for p in prefill for a in ("--prefill", p.address)]
         router_args += [a for d in decode for a in ("--decode", d.address)]

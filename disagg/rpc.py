@@ -176,23 +176,24 @@ class RunningServer:
 
 async def start_server(
     address: str,
-    servicer,
-    service_descriptor,
+    services: list[tuple[object, object]],
     max_message_bytes: int,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: tuple = (),
 ) -> RunningServer:
     """Starts a grpc.aio server on address ("host:port", port 0 picks one).
 
-    Health (NOT_SERVING until the caller says otherwise) and reflection are
-    added here for every server.
+    services: (servicer, service descriptor) pairs. Health (NOT_SERVING until
+    the caller says otherwise) and reflection are added here for every server.
     """
     drain = DrainInterceptor()
     server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=(drain, *interceptors))
-    register_service(server, servicer, service_descriptor)
+    for servicer, descriptor in services:
+        register_service(server, servicer, descriptor)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([service_descriptor.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    names = [descriptor.full_name for _, descriptor in services]
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")

@@ -52,7 +52,7 @@ class PrefillServicer:
 async def serve(config: PrefillWorkerConfig) -> None:
     servicer = PrefillServicer()
     credentials = config.tls.server_credentials(require_client_cert=True) if config.tls else None
-    server = await start_server(config.address, servicer, SERVICE, INTERNAL_MESSAGE_BYTES, credentials)
+    server = await start_server(config.address, [(servicer, SERVICE)], INTERNAL_MESSAGE_BYTES, credentials)
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], PrefillMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("prefill worker on port %d: loading %s", server.port, config.model)

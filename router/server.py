@@ -144,7 +144,7 @@ async def serve(config: RouterConfig) -> None:
     servicer = GenerationServicer()
     credentials = config.public_tls.server_credentials(require_client_cert=False) if config.public_tls else None
     interceptors = (BearerTokenInterceptor(config.auth_token),) if config.auth_token else ()
-    server = await start_server(config.address, servicer, SERVICE, PUBLIC_MESSAGE_BYTES, credentials, interceptors)
+    server = await start_server(config.address, [(servicer, SERVICE)], PUBLIC_MESSAGE_BYTES, credentials, interceptors)
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], RouterMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("router on port %d: waiting for workers", server.port)

@@ -192,3 +192,20 @@ def test_every_server_reports_serving(llama_cluster):
         with grpc.insecure_channel(process.address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.SERVING, process.name
+
+
+def test_colocated_mode_serves_both_phases_from_one_process(cluster_logs):
+    cluster = start_cluster(cluster_logs, "llama", prefill=1, decode=1, colocated=True)
+    try:
+        assert [p.name for p in cluster.processes] == ["decode-0", "router"]
+        ref = reference("llama")
+
+        async def run():
+            async with AsyncClient(cluster.router_address, timeout=120) as client:
+                return await asyncio.gather(*(client.complete(p, max_new_tokens=12) for p in PROMPTS))
+
+        for prompt, result in zip(PROMPTS, asyncio.run(run())):
+            assert result.token_ids == ref.greedy(prompt, 12), prompt
+        assert_decode_workers_idle(cluster)
+    finally:
+        cluster.stop()

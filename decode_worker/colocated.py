@@ -1,0 +1,52 @@
+"""Colocated mode (`--colocated`): this decode worker also serves PrefillService.
+
+Prompts run on the same device thread as the decode steps, between them, and
+their KV goes straight into the reserved slot: one process doing both phases,
+as a non-disaggregated server does. It is the baseline the benchmarks compare
+disaggregation against, built from the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from disagg import wire
+from disagg.rpc import RequestError, check_parsed
+from disagg.v1 import worker_pb2 as wpb
+
+from .worker import DecodeWorker
+
+
+class ColocatedPrefillServicer:
+    def __init__(self, decode_servicer):
+        self._decode = decode_servicer  # shares its worker once the model is loaded
+        self.pending = 0
+
+    async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
+        worker: DecodeWorker = await self._decode._ready(context)
+        try:
+            check_parsed(request)
+            ids = list(request.token_ids)
+            if not ids or len(ids) >= worker.info.max_seq_len or any(not 0 <= t < worker.info.vocab_size for t in ids):
+                raise RequestError(f"token_ids must be 1 to {worker.info.max_seq_len - 1} ids in [0, {worker.info.vocab_size})")
+            key = request.kv_target.reservation_id if request.HasField("kv_target") else None
+            self.pending += 1
+            started = time.perf_counter()
+            try:
+                first, layers = await worker.colocated_prefill(ids, wire.sampling_from_pb(request.sampling), request.first_step)
+            finally:
+                self.pending -= 1
+            yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=first, prefill_seconds=time.perf_counter() - started))
+            if key is not None:
+                copied = await worker.colocated_fill(key, ids, first, layers)
+                yield wpb.PrefillEvent(kv_sent=wpb.KvSent(bytes=copied, seconds=0.0))
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def GetLoad(self, request, context) -> wpb.WorkerLoad:
+        worker = await self._decode._ready(context)
+        info = worker.info
+        return wpb.WorkerLoad(role="prefill", capacity=1, queued=self.pending, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype)
