@@ -36,6 +36,7 @@ class ClusterSpec:
     log_dir: str | None = None  # None: inherit this process's stderr
     public_tls_ca: str | None = None  # the router serves TLS: check its health with this CA
     colocated: bool = False  # decode workers also do the prefills (no prefill workers): the baseline
+    cpus: dict = field(default_factory=dict)  # role ("prefill", "decode", "router") -> CPU ids to pin it to
 
 
 @dataclass
@@ -105,7 +106,9 @@ class LocalCluster:
         if self.spec.log_dir:
             os.makedirs(self.spec.log_dir, exist_ok=True)
             log = open(os.path.join(self.spec.log_dir, f"{name}.log"), "a")
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+        cpus = self.spec.cpus.get(name.split("-")[0])
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True, preexec_fn=pin)
 
     def restart(self, name: str) -> Process:
         """Starts a process that has exited again, with the same command and ports."""

@@ -39,6 +39,9 @@ class TinyModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+# A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks.
+SMOLLM_135M_SHAPE = TinyModelSpec(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, max_position_embeddings=2048, train_steps=0)
+
 DEFAULT_SPEC = TinyModelSpec(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, max_position_embeddings=1024, train_steps=400)
 
 
@@ -57,7 +60,13 @@ def build_tokenizer(vocab_size: int):
     tok.train_from_iterator(paragraphs(), trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+    # The local text has fewer merges than a large vocabulary: fill it up with
+    # placeholder tokens, so every id the model can emit decodes.
+    missing = vocab_size - len(fast)
+    if missing > 0 and vocab_size > 4096:
+        fast.add_tokens([f"<extra_{i}>" for i in range(missing)])
+    return fast
 
 
 def _config(spec: TinyModelSpec, tokenizer):
