@@ -8,7 +8,6 @@ disaggregation against, built from the same code.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc

@@ -4,7 +4,6 @@ references, and real local clusters (separate processes, real gRPC)."""
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 
 import pytest

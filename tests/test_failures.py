@@ -13,7 +13,6 @@ from conftest import start_cluster
 from disagg.client import Client
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
-from test_cancellation import wait_until_nothing_held
 
 LONG_PROMPT = "The ship's captain looked at the stars"
 

@@ -14,7 +14,6 @@ utils/hf_adapter.py); run here only through the stand-in in tests/.
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import torch

@@ -16,7 +16,7 @@ import pathlib
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from .config import InferenceConfig, NeuronConfig
+from .config import InferenceConfig
 
 COMPILE_LOG = "standin_compiles.txt"
 
