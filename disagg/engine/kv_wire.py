@@ -8,9 +8,14 @@ each fits in one gRPC message. Decoding checks that bytes, dtype and shape agree
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 
 import torch
+
+# decode() shares a received message's bytes read-only on purpose (no copy; the
+# cache copy follows), which torch warns about once per process.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,8 +70,7 @@ def decode(piece: KvPiece) -> torch.Tensor:
     expected = piece.shape[0] * piece.shape[1] * piece.shape[2] * dtype.itemsize
     if len(piece.data) != expected:
         raise KvWireError(f"{len(piece.data)} bytes do not match shape {list(piece.shape)} of {piece.dtype} ({expected} bytes)")
-    # Shares the message's bytes without a copy (torch warns once that they are
-    # read-only); the caller copies them into the cache and never writes here.
+    # Shares the message's bytes without a copy; the caller copies them into the cache.
     return torch.frombuffer(piece.data, dtype=dtype).view(piece.shape)
 
 
