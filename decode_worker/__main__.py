@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from disagg.flags import add_model_flags, add_server_flags, address, internal_tls, neuron_settings, resolve_model, setup_process
+from disagg.flags import add_model_flags, add_server_flags, setup_process, worker_fields
 
 from .config import DecodeWorkerConfig
 
@@ -20,25 +20,13 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
     parser.add_argument("--lease-seconds", type=float, default=30.0, help="how long a reserved slot waits for its KV")
     args = parser.parse_args(argv)
     setup_process(args)
-    settings, neuron = neuron_settings(args)
+    shared, settings = worker_fields(args)
     return DecodeWorkerConfig(
-        model=resolve_model(settings.get("model", args.model)),
-        address=address(args),
-        backend=args.backend,
-        dtype=settings.get("dtype", args.dtype),
-        device=args.device,
+        **shared,
         batch_size=settings.get("batch_size", args.batch_size),
-        max_seq_len=settings.get("max_seq_len", args.max_seq_len),
         async_mode=args.async_mode,
         lease_seconds=args.lease_seconds,
         colocated=args.colocated,
-        global_topk=args.global_topk,
-        threads=args.threads,
-        grace_seconds=args.grace_seconds,
-        metrics_port=args.metrics_port,
-        port_file=args.port_file,
-        tls=internal_tls(args),
-        neuron=neuron,
     )
 
 

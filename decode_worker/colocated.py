@@ -47,5 +47,4 @@ class ColocatedPrefillServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._decode._ready(context)
-        info = worker.info
-        return wpb.WorkerLoad(role="prefill", capacity=1, queued=self.pending, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype)
+        return wire.worker_load("prefill", worker.info, capacity=1, queued=self.pending)

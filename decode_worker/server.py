@@ -70,8 +70,7 @@ class DecodeServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._ready(context)
-        info = worker.info
-        return wpb.WorkerLoad(role="decode", model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **worker.load())
+        return wire.worker_load("decode", worker.info, **worker.load())
 
 
 def backend_options(config) -> dict:
@@ -85,7 +84,8 @@ async def serve(config: DecodeWorkerConfig) -> None:
     services = [(servicer, SERVICE)]
     if config.colocated:
         services.append((ColocatedPrefillServicer(servicer), wpb.DESCRIPTOR.services_by_name["PrefillService"]))
-    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials)
+    # While draining, KV still arrives for slots reserved before SIGTERM.
+    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=("/disagg.v1.DecodeService/PushKv",))
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("decode worker on port %d: loading %s", server.port, config.model)

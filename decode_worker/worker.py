@@ -56,7 +56,6 @@ class DecodeWorker:
         self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics)
         metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
         self._reaper: asyncio.Task | None = None
-        self.kv_bytes_received = 0
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -130,7 +129,6 @@ class DecodeWorker:
                     raise RequestError(f"reservation_id changed mid-transfer from {stream.key!r} to {reservation_id!r}")
                 if isinstance(message, KvCommit):
                     self._commit(stream, coverage, message)
-                    self.kv_bytes_received += received
                     self.metrics.kv_bytes.inc(received)
                     return received
                 received += await self._write_piece(stream, coverage, message)

@@ -89,6 +89,28 @@ def neuron_settings(args) -> tuple[dict, dict]:
     return worker, merged
 
 
+def worker_fields(args) -> tuple[dict, dict]:
+    """(the config fields both workers share, the settings files' values) from parsed flags.
+    A settings file (serving.properties, worker JSON) wins over a flag's default."""
+    settings, neuron = neuron_settings(args)
+    fields = dict(
+        model=resolve_model(settings.get("model", args.model)),
+        address=address(args),
+        backend=args.backend,
+        dtype=settings.get("dtype", args.dtype),
+        device=args.device,
+        max_seq_len=settings.get("max_seq_len", args.max_seq_len),
+        global_topk=args.global_topk,
+        threads=args.threads,
+        grace_seconds=args.grace_seconds,
+        metrics_port=args.metrics_port,
+        port_file=args.port_file,
+        tls=internal_tls(args),
+        neuron=neuron,
+    )
+    return fields, settings
+
+
 def resolve_model(model: str | None) -> str:
     if model:
         return model

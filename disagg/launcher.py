@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
 
 @dataclass
 class ClusterSpec:
@@ -53,7 +56,6 @@ class LocalCluster:
         self.spec = spec
         self.processes: list[Process] = []
         self.router_address: str | None = None  # known once the router has bound its port
-        self._started = False
         self._port_dir = tempfile.mkdtemp(prefix="disagg-ports-")
 
     # -- start ----------------------------------------------------------------
@@ -69,8 +71,7 @@ class LocalCluster:
         router_args += [a for p in prefill for a in ("--prefill", p.address)]
         router_args += [a for d in decode for a in ("--decode", d.address)]
         self.router_address = self._spawn("router", "router", router_args, port=spec.router_port).address
-        self.wait_serving(timeout)
-        self._started = True
+        self._wait_serving(self.router_address, timeout, watch=None)  # any part dying now fails the start
         return self
 
     def add_worker(self, role: str, extra: list[str] = ()) -> Process:
@@ -124,6 +125,10 @@ class LocalCluster:
     def wait_serving(self, timeout: float, address: str | None = None) -> None:
         """Until the router (or the given server) reports SERVING on grpc.health.v1."""
         address = address or self.router_address
+        self._wait_serving(address, timeout, watch=address)
+
+    def _wait_serving(self, address: str, timeout: float, watch: str | None) -> None:
+        """watch: the address whose process must stay alive meanwhile (None: all of them)."""
         deadline = time.monotonic() + timeout
         if address == self.router_address and self.spec.public_tls_ca:
             with open(self.spec.public_tls_ca, "rb") as ca:
@@ -133,7 +138,7 @@ class LocalCluster:
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
-                self.check_alive(None if address == self.router_address and not self._started else address)
+                self.check_alive(watch)
                 try:
                     if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                         return
@@ -153,6 +158,29 @@ class LocalCluster:
 
     def addresses(self, role: str) -> list[str]:
         return [p.address for p in self.processes if p.name.startswith(role)]
+
+    def held(self) -> dict[str, list[int]]:
+        """What each live worker holds, from its GetLoad:
+        [slots in use, reservations, running rows, transfers in flight, queued prefills]."""
+        out = {}
+        for p in self.processes:
+            role = p.name.split("-")[0]
+            if role not in ("prefill", "decode") or p.popen.poll() is not None:
+                continue
+            with grpc.insecure_channel(p.address) as channel:
+                stub = wgrpc.PrefillServiceStub(channel) if role == "prefill" else wgrpc.DecodeServiceStub(channel)
+                load = stub.GetLoad(wpb.LoadRequest(), timeout=5)
+            out[p.name] = [load.slots_in_use, load.reservations, load.active, load.inflight_transfers, load.queued]
+        return out
+
+    def wait_until_idle(self, within: float = 2.0) -> dict[str, list[int]]:
+        """held() once every live worker holds nothing, or as it stands after `within` seconds."""
+        deadline = time.monotonic() + within
+        while True:
+            held = self.held()
+            if all(not any(v) for v in held.values()) or time.monotonic() > deadline:
+                return held
+            time.sleep(0.02)
 
     # -- stop -------------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> dict[str, int]:

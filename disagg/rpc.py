@@ -146,18 +146,18 @@ def refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-# Calls that a draining server still takes: probes, and KV for slots it already reserved.
-DRAIN_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/disagg.v1.DecodeService/PushKv")
-
-
 class DrainInterceptor(grpc.aio.ServerInterceptor):
-    """Once draining, refuses new calls with UNAVAILABLE while calls in flight go on."""
+    """Once draining, refuses new calls with UNAVAILABLE while calls in flight go on.
 
-    def __init__(self):
+    Health checks always pass (probes must see NOT_SERVING), and so do the
+    methods a server names as serving work it already accepted."""
+
+    def __init__(self, exempt_methods: tuple[str, ...] = ()):
         self.draining = False
+        self._exempt = ("/grpc.health.v1.Health/", *exempt_methods)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        if self.draining and not details.method.startswith(DRAIN_EXEMPT_PREFIXES):
+        if self.draining and not details.method.startswith(self._exempt):
             return refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         return await continuation(details)
 
@@ -180,13 +180,14 @@ async def start_server(
     max_message_bytes: int,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: tuple = (),
+    drain_exempt: tuple[str, ...] = (),
 ) -> RunningServer:
     """Starts a grpc.aio server on address ("host:port", port 0 picks one).
 
     services: (servicer, service descriptor) pairs. Health (NOT_SERVING until
     the caller says otherwise) and reflection are added here for every server.
     """
-    drain = DrainInterceptor()
+    drain = DrainInterceptor(drain_exempt)
     server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=(drain, *interceptors))
     for servicer, descriptor in services:
         register_service(server, servicer, descriptor)
@@ -238,8 +239,3 @@ def stop_signals() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
-
-
-def host_port(address: str, port: int) -> str:
-    host = address.rsplit(":", 1)[0]
-    return f"{host}:{port}"

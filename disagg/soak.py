@@ -24,8 +24,6 @@ import grpc
 from disagg.client import AsyncClient
 from disagg.launcher import ClusterSpec, LocalCluster
 from disagg.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs
-from disagg.v1 import worker_pb2 as wpb
-from disagg.v1 import worker_pb2_grpc as wgrpc
 
 
 @dataclass
@@ -50,19 +48,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def held(cluster: LocalCluster) -> dict[str, list[int]]:
-    out = {}
-    for p in cluster.processes:
-        role = p.name.split("-")[0]
-        if role not in ("prefill", "decode") or p.popen.poll() is not None:
-            continue
-        with grpc.insecure_channel(p.address) as channel:
-            stub = wgrpc.PrefillServiceStub(channel) if role == "prefill" else wgrpc.DecodeServiceStub(channel)
-            load = stub.GetLoad(wpb.LoadRequest(), timeout=5)
-        out[p.name] = [load.slots_in_use, load.reservations, load.active, load.inflight_transfers, load.queued]
-    return out
 
 
 class Reference:
@@ -152,7 +137,7 @@ async def soak(cluster: LocalCluster, args) -> Report:
     await killer
     report.seconds = time.perf_counter() - started
     await asyncio.sleep(1.0)  # everything is freed within a second
-    report.held_at_end = held(cluster)
+    report.held_at_end = cluster.held()
     report.rss_mib = {p.name: round(rss_mib(p.popen.pid), 1) for p in cluster.processes if p.popen.poll() is None}
     return report
 

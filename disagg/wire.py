@@ -28,6 +28,11 @@ def finish_from_pb(value: int) -> FinishReason:
     return FinishReason(value)
 
 
+def worker_load(role: str, info, **counts) -> wpb.WorkerLoad:
+    """GetLoad's answer: the model this worker serves, and what it holds now."""
+    return wpb.WorkerLoad(role=role, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **counts)
+
+
 def piece_to_pb(piece: KvPiece, reservation_id: str = "") -> wpb.KvChunk:
     return wpb.KvChunk(
         reservation_id=reservation_id,

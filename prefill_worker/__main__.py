@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from disagg.flags import add_model_flags, add_server_flags, address, internal_tls, neuron_settings, resolve_model, setup_process
+from disagg.flags import add_model_flags, add_server_flags, setup_process, worker_fields
 
 from .config import PrefillWorkerConfig
 
@@ -19,21 +19,9 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
     parser.add_argument("--no-stream-kv", dest="stream_kv", action="store_false", help="send KV after the first token (default on CPU)")
     args = parser.parse_args(argv)
     setup_process(args)
-    settings, neuron = neuron_settings(args)
+    shared, settings = worker_fields(args)
     return PrefillWorkerConfig(
-        model=resolve_model(settings.get("model", args.model)),
-        address=address(args),
-        backend=args.backend,
-        dtype=settings.get("dtype", args.dtype),
-        device=args.device,
-        max_seq_len=settings.get("max_seq_len", args.max_seq_len),
-        global_topk=args.global_topk,
-        threads=args.threads,
-        grace_seconds=args.grace_seconds,
-        metrics_port=args.metrics_port,
-        port_file=args.port_file,
-        tls=internal_tls(args),
-        neuron=neuron,
+        **shared,
         kv_piece_bytes=args.kv_piece_bytes,
         stream_kv_during_prefill=args.stream_kv,
     )

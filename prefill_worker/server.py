@@ -45,8 +45,7 @@ class PrefillServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._ready(context)
-        info = worker.info
-        return wpb.WorkerLoad(role="prefill", model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **worker.load())
+        return wire.worker_load("prefill", worker.info, **worker.load())
 
 
 async def serve(config: PrefillWorkerConfig) -> None:

@@ -99,3 +99,9 @@ def lone_decode_worker(cluster_logs):
         yield worker.address
     finally:
         cluster.stop()
+
+
+def assert_nothing_held(cluster, within: float = 2.0) -> None:
+    """Every live worker holds no slot, reservation, running row, transfer or queued prefill."""
+    held = cluster.wait_until_idle(within)
+    assert held and all(v == [0, 0, 0, 0, 0] for v in held.values()), held

@@ -8,12 +8,11 @@ import asyncio
 import grpc
 import pytest
 
-from conftest import start_cluster
+from conftest import assert_nothing_held, start_cluster
 from disagg.client import AsyncClient
 from disagg.rpc import RequestError
 from disagg.v1 import worker_pb2 as wpb
 from router.workers import Worker, WorkerPool
-from test_cancellation import wait_until_nothing_held
 from test_e2e import PROMPTS
 
 
@@ -93,7 +92,7 @@ def test_ten_times_the_slots_all_complete_exactly(small_cluster, llama_ref):
 
     for prompt, result in zip(prompts, asyncio.run(run())):
         assert result.token_ids == llama_ref.greedy(prompt, 30)
-    assert all(v == (0, 0, 0, 0, 0) for v in wait_until_nothing_held(small_cluster).values())
+    assert_nothing_held(small_cluster)
 
 
 def test_past_the_queue_bound_requests_are_refused_at_once_and_the_rest_complete(small_cluster, llama_ref):
@@ -116,4 +115,4 @@ def test_past_the_queue_bound_requests_are_refused_at_once_and_the_rest_complete
         if not isinstance(result, grpc.aio.AioRpcError):
             assert result.token_ids == llama_ref.greedy(prompt, 40, ignore_eos=True)
     assert len(results) - len(refused) >= 20  # 2 running + 18 queued at least
-    assert all(v == (0, 0, 0, 0, 0) for v in wait_until_nothing_held(small_cluster).values())
+    assert_nothing_held(small_cluster)

@@ -9,7 +9,7 @@ import pytest
 
 from disagg.client import AsyncClient, Client
 from disagg.v1 import generation_pb2 as pb
-from test_e2e import assert_decode_workers_idle
+from conftest import assert_nothing_held
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -67,7 +67,7 @@ def test_request_id_already_in_flight(llama_cluster):
 
     error = asyncio.run(run())
     assert error.code() == INVALID and "request_id 'same-id' is already in flight" in error.details()
-    assert_decode_workers_idle(llama_cluster)
+    assert_nothing_held(llama_cluster)
 
 
 def raw_generate(address: str, payload: bytes):
@@ -97,4 +97,4 @@ def test_a_message_over_the_size_limit_is_resource_exhausted_and_the_next_call_w
             client.complete("word " * 1_200_000, max_new_tokens=2)  # 6 MB, over the 4 MiB limit
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert client.complete("The cat", max_new_tokens=4).token_ids == llama_ref.greedy("The cat", 4)
-    assert_decode_workers_idle(llama_cluster)
+    assert_nothing_held(llama_cluster)

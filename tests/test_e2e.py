@@ -9,10 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import ARCHITECTURES, reference, start_cluster
+from conftest import ARCHITECTURES, assert_nothing_held, reference, start_cluster
 from disagg.client import AsyncClient, Client
-from disagg.v1 import worker_pb2 as wpb
-from disagg.v1 import worker_pb2_grpc as wgrpc
 
 PROMPTS = [
     "The lighthouse keeper climbed",
@@ -22,24 +20,6 @@ PROMPTS = [
     "The market is busy on Saturdays. People buy apples, cheese, fish,",
     "At night",
 ]
-
-
-def decode_load(address: str) -> wpb.WorkerLoad:
-    with grpc.insecure_channel(address) as channel:
-        return wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5)
-
-
-def assert_decode_workers_idle(cluster) -> None:
-    import time
-
-    # Slots free at once on finish; retirement after the async step takes a few ms.
-    for address in cluster.addresses("decode"):
-        for _ in range(50):
-            load = decode_load(address)
-            if load.slots_in_use == 0:
-                break
-            time.sleep(0.05)
-        assert (load.slots_in_use, load.reservations, load.active, load.inflight_transfers) == (0, 0, 0, 0), address
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -59,7 +39,7 @@ def test_greedy_equals_generate_for_each_architecture(arch_cluster):
         for prompt in PROMPTS:
             result = client.complete(prompt, max_new_tokens=24)
             assert result.token_ids == ref.greedy(prompt, 24), prompt
-    assert_decode_workers_idle(cluster)
+    assert_nothing_held(cluster)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +61,7 @@ def test_two_prefill_and_two_decode_workers_give_generate_output_and_share_load(
     results = asyncio.run(run())
     for prompt, result in zip(prompts, results):
         assert result.token_ids == ref.greedy(prompt, 20), prompt
-    assert_decode_workers_idle(two_by_two)
+    assert_nothing_held(two_by_two)
 
 
 def test_sixteen_concurrent_requests_each_equal_their_solo_generate(llama_cluster, llama_ref):
@@ -100,7 +80,7 @@ def test_sixteen_concurrent_requests_each_equal_their_solo_generate(llama_cluste
         assert result.token_ids == expected, prompt
         assert result.completion_tokens == len(expected)
         assert result.prompt_tokens == len(llama_ref.ids(prompt))
-    assert_decode_workers_idle(llama_cluster)
+    assert_nothing_held(llama_cluster)
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama_cluster, llama_ref):
@@ -156,7 +136,7 @@ def test_finish_reasons_and_usage(llama_cluster, llama_ref):
 
         ignore = client.complete(eos_prompt, max_new_tokens=len(eos_ref) + 3, ignore_eos=True)
         assert ignore.finish_reason == "length" and ignore.token_ids[: len(eos_ref)] == eos_ref
-    assert_decode_workers_idle(llama_cluster)
+    assert_nothing_held(llama_cluster)
 
 
 def test_streamed_text_equals_decode_of_all_ids_with_multibyte_characters(llama_cluster, llama_ref):
@@ -206,6 +186,6 @@ def test_colocated_mode_serves_both_phases_from_one_process(cluster_logs):
 
         for prompt, result in zip(PROMPTS, asyncio.run(run())):
             assert result.token_ids == ref.greedy(prompt, 12), prompt
-        assert_decode_workers_idle(cluster)
+        assert_nothing_held(cluster)
     finally:
         cluster.stop()

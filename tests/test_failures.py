@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import start_cluster
+from conftest import assert_nothing_held, start_cluster
 from disagg.client import Client
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
@@ -57,21 +57,7 @@ def test_a_prefill_worker_killed_during_prefill_is_retried_elsewhere(cluster, ll
         with pytest.raises(grpc.RpcError) as error:
             client.complete("The cat", max_new_tokens=3)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill worker is available" in error.value.details()
-    assert all(v[:4] == (0, 0, 0, 0) for k, v in wait_until_nothing_held_decode(cluster).items())
-
-
-def wait_until_nothing_held_decode(cluster):
-    alive = [p for p in cluster.processes if p.name.startswith("decode") and p.popen.poll() is None]
-    held = {}
-    for process in alive:
-        with grpc.insecure_channel(process.address) as channel:
-            for _ in range(20):
-                load = wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5)
-                if load.slots_in_use == 0:
-                    break
-                time.sleep(0.05)
-        held[process.name] = (load.slots_in_use, load.reservations, load.active, load.inflight_transfers)
-    return held
+    assert_nothing_held(cluster)  # every live worker: both decode workers and nothing queued
 
 
 def test_a_decode_worker_killed_mid_stream_moves_the_request_with_no_token_lost(cluster, llama_ref):
