@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,22 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
+class MethodAwareReflection(reflection.aio.ReflectionServicer):
+    """Server reflection that also resolves a method's full name.
+
+    grpcurl's `describe pkg.Service.Method` asks for the file containing that
+    symbol; the stock Python servicer finds only top-level symbols (services,
+    messages) and answers NOT_FOUND, where grpc-go servers answer. A method
+    resolves to the file of its service."""
+
+    def _file_containing_symbol(self, request, fully_qualified_name):
+        response = super()._file_containing_symbol(request, fully_qualified_name)
+        service = fully_qualified_name.rpartition(".")[0]
+        if response.HasField("error_response") and service in self._service_names:
+            return super()._file_containing_symbol(request, service)
+        return response
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -194,7 +210,7 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [descriptor.full_name for _, descriptor in services]
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(MethodAwareReflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME]), server)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")

@@ -23,6 +23,8 @@ def test_list_describe_and_stream_generate_by_reflection_only(llama_cluster, lla
         services = set(database.get_services())
         assert {"disagg.v1.GenerationService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
 
+        # `grpcurl describe disagg.v1.GenerationService.Generate` resolves the method by its full name.
+        assert database.FindFileContainingSymbol("disagg.v1.GenerationService.Generate").name == "disagg/v1/generation.proto"
         service = pool.FindServiceByName("disagg.v1.GenerationService")
         generate = service.methods_by_name["Generate"]
         assert generate.server_streaming and not generate.client_streaming
