@@ -41,6 +41,18 @@ class DecodeStream:
         return self.reservation.reservation_id
 
 
+def _first_merged(waiting: list) -> tuple:
+    """The first item, with the token events right behind it merged in; and the rest.
+
+    An error is never merged: it is raised after the tokens that came before it.
+    """
+    first, rest = waiting[0], waiting[1:]
+    while isinstance(first, TokenEvent) and first.finish is FinishReason.NONE and rest and isinstance(rest[0], TokenEvent):
+        first = TokenEvent(first.key, first.token_ids + rest[0].token_ids, rest[0].finish)
+        rest = rest[1:]
+    return first, rest
+
+
 class DecodeWorker:
     def __init__(self, backend: Backend, config: DecodeWorkerConfig, metrics: DecodeMetrics):
         self.backend = backend
@@ -84,8 +96,14 @@ class DecodeWorker:
         return stream
 
     async def events(self, stream: DecodeStream) -> AsyncIterator[TokenEvent]:
+        """The stream's tokens; steps that queued up while the caller was writing come as one event."""
+        waiting: list = []  # TokenEvent | RequestError, in arrival order
         while True:
-            event = await stream.events.get()
+            if not waiting:
+                waiting.append(await stream.events.get())
+            while not stream.events.empty():
+                waiting.append(stream.events.get_nowait())
+            event, waiting = _first_merged(waiting)
             if isinstance(event, Exception):
                 raise event
             yield event

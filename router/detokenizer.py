@@ -44,6 +44,10 @@ class StopSequenceMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
 
+    @property
+    def active(self) -> bool:
+        return bool(self._stops)
+
     def feed(self, text: str) -> tuple[str, str | None]:
         """(text safe to send, the stop sequence matched or None). After a match, stop feeding."""
         if not self._stops:

@@ -66,6 +66,20 @@ class TextAssembler:
         self.completion_tokens = 0
 
     def add(self, token_ids: list[int], finish: FinishReason) -> Chunk:
+        if not self._stops.active:
+            return self._add_run(token_ids, finish)
+        # A stop sequence may end inside a run of several tokens: the tokens after
+        # the one that completes it are neither returned nor counted.
+        text = ""
+        for i, token in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            chunk = self._add_run([token], finish if last else FinishReason.NONE)
+            text += chunk.text
+            if chunk.finish is FinishReason.STOP_SEQUENCE or last:
+                return Chunk(token_ids[: i + 1], text, chunk.finish, chunk.matched_stop)
+        return self._add_run([], finish)
+
+    def _add_run(self, token_ids: list[int], finish: FinishReason) -> Chunk:
         self.completion_tokens += len(token_ids)
         text = self._detokenizer.add(token_ids)
         if finish is not FinishReason.NONE:

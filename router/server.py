@@ -14,6 +14,7 @@ from disagg.rpc import PUBLIC_MESSAGE_BYTES, RequestError, announce_ports, check
 from disagg.security import BearerTokenInterceptor
 from disagg.v1 import generation_pb2 as pb
 
+from .coalesce import coalesced
 from .config import RouterConfig
 from .lifecycle import Chunk, Lifecycle
 from .validation import GenerationRequest, ModelFacts, build_request, check_request_fields
@@ -91,7 +92,7 @@ class GenerationServicer:
         router = await self._ready(context)
         try:
             generation = await router.prepare(request)
-            async for chunk in router.generate(generation, context.time_remaining()):
+            async for chunk in coalesced(router.generate(generation, context.time_remaining())):
                 yield chunk_to_pb(chunk, generation.request_id)
         except RequestError as exc:
             await context.abort(exc.code, str(exc))

@@ -152,6 +152,20 @@ def test_streamed_text_equals_decode_of_all_ids_with_multibyte_characters(llama_
     assert chunks[-1].finish_reason is not None and all(c.finish_reason is None for c in chunks[:-1])
 
 
+def test_a_client_that_stops_reading_still_gets_every_token_in_order(llama_cluster, llama_ref):
+    prompt = "The lighthouse keeper climbed"
+    with Client(llama_cluster.router_address, timeout=60) as client:
+        stream = client.generate(prompt, max_new_tokens=80, ignore_eos=True)
+        chunks = [next(stream)]
+        # The decode worker finishes all 80 tokens while this client reads nothing.
+        assert llama_cluster.wait_until_idle(within=30) == {name: [0] * 5 for name in llama_cluster.held()}
+        chunks += list(stream)
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == llama_ref.greedy(prompt, 80, ignore_eos=True)
+    assert "".join(c.text for c in chunks) == llama_ref.tokenizer.decode(ids, skip_special_tokens=True)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 80
+
+
 def test_prompt_token_ids_tokenize_and_model_info(llama_cluster, llama_ref):
     prompt = "The clock tower"
     with Client(llama_cluster.router_address, timeout=60) as client:
