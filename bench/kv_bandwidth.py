@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import subprocess
 import sys
@@ -20,13 +21,13 @@ import time
 import grpc
 import torch
 
-from disagg.engine.kv_wire import KvKind, encode
+from disagg.engine.kv_wire import KvCommit, KvKind, encode
 from disagg.launcher import ClusterSpec, LocalCluster
 from disagg.rpc import channel_options
 from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
-from disagg.wire import commit_to_pb, piece_to_pb
+from disagg.wire import commit_bytes, piece_bytes, push_kv_call
 
 SINK = """
 import asyncio, grpc, sys
@@ -60,11 +61,13 @@ def kv_pieces(tokens: int, piece_bytes: int):
 async def push_kv(address: str, pieces, tokens: int) -> float:
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         stub = wgrpc.DecodeServiceStub(channel)
+        push_kv = push_kv_call(channel)
         call = stub.Decode(wpb.DecodeRequest(request_id="bw", prompt_len=tokens, sampling=wpb.WorkerSampling(top_p=1.0), stopping=wpb.WorkerStopping(max_new_tokens=1)))
         reservation = (await call.read()).reserved.reservation_id
-        messages = [piece_to_pb(p, reservation) for p in pieces]  # built before the clock starts, as the prefill worker's are
+        commit = KvCommit(first_token=5, prompt_len=tokens, num_layers=SMOLLM_135M_SHAPE.num_layers)
         started = time.perf_counter()
-        await stub.PushKv(iter(messages + [commit_to_pb(type("C", (), {"first_token": 5, "prompt_len": tokens, "num_layers": SMOLLM_135M_SHAPE.num_layers})(), reservation)]))
+        # Framed on the way, as the prefill worker's are.
+        await push_kv(itertools.chain((piece_bytes(p, reservation) for p in pieces), [commit_bytes(commit, reservation)]))
         elapsed = time.perf_counter() - started
         call.cancel()
         return elapsed

@@ -11,7 +11,7 @@ from disagg import wire
 from disagg.engine.backends import load_backend
 from disagg.engine.kv_wire import KvWireError
 from disagg.metrics import DecodeMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, UnparsableMessage, announce_ports, check_parsed, serve_until_signal, start_server
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, UnparsableMessage, lenient_parser, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
 from .colocated import ColocatedPrefillServicer
@@ -20,6 +20,7 @@ from .worker import DecodeWorker
 
 log = logging.getLogger(__name__)
 SERVICE = wpb.DESCRIPTOR.services_by_name["DecodeService"]
+PUSH_KV = wire.PUSH_KV
 
 
 class DecodeServicer:
@@ -54,11 +55,11 @@ class DecodeServicer:
         worker = await self._ready(context)
 
         async def messages():
-            async for chunk in request_iterator:
+            async for chunk in request_iterator:  # parsed by parse_kv_chunk
                 if isinstance(chunk, UnparsableMessage):
                     raise KvWireError(chunk.as_error().args[0])
                 try:
-                    yield wire.chunk_from_pb(chunk)
+                    yield wire.chunk_from_pb(*chunk)
                 except ValueError as exc:
                     raise KvWireError(str(exc)) from exc
 
@@ -73,6 +74,19 @@ class DecodeServicer:
         return wire.worker_load("decode", worker.info, **worker.load())
 
 
+_parse_kv_header = lenient_parser(wpb.KvChunk)
+
+
+def parse_kv_chunk(raw: bytes) -> tuple[wpb.KvChunk, memoryview | None] | UnparsableMessage:
+    """PushKv's deserializer: the tensor bytes stay where gRPC put them (no copy)."""
+    try:
+        header, data = wire.split_kv_chunk(raw)
+    except ValueError as exc:
+        return UnparsableMessage(wpb.KvChunk.DESCRIPTOR.full_name, str(exc))
+    message = _parse_kv_header(header)
+    return message if isinstance(message, UnparsableMessage) else (message, data)
+
+
 def backend_options(config) -> dict:
     neuron = {**config.neuron, "async_mode": config.async_mode}
     return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=config.batch_size, neuron=neuron)
@@ -85,7 +99,7 @@ async def serve(config: DecodeWorkerConfig) -> None:
     if config.colocated:
         services.append((ColocatedPrefillServicer(servicer), wpb.DESCRIPTOR.services_by_name["PrefillService"]))
     # While draining, KV still arrives for slots reserved before SIGTERM.
-    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=("/disagg.v1.DecodeService/PushKv",))
+    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=(PUSH_KV,), deserializers={PUSH_KV: parse_kv_chunk})
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("decode worker on port %d: loading %s", server.port, config.model)

@@ -5,6 +5,7 @@ batcher's threads."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from .batcher import Batcher, Sequence, TokenEvent
 from .config import DecodeWorkerConfig
 
 log = logging.getLogger(__name__)
+
+WRITES_IN_FLIGHT = 8
 
 
 @dataclass
@@ -138,6 +141,9 @@ class DecodeWorker:
         """
         stream: DecodeStream | None = None  # set once this transfer owns a reservation
         received = 0
+        # Each piece is copied into the cache on the writer thread while the next
+        # one is read off the wire; at most WRITES_IN_FLIGHT pieces wait in memory.
+        writes: collections.deque[asyncio.Future] = collections.deque()
         try:
             async for reservation_id, message in messages:
                 if stream is None:
@@ -146,10 +152,15 @@ class DecodeWorker:
                 elif reservation_id and reservation_id != stream.key:
                     raise RequestError(f"reservation_id changed mid-transfer from {stream.key!r} to {reservation_id!r}")
                 if isinstance(message, KvCommit):
+                    while writes:
+                        await writes.popleft()
                     self._commit(stream, coverage, message)
                     self.metrics.kv_bytes.inc(received)
                     return received
-                received += await self._write_piece(stream, coverage, message)
+                writes.append(self._write_piece(stream, coverage, message))
+                received += len(message.data)
+                if len(writes) >= WRITES_IN_FLIGHT:
+                    await writes.popleft()
             raise RequestError("KV transfer ended without a commit", grpc.StatusCode.ABORTED)
         except KvWireError as exc:
             self.metrics.kv_failures.inc()
@@ -158,6 +169,8 @@ class DecodeWorker:
             self.metrics.kv_failures.inc()
             raise
         finally:
+            for write in writes:  # a broken transfer's copies still finish, in order, before any later owner's
+                write.add_done_callback(lambda done: done.cancelled() or done.exception())
             if stream is not None:
                 stream.transferring = False
 
@@ -170,7 +183,8 @@ class DecodeWorker:
         stream.transferring = True
         return stream
 
-    async def _write_piece(self, stream: DecodeStream, coverage: KvCoverage, piece: KvPiece) -> int:
+    def _write_piece(self, stream: DecodeStream, coverage: KvCoverage, piece: KvPiece) -> asyncio.Future:
+        """Checks the piece, then starts its copy into the slot; the future ends with the copy."""
         info = self.info
         if not self.slots.is_reserved(stream.key):
             raise RequestError(f"reservation_id {stream.key!r} expired during the transfer", grpc.StatusCode.NOT_FOUND)
@@ -184,8 +198,7 @@ class DecodeWorker:
             raise KvWireError(f"tokens [{piece.token_start}, {piece.token_end}) fall outside the prompt of {stream.reservation.prompt_len}")
         tensor = decode(piece)
         coverage.add(piece)
-        await self._loop.run_in_executor(self._kv_writer, self.backend.write_kv, stream.reservation.slot, piece.layer, piece.kind, piece.token_start, tensor)
-        return len(piece.data)
+        return self._loop.run_in_executor(self._kv_writer, self.backend.write_kv, stream.reservation.slot, piece.layer, piece.kind, piece.token_start, tensor)
 
     def _commit(self, stream: DecodeStream, coverage: KvCoverage, commit: KvCommit) -> None:
         # The last piece's write yielded to the loop: the lease may have run out or the

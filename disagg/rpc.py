@@ -54,7 +54,7 @@ class UnparsableMessage:
         return RequestError(f"request does not parse as {self.type_name}: {self.error}")
 
 
-def _varint(data: bytes, i: int) -> tuple[int, int]:
+def read_varint(data: bytes, i: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         byte = data[i]  # IndexError on truncated input
@@ -69,14 +69,14 @@ def invalid_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
     i = 0
     try:
         while i < len(data):
-            key, i = _varint(data, i)
+            key, i = read_varint(data, i)
             field, wire_type = descriptor.fields_by_number.get(key >> 3), key & 7
             if wire_type == 0:
-                _, i = _varint(data, i)
+                _, i = read_varint(data, i)
             elif wire_type in (1, 5):
                 i += 8 if wire_type == 1 else 4
             elif wire_type == 2:
-                length, i = _varint(data, i)
+                length, i = read_varint(data, i)
                 chunk, i = data[i : i + length], i + length
                 if field is None:
                     continue
@@ -96,7 +96,7 @@ def invalid_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
     return None
 
 
-def _lenient_parser(message_class):
+def lenient_parser(message_class):
     # gRPC answers INTERNAL when a deserializer raises; parsing here instead lets
     # the servicer answer INVALID_ARGUMENT (bad bytes, invalid UTF-8 in a string).
     def parse(data: bytes):
@@ -110,8 +110,13 @@ def _lenient_parser(message_class):
     return parse
 
 
-def register_service(server: grpc.aio.Server, servicer, service_descriptor) -> None:
-    """Adds servicer's methods for a service, built from its descriptor."""
+def register_service(server: grpc.aio.Server, servicer, service_descriptor, deserializers: dict | None = None) -> None:
+    """Adds servicer's methods for a service, built from its descriptor.
+
+    deserializers: method path -> a parser of the request bytes to use instead
+    of the message class's (it must not raise: see lenient_parser).
+    """
+    deserializers = deserializers or {}
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -124,7 +129,7 @@ def register_service(server: grpc.aio.Server, servicer, service_descriptor) -> N
         make = kinds[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=_lenient_parser(request_class),
+            request_deserializer=deserializers.get(f"/{service_descriptor.full_name}/{method.name}") or lenient_parser(request_class),
             response_serializer=lambda message: message.SerializeToString(),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))
@@ -197,6 +202,7 @@ async def start_server(
     credentials: grpc.ServerCredentials | None = None,
     interceptors: tuple = (),
     drain_exempt: tuple[str, ...] = (),
+    deserializers: dict | None = None,
 ) -> RunningServer:
     """Starts a grpc.aio server on address ("host:port", port 0 picks one).
 
@@ -206,7 +212,7 @@ async def start_server(
     drain = DrainInterceptor(drain_exempt)
     server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=(drain, *interceptors))
     for servicer, descriptor in services:
-        register_service(server, servicer, descriptor)
+        register_service(server, servicer, descriptor, deserializers)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [descriptor.full_name for _, descriptor in services]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from disagg.engine.kv_wire import KvCommit, KvKind, KvPiece
 from disagg.engine.requests import FinishReason, Sampling, Stopping
+from disagg.rpc import read_varint
 from disagg.v1 import worker_pb2 as wpb
 
 
@@ -52,12 +53,97 @@ def commit_to_pb(commit: KvCommit, reservation_id: str = "") -> wpb.KvChunk:
     )
 
 
-def chunk_from_pb(msg: wpb.KvChunk) -> tuple[str, KvPiece | KvCommit]:
-    """Raises ValueError for a chunk whose kind is not KEY or VALUE."""
+def chunk_from_pb(msg: wpb.KvChunk, data: bytes | memoryview | None = None) -> tuple[str, KvPiece | KvCommit]:
+    """Raises ValueError for a chunk whose kind is not KEY or VALUE. data: the
+    tensor bytes when they were split off the message (see kv_chunk_from_bytes)."""
     if msg.HasField("commit"):
         c = msg.commit
         return msg.reservation_id, KvCommit(first_token=c.first_token, prompt_len=c.prompt_len, num_layers=c.num_layers)
     if msg.kind not in (KvKind.KEY, KvKind.VALUE):
         raise ValueError(f"kind {msg.kind} is not KEY or VALUE")
-    piece = KvPiece(msg.layer, KvKind(msg.kind), msg.token_start, msg.dtype, tuple(msg.shape), msg.data)
+    piece = KvPiece(msg.layer, KvKind(msg.kind), msg.token_start, msg.dtype, tuple(msg.shape), msg.data if data is None else data)
     return msg.reservation_id, piece
+
+
+# -- KvChunk framing without copying the tensor bytes ---------------------------
+# A KvChunk is a few small fields and one large `data` field. Building it as a
+# protobuf message copies the bytes into the message, again when serialized, and
+# on receipt twice more (parse, then field access). These two functions write
+# and read the same protobuf wire format with the tensor bytes copied once on
+# each side: any protobuf KvChunk parses here, and what is written here parses
+# as a KvChunk anywhere (tests check both ways).
+PUSH_KV = f"/{wpb.DESCRIPTOR.services_by_name['DecodeService'].full_name}/PushKv"
+_DATA_FIELD = wpb.KvChunk.DESCRIPTOR.fields_by_name["data"].number
+_LENGTH_DELIMITED = 2
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_DATA_TAG = _varint_bytes(_DATA_FIELD << 3 | _LENGTH_DELIMITED)
+
+
+def piece_bytes(piece: KvPiece, reservation_id: str = "") -> bytes:
+    """The serialized KvChunk of piece: its small fields, then the tensor bytes."""
+    header = wpb.KvChunk(reservation_id=reservation_id, layer=piece.layer, kind=int(piece.kind), token_start=piece.token_start, dtype=piece.dtype, shape=list(piece.shape))
+    return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(len(piece.data)), piece.data))
+
+
+def push_kv_call(channel):
+    """PushKv taking serialized KvChunks (piece_bytes, commit_bytes) rather than messages."""
+    return channel.stream_unary(PUSH_KV, request_serializer=None, response_deserializer=wpb.KvAck.FromString)
+
+
+def commit_bytes(commit: KvCommit, reservation_id: str = "") -> bytes:
+    return commit_to_pb(commit, reservation_id).SerializeToString()
+
+
+def _data_span(raw: bytes) -> tuple[int, int, int] | None:
+    """(tag start, data start, data end) of the last top-level `data` field, if any."""
+    try:
+        return _scan_for_data(raw)
+    except IndexError:
+        raise ValueError("the message ends inside a field") from None
+
+
+def _scan_for_data(raw: bytes) -> tuple[int, int, int] | None:
+    span, i = None, 0
+    while i < len(raw):
+        tag_start = i
+        key, i = read_varint(raw, i)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, i = read_varint(raw, i)
+        elif wire_type == 1:
+            i += 8
+        elif wire_type == 5:
+            i += 4
+        elif wire_type == _LENGTH_DELIMITED:
+            length, i = read_varint(raw, i)
+            if key >> 3 == _DATA_FIELD:
+                span = (tag_start, i, i + length)
+            i += length
+        else:
+            raise ValueError(f"wire type {wire_type} has no place in a KvChunk")
+        if i > len(raw):
+            raise ValueError("a field runs past the end of the message")
+    return span
+
+
+def split_kv_chunk(raw: bytes) -> tuple[bytes, memoryview | None]:
+    """A serialized KvChunk as (the bytes of its other fields, a view of its data).
+
+    The first parses as a KvChunk without data. Raises ValueError for bytes
+    that are not a protobuf message.
+    """
+    span = _data_span(raw)
+    if span is None:
+        return raw, None
+    tag_start, start, end = span
+    return raw[:tag_start] + raw[end:], memoryview(raw)[start:end]

@@ -18,7 +18,6 @@ from disagg.engine.requests import Sampling
 from disagg.metrics import PrefillMetrics, outcome_label
 from disagg.rpc import RequestError
 from disagg.security import open_channel
-from disagg.v1 import worker_pb2_grpc as wgrpc
 
 from .config import PrefillWorkerConfig
 
@@ -110,24 +109,24 @@ class PrefillWorker:
                 sender.cancel()  # the decode worker sees the broken transfer and frees the slot
 
     async def _send_kv(self, target: KvTarget, outbox: asyncio.Queue, timeout: float | None) -> int:
-        stub = wgrpc.DecodeServiceStub(self._channel(target.address))
+        push_kv = wire.push_kv_call(self._channel(target.address))
 
         async def chunks():
             first = True
             while True:
                 item = await outbox.get()
                 if isinstance(item, KvCommit):
-                    yield wire.commit_to_pb(item, target.reservation_id)
+                    yield wire.commit_bytes(item, target.reservation_id)
                     return
                 for piece in item:
-                    yield wire.piece_to_pb(piece, target.reservation_id if first else "")
+                    yield wire.piece_bytes(piece, target.reservation_id if first else "")
                     first = False
 
         self.inflight_transfers += 1
         try:
             limit = self.config.kv_send_timeout if timeout is None else min(timeout, self.config.kv_send_timeout)
             started = time.perf_counter()
-            ack = await stub.PushKv(chunks(), timeout=limit)
+            ack = await push_kv(chunks(), timeout=limit)
             self.metrics.kv_seconds.observe(time.perf_counter() - started)
             self.metrics.kv_bytes.inc(ack.bytes_received)
             return ack.bytes_received

@@ -1,7 +1,11 @@
 import pytest
 import torch
 
-from disagg.engine.kv_wire import KvCoverage, KvKind, KvPiece, KvWireError, decode, encode
+from decode_worker.server import parse_kv_chunk
+from disagg import wire
+from disagg.engine.kv_wire import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode, encode
+from disagg.rpc import UnparsableMessage
+from disagg.v1 import worker_pb2 as wpb
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -38,3 +42,35 @@ def test_coverage_finds_duplicates_and_gaps():
         for kind in KvKind:
             coverage.add(KvPiece(layer, kind, 6, "float32", (1, 4, 1), b""))
     assert coverage.missing() == []
+
+
+# -- KvChunk framing: the same protobuf wire format, the tensor bytes copied once --
+
+
+def a_piece() -> KvPiece:
+    return encode(3, KvKind.VALUE, torch.arange(2 * 5 * 4, dtype=torch.bfloat16).view(2, 5, 4), 1 << 20)[0]
+
+
+def test_framed_pieces_parse_as_protobuf_kv_chunks_and_back():
+    piece = a_piece()
+    framed = wire.piece_bytes(piece, "res-1")
+    assert wpb.KvChunk.FromString(framed) == wire.piece_to_pb(piece, "res-1")
+    header, data = parse_kv_chunk(framed)
+    assert wire.chunk_from_pb(header, data) == ("res-1", piece)
+    assert torch.equal(decode(wire.chunk_from_pb(header, data)[1]), decode(piece))
+
+
+def test_protobuf_serialized_chunks_parse_with_the_data_anywhere():
+    piece = a_piece()
+    message = wire.piece_to_pb(piece, "res-2")
+    assert wire.chunk_from_pb(*parse_kv_chunk(message.SerializeToString())) == ("res-2", piece)
+    data_first = wpb.KvChunk(data=piece.data).SerializeToString() + wpb.KvChunk(reservation_id="res-2", layer=3, kind=2, dtype="bfloat16", shape=[2, 5, 4]).SerializeToString()
+    assert wire.chunk_from_pb(*parse_kv_chunk(data_first)) == ("res-2", piece)
+    commit = KvCommit(first_token=9, prompt_len=5, num_layers=4)
+    assert wire.chunk_from_pb(*parse_kv_chunk(wire.commit_bytes(commit, "res-2"))) == ("res-2", commit)
+
+
+@pytest.mark.parametrize("raw", [b"\x3a\x10abc", b"\x3a", b"\x0f\x01", b"\x0a\x02\xff\xfe", b"\x80\x80\x80"], ids=["data runs past the end", "no length", "wire type 7", "invalid UTF-8 in reservation_id", "truncated varint"])
+def test_bytes_that_are_not_a_kv_chunk_are_refused_not_raised(raw):
+    parsed = parse_kv_chunk(raw)
+    assert isinstance(parsed, UnparsableMessage) and parsed.type_name == "disagg.v1.KvChunk"
