@@ -34,6 +34,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from disagg.engine.backends import Backend, StepInputs
+from disagg.flags import pin_this_thread
 from disagg.metrics import DecodeMetrics
 from disagg.engine.requests import FinishReason, Sampling, Stopping, token_finish
 
@@ -93,6 +94,7 @@ class Batcher:
         on_retired: Callable[[list[str]], None],
         async_mode: bool = True,
         metrics: DecodeMetrics | None = None,
+        device_cpus: frozenset[int] | None = None,
     ):
         self.backend = backend
         self.max_seq_len = backend.info.max_seq_len
@@ -102,7 +104,7 @@ class Batcher:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, Sequence] = {}  # slot -> sequence
         self._retiring: list[Sequence] = []
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(device_cpus,))
         self._last_output: torch.Tensor | None = None  # touched only on the device thread
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._stopping = False
@@ -230,13 +232,13 @@ class Batcher:
     def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool) -> torch.Tensor:
         # Runs on the device thread, in submission order, so _last_output is the
         # previous step's output whenever from_prev points into it.
-        if bool((from_prev >= 0).any()):
-            carried = self._last_output[from_prev.clamp(min=0)]
-            inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids)
         start = time.perf_counter()
         if not after_idle and self._last_step_end is not None:
             # Device idle while a busy batch waited on the host: what async mode hides.
             self.metrics.host_gap.observe(start - self._last_step_end)
+        if bool((from_prev >= 0).any()):  # the carried tokens: a gather on the device, part of the step
+            carried = self._last_output[from_prev.clamp(min=0)]
+            inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids)
         output = self.backend.decode_step(inputs)
         self._last_output = output
         self._last_step_end = time.perf_counter()

@@ -18,6 +18,7 @@ class DecodeWorkerConfig:
     lease_seconds: float = 30.0
     global_topk: int = 0
     threads: int = 0  # torch threads; 0 keeps torch's default
+    device_cpus: frozenset[int] | None = None  # CPUs for the model's thread (None: any of the process's)
     metrics_port: int = 0
     port_file: str | None = None  # where to announce the bound ports
     neuron: dict = field(default_factory=dict)  # neuron backend options (tp_degree, buckets, ...)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 import grpc
 
@@ -92,7 +93,14 @@ def backend_options(config) -> dict:
     return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=config.batch_size, neuron=neuron)
 
 
+# The device thread waits for the GIL each time the event loop or the host loop
+# holds it; Python's default 5 ms switch interval would let one busy thread keep
+# the device idle for that long between steps.
+GIL_SWITCH_SECONDS = 0.001
+
+
 async def serve(config: DecodeWorkerConfig) -> None:
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     servicer = DecodeServicer()
     credentials = config.tls.server_credentials(require_client_cert=True) if config.tls else None
     services = [(servicer, SERVICE)]

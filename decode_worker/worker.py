@@ -68,7 +68,7 @@ class DecodeWorker:
         # released reservation always finishes before the slot's next owner writes.
         self._kv_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics)
+        self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics, device_cpus=config.device_cpus)
         metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
         self._reaper: asyncio.Task | None = None
 

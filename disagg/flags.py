@@ -32,6 +32,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=0, help="prompt plus generated tokens (default: the model's limit, at most 4096)")
     parser.add_argument("--global-topk", type=int, default=0, help="cap sampling candidates per row, as NxDI's global_topk (0: whole vocabulary)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--device-cpus",
+        type=cpu_list,
+        default=None,
+        help="pin the thread that runs the model (and torch's compute threads) to these CPUs, e.g. 1 or 2-3; "
+        "gRPC and KV receive stay on the process's other CPUs, as host work does beside an accelerator",
+    )
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
     neuron.add_argument("--context-buckets", default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
@@ -40,6 +47,26 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     neuron.add_argument("--k-cache-transposed", action="store_true", default=None)
     neuron.add_argument("--worker-config", default=None, help="JSON worker settings (our names or transformers-neuronx's: tp_degree, n_positions, batch_size, amp, context_length_estimate)")
     neuron.add_argument("--serving-properties", default=None, help="an LMI serving.properties to take settings from")
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """'1', '0,2' or '2-3' -> CPU ids."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list such as 1, 0,2 or 2-3") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError("the CPU list is empty")
+    return frozenset(cpus)
+
+
+def pin_this_thread(cpus: frozenset[int] | None) -> None:
+    """On Linux, pid 0 names the calling thread: only it (and threads it starts) move."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def address(args) -> str:
@@ -102,6 +129,7 @@ def worker_fields(args) -> tuple[dict, dict]:
         max_seq_len=settings.get("max_seq_len", args.max_seq_len),
         global_topk=args.global_topk,
         threads=args.threads,
+        device_cpus=args.device_cpus,
         grace_seconds=args.grace_seconds,
         metrics_port=args.metrics_port,
         port_file=args.port_file,

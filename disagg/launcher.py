@@ -40,6 +40,7 @@ class ClusterSpec:
     public_tls_ca: str | None = None  # the router serves TLS: check its health with this CA
     colocated: bool = False  # decode workers also do the prefills (no prefill workers): the baseline
     cpus: dict = field(default_factory=dict)  # role ("prefill", "decode", "router") -> CPU ids to pin it to
+    nice: dict = field(default_factory=dict)  # role -> niceness increment (a prefill sharing a core with latency-bound threads)
 
 
 @dataclass
@@ -107,9 +108,16 @@ class LocalCluster:
         if self.spec.log_dir:
             os.makedirs(self.spec.log_dir, exist_ok=True)
             log = open(os.path.join(self.spec.log_dir, f"{name}.log"), "a")
-        cpus = self.spec.cpus.get(name.split("-")[0])
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True, preexec_fn=pin)
+        role = name.split("-")[0]
+        cpus, nice = self.spec.cpus.get(role), self.spec.nice.get(role, 0)
+
+        def place() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if nice:
+                os.nice(nice)
+
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True, preexec_fn=place if cpus or nice else None)
 
     def restart(self, name: str) -> Process:
         """Starts a process that has exited again, with the same command and ports."""

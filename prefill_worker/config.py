@@ -15,6 +15,7 @@ class PrefillWorkerConfig:
     max_seq_len: int = 0
     global_topk: int = 0
     threads: int = 0
+    device_cpus: frozenset[int] | None = None  # CPUs for the model's thread (None: any of the process's)
     kv_piece_bytes: int = 4 * 1024 * 1024  # one gRPC message of KV
     kv_send_timeout: float = 60.0
     grace_seconds: float = 30.0

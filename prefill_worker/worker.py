@@ -15,6 +15,7 @@ from disagg import wire
 from disagg.engine.backends import Backend
 from disagg.engine.kv_wire import KvCommit, KvKind, encode
 from disagg.engine.requests import Sampling
+from disagg.flags import pin_this_thread
 from disagg.metrics import PrefillMetrics, outcome_label
 from disagg.rpc import RequestError
 from disagg.security import open_channel
@@ -48,7 +49,7 @@ class PrefillWorker:
         self.metrics = metrics
         self.config = config
         self.info = backend.info
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(config.device_cpus,))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.pending = 0  # prefills submitted and not finished (running one included)
         self.inflight_transfers = 0

@@ -1,0 +1,35 @@
+"""Flags that shape a worker's process: CPU lists and the device thread's pinning."""
+
+import argparse
+import os
+
+import pytest
+
+from decode_worker.__main__ import parse_config
+from decode_worker.batcher import Batcher
+from disagg.flags import cpu_list
+
+
+def test_cpu_lists_parse_and_bad_ones_are_refused():
+    assert cpu_list("1") == {1}
+    assert cpu_list("0,2") == {0, 2}
+    assert cpu_list("2-4,7") == {2, 3, 4, 7}
+    for bad in ("", "a", "1-x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cpu_list(bad)
+
+
+def test_only_the_device_thread_is_pinned(llama_path):
+    from disagg.engine.backends import load_backend
+
+    process_cpus = os.sched_getaffinity(0)
+    device_cpu = min(process_cpus)
+    config = parse_config(["--model", llama_path, "--device-cpus", str(device_cpu)])
+    assert config.device_cpus == {device_cpu}
+    batcher = Batcher(load_backend("torch", model=llama_path, dtype="float32"), lambda events: None, lambda keys: None, device_cpus=config.device_cpus)
+    batcher.start()
+    try:
+        assert batcher.run_on_device(os.sched_getaffinity, 0).result(timeout=30) == {device_cpu}
+        assert os.sched_getaffinity(0) == process_cpus  # gRPC and KV receive keep the process's CPUs
+    finally:
+        batcher.stop()
