@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import statistics
 import subprocess
 import sys
@@ -90,9 +91,12 @@ def main() -> None:
     args = parser.parse_args()
     pieces = kv_pieces(args.tokens, args.piece_bytes)
     total = sum(len(p.data) for p in pieces)
-    sink = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+    # Sender (this process) on core 0, receivers on core 1: both transfers cross
+    # the same two cores, so the ratio does not hang on where the scheduler put them.
+    os.sched_setaffinity(0, {0})
+    sink = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {1}))
     sink_address = f"127.0.0.1:{sink.stdout.readline().strip()}"
-    spec = ClusterSpec(model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype="bfloat16", log_dir="/tmp/disagg-kvbw-logs")
+    spec = ClusterSpec(model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype="bfloat16", log_dir="/tmp/disagg-kvbw-logs", cpus={"decode": [1]})
     cluster = LocalCluster(spec)
     try:
         worker = cluster.add_worker("decode", ["--batch-size", "1", "--max-seq-len", str(args.tokens + 16)])
