@@ -117,7 +117,7 @@ def neuron_settings(args) -> tuple[dict, dict]:
 
 
 def worker_fields(args) -> tuple[dict, dict]:
-    """(the config fields both workers share, the settings files' values) from parsed flags.
+    """(the WorkerConfig fields, the settings files' values) from parsed flags.
     A settings file (serving.properties, worker JSON) wins over a flag's default."""
     settings, neuron = neuron_settings(args)
     fields = dict(

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from typing import Iterator
 
 import grpc
 from google.protobuf import message_factory
@@ -54,44 +55,73 @@ class UnparsableMessage:
         return RequestError(f"request does not parse as {self.type_name}: {self.error}")
 
 
+LENGTH_DELIMITED = 2  # the protobuf wire type of strings, bytes and messages
+
+
 def read_varint(data: bytes, i: int) -> tuple[int, int]:
     value = shift = 0
     while True:
-        byte = data[i]  # IndexError on truncated input
+        if i >= len(data):
+            raise ValueError("the message ends inside a varint")
+        byte = data[i]
         value |= (byte & 0x7F) << shift
         i, shift = i + 1, shift + 7
         if byte < 0x80:
             return value, i
 
 
+@dataclass(frozen=True)
+class WireField:
+    """One top-level field of a serialized message: its tag starts at `start`, its value is data[value_start:end]."""
+
+    number: int
+    wire_type: int
+    start: int
+    value_start: int
+    end: int
+
+
+def wire_fields(data: bytes) -> Iterator[WireField]:
+    """The top-level fields of a serialized message, in order, unparsed.
+    Raises ValueError where the bytes stop being a message."""
+    i = 0
+    while i < len(data):
+        start = i
+        key, i = read_varint(data, i)
+        wire_type = key & 7
+        if wire_type == 0:
+            end = read_varint(data, i)[1]
+        elif wire_type in (1, 5):
+            end = i + (8 if wire_type == 1 else 4)
+        elif wire_type == LENGTH_DELIMITED:
+            length, i = read_varint(data, i)
+            end = i + length
+        else:
+            raise ValueError(f"wire type {wire_type} is not supported")
+        if end > len(data):
+            raise ValueError("a field runs past the end of the message")
+        yield WireField(key >> 3, wire_type, start, i, end)
+        i = end
+
+
 def invalid_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
     """The dotted name of the first string field holding invalid UTF-8, if any."""
-    i = 0
     try:
-        while i < len(data):
-            key, i = read_varint(data, i)
-            field, wire_type = descriptor.fields_by_number.get(key >> 3), key & 7
-            if wire_type == 0:
-                _, i = read_varint(data, i)
-            elif wire_type in (1, 5):
-                i += 8 if wire_type == 1 else 4
-            elif wire_type == 2:
-                length, i = read_varint(data, i)
-                chunk, i = data[i : i + length], i + length
-                if field is None:
-                    continue
-                if field.type == field.TYPE_STRING:
-                    try:
-                        chunk.decode("utf-8")
-                    except UnicodeDecodeError:
-                        return prefix + field.name
-                elif field.type == field.TYPE_MESSAGE:
-                    found = invalid_utf8_field(field.message_type, chunk, f"{prefix}{field.name}.")
-                    if found:
-                        return found
-            else:
-                return None
-    except IndexError:
+        for wire_field in wire_fields(data):
+            field = descriptor.fields_by_number.get(wire_field.number)
+            if field is None or wire_field.wire_type != LENGTH_DELIMITED:
+                continue
+            chunk = data[wire_field.value_start : wire_field.end]
+            if field.type == field.TYPE_STRING:
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    return prefix + field.name
+            elif field.type == field.TYPE_MESSAGE:
+                found = invalid_utf8_field(field.message_type, chunk, f"{prefix}{field.name}.")
+                if found:
+                    return found
+    except ValueError:
         return None
     return None
 

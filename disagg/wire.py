@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from disagg.engine.kv_wire import KvCommit, KvKind, KvPiece
 from disagg.engine.requests import FinishReason, Sampling, Stopping
-from disagg.rpc import read_varint
+from disagg.rpc import LENGTH_DELIMITED, WireField, wire_fields
 from disagg.v1 import worker_pb2 as wpb
 
 
@@ -74,7 +74,6 @@ def chunk_from_pb(msg: wpb.KvChunk, data: bytes | memoryview | None = None) -> t
 # as a KvChunk anywhere (tests check both ways).
 PUSH_KV = f"/{wpb.DESCRIPTOR.services_by_name['DecodeService'].full_name}/PushKv"
 _DATA_FIELD = wpb.KvChunk.DESCRIPTOR.fields_by_name["data"].number
-_LENGTH_DELIMITED = 2
 
 
 def _varint_bytes(value: int) -> bytes:
@@ -86,7 +85,7 @@ def _varint_bytes(value: int) -> bytes:
     return bytes(out)
 
 
-_DATA_TAG = _varint_bytes(_DATA_FIELD << 3 | _LENGTH_DELIMITED)
+_DATA_TAG = _varint_bytes(_DATA_FIELD << 3 | LENGTH_DELIMITED)
 
 
 def piece_bytes(piece: KvPiece, reservation_id: str = "") -> bytes:
@@ -104,36 +103,10 @@ def commit_bytes(commit: KvCommit, reservation_id: str = "") -> bytes:
     return commit_to_pb(commit, reservation_id).SerializeToString()
 
 
-def _data_span(raw: bytes) -> tuple[int, int, int] | None:
-    """(tag start, data start, data end) of the last top-level `data` field, if any."""
-    try:
-        return _scan_for_data(raw)
-    except IndexError:
-        raise ValueError("the message ends inside a field") from None
-
-
-def _scan_for_data(raw: bytes) -> tuple[int, int, int] | None:
-    span, i = None, 0
-    while i < len(raw):
-        tag_start = i
-        key, i = read_varint(raw, i)
-        wire_type = key & 7
-        if wire_type == 0:
-            _, i = read_varint(raw, i)
-        elif wire_type == 1:
-            i += 8
-        elif wire_type == 5:
-            i += 4
-        elif wire_type == _LENGTH_DELIMITED:
-            length, i = read_varint(raw, i)
-            if key >> 3 == _DATA_FIELD:
-                span = (tag_start, i, i + length)
-            i += length
-        else:
-            raise ValueError(f"wire type {wire_type} has no place in a KvChunk")
-        if i > len(raw):
-            raise ValueError("a field runs past the end of the message")
-    return span
+def _data_span(raw: bytes) -> WireField | None:
+    """The last top-level `data` field (protobuf keeps the last of a repeated scalar)."""
+    spans = [f for f in wire_fields(raw) if f.number == _DATA_FIELD and f.wire_type == LENGTH_DELIMITED]
+    return spans[-1] if spans else None
 
 
 def split_kv_chunk(raw: bytes) -> tuple[bytes, memoryview | None]:
@@ -142,8 +115,7 @@ def split_kv_chunk(raw: bytes) -> tuple[bytes, memoryview | None]:
     The first parses as a KvChunk without data. Raises ValueError for bytes
     that are not a protobuf message.
     """
-    span = _data_span(raw)
-    if span is None:
+    data = _data_span(raw)
+    if data is None:
         return raw, None
-    tag_start, start, end = span
-    return raw[:tag_start] + raw[end:], memoryview(raw)[start:end]
+    return raw[: data.start] + raw[data.end :], memoryview(raw)[data.value_start : data.end]

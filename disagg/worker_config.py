@@ -1,0 +1,28 @@
+"""What both workers are configured with; each role's config adds its own fields.
+
+`flags.worker_fields()` fills exactly these from the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disagg.security import TlsFiles
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    address: str = "127.0.0.1:0"
+    backend: str = "torch"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_seq_len: int = 0  # 0: the model's limit (at most 4096)
+    global_topk: int = 0
+    threads: int = 0  # torch threads; 0 keeps torch's default
+    device_cpus: frozenset[int] | None = None  # CPUs for the model's thread (None: any of the process's)
+    grace_seconds: float = 30.0  # SIGTERM: how long work in flight may take to finish
+    metrics_port: int = 0
+    port_file: str | None = None  # where to announce the bound ports
+    neuron: dict = field(default_factory=dict)  # neuron backend options (tp_degree, buckets, ...)
+    tls: TlsFiles | None = None  # mutual TLS between the router and the workers
