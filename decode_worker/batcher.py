@@ -220,6 +220,7 @@ class Batcher:
             seeds=torch.tensor([s.sampling.seed for s in rows]),
             steps=torch.tensor([s.step_offset + s.scheduled for s in rows]),  # sampling counter of the token produced
             kv_len=max(positions) + 1,
+            min_position=min(positions),
             contiguous_from=slots[0] if slots[-1] - slots[0] == len(slots) - 1 else None,
         )
         for s in rows:

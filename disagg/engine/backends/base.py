@@ -16,7 +16,7 @@ import torch
 
 from ..kv_wire import KvKind
 from ..requests import Sampling
-from .slot_attention import LayerKvCallback
+from .slot_cache import LayerKvCallback
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class StepInputs:
     steps: torch.Tensor  # [n] int64, the sampling counter of the token being produced
     kv_len: int  # max(positions) + 1, known on the host
     contiguous_from: int | None  # first slot when slots are one contiguous run
+    min_position: int | None = None  # min(positions), known on the host (sliding windows read from it)
 
 
 class Backend(abc.ABC):

@@ -1,6 +1,9 @@
-"""The portable backend: any transformers decoder-only checkpoint, on CPU or CUDA.
+"""The portable backend: transformers decoder-only checkpoints, on CPU or CUDA.
 
-The model itself is untouched; `slot_attention` owns its KV cache.
+The model code is untouched: it runs its own attention and builds its own
+masks, while `slot_cache` hands it the engine's slot KV cache as a transformers
+`Cache`. Architectures the engine cannot serve exactly are refused at start-up
+(`architectures`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from ..kv_wire import KvKind, dtype_name
 from ..model_files import eos_token_ids
 from ..requests import Sampling
 from ..sampler import params_tensor, sample
+from . import architectures, row_masks
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
-from .slot_attention import ATTN_IMPLEMENTATION, DecodeContext, LayerKvCallback, PrefillContext, SlotKvCache
+from .slot_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
 
 log = logging.getLogger(__name__)
 
@@ -36,33 +40,62 @@ class TorchBackendConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
 
-def describe(model_path: str, config, backend: str, dtype: torch.dtype, max_seq_len: int) -> ModelInfo:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text_config.num_attention_heads
-    limit = getattr(text_config, "max_position_embeddings", None) or 4096
+def describe(model_path: str, config, backend: str, dtype: torch.dtype, max_seq_len: int, kv_shape: tuple[int, int], eos: tuple[int, ...]) -> ModelInfo:
+    text_config = config.get_text_config(decoder=True)
+    limit = architectures.context_limit(text_config)
     return ModelInfo(
         name=model_path.rstrip("/").rsplit("/", 1)[-1] if "/" in model_path else model_path,
         backend=backend,
         dtype=dtype_name(dtype),
         num_layers=text_config.num_hidden_layers,
-        kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+        kv_heads=kv_shape[0],
+        head_dim=kv_shape[1],
         vocab_size=text_config.vocab_size,
-        eos_token_ids=eos_token_ids(model_path, text_config),
+        eos_token_ids=eos,
         max_seq_len=min(max_seq_len or min(limit, 4096), limit),
     )
 
 
+def load_model(path: str, dtype: torch.dtype, device: torch.device):
+    """The checkpoint with transformers' own choice of attention, once it is known to be served exactly."""
+    architectures.check_verdict(AutoConfig.from_pretrained(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
 class TorchBackend(Backend):
-    def __init__(self, config: TorchBackendConfig):
+    def __init__(self, config: TorchBackendConfig, model=None):
+        """model: an already-built model (the model-support sweep), used as it is."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        hf_config = AutoConfig.from_pretrained(config.model)
-        self.info = describe(config.model, hf_config, "torch", self.dtype, config.max_seq_len)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION)
-        self.model.to(self.device).eval()
+        self.model = model if model is not None else load_model(config.model, self.dtype, self.device)
+        architectures.check_structure(self.model)
+        row_masks.install()
+        self.plans = layer_plans(self.model.config)
+        kv_shape = architectures.check_kv_shapes(self.model.config, self._probe(), len(self.plans))
+        eos = eos_token_ids(config.model, self.model.config) if model is None else architectures.config_eos(self.model.config)
+        self.info = describe(config.model, self.model.config, "torch", self.dtype, config.max_seq_len, kv_shape, eos)
         self.cache: SlotKvCache | None = None
+
+    @torch.inference_mode()
+    def _probe(self) -> dict[int, tuple]:
+        """Two 2-token prompts that differ in their second token: refuses a model whose
+        first position sees the second (an encoder's LM head not set up as a decoder);
+        returns, per layer that writes KV, (keys shape, values shape)."""
+        shapes: dict[int, tuple] = {}
+        first_logits = []
+        for second in (0, 1):
+            cache = PrefillCache(self.plans, lambda layer, k, v: shapes.setdefault(layer, (tuple(k.shape), tuple(v.shape))))
+            ids = torch.tensor([[0, second]], dtype=torch.long, device=self.device)
+            out = self.model(ids, position_ids=torch.arange(2, device=self.device)[None], past_key_values=cache, use_cache=True)
+            first_logits.append(out.logits[0, 0])
+        # Not bitwise: a mixture of experts groups tokens per expert, so the first
+        # row's rounding may follow the second token; seeing it moves the logits by far more.
+        first, other = (t.float() for t in first_logits)
+        if (first - other).abs().max() > 1e-2 * first.abs().max() + 1e-3:
+            architectures.refuse(self.model.config, "attention is not causal: the first position sees the next token (set is_decoder for an encoder's LM head)")
+        return shapes
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
@@ -73,17 +106,24 @@ class TorchBackend(Backend):
             if on_layer is not None:
                 on_layer(layer, keys, values)
 
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
-        positions = torch.arange(len(token_ids), device=self.device)[None]  # [1, L]
-        out = self.model(input_ids, position_ids=positions, use_cache=False, logits_to_keep=1, slot_attention=PrefillContext(keep_layer))
+        logits = self.prefill_logits(token_ids, keep_layer)
         first = sample(
-            out.logits[:, -1],  # [1, vocab]
+            logits,  # [1, vocab]
             params_tensor([sampling], self.device),
             torch.tensor([sampling.seed], device=self.device),
             torch.full((1,), first_step, dtype=torch.long, device=self.device),
             self.config.global_topk,
         )
         return PrefillResult(first_token=int(first[0]), layers=[layers[i] for i in range(self.info.num_layers)])
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback) -> torch.Tensor:
+        """[1, vocab]: the logits after the prompt; each layer's K/V goes to on_layer."""
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
+        positions = torch.arange(len(token_ids), device=self.device)[None]  # [1, L]
+        cache = PrefillCache(self.plans, on_layer)
+        out = self.model(input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
 
     def allocate_slots(self, num_slots: int) -> int:
         info = self.info
@@ -94,8 +134,14 @@ class TorchBackend(Backend):
         target = (self.cache.keys if kind is KvKind.KEY else self.cache.values)[layer]
         target[slot, :, token_start : token_start + tensor.shape[1]].copy_(tensor)
 
+    def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """[n, vocab]: the next-token logits of one step over the active slots."""
+        min_position = inputs.min_position if inputs.min_position is not None else int(inputs.positions.min())
+        step = DecodeStep(inputs.slots, inputs.positions, inputs.kv_len, min_position, inputs.contiguous_from)
+        cache = DecodeCache(self.plans, self.cache, step)
+        out = self.model(inputs.input_ids[:, None], position_ids=inputs.positions[:, None], past_key_values=cache, use_cache=True)
+        return out.logits[:, -1]
+
     @torch.inference_mode()
     def decode_step(self, inputs: StepInputs) -> torch.Tensor:
-        ctx = DecodeContext(self.cache, inputs.slots, inputs.positions, inputs.kv_len, inputs.contiguous_from)
-        out = self.model(inputs.input_ids[:, None], position_ids=inputs.positions[:, None], use_cache=False, slot_attention=ctx)
-        return sample(out.logits[:, -1], inputs.params, inputs.seeds, inputs.steps, self.config.global_topk)
+        return sample(self.decode_logits(inputs), inputs.params, inputs.seeds, inputs.steps, self.config.global_topk)

@@ -1,0 +1,173 @@
+"""The slot KV cache, presented to any transformers model as its own `Cache`.
+
+Every decoder-only model in transformers writes its new keys and values through
+`past_key_values.update(...)`, asks the cache how long the keys it returns are
+(`get_mask_sizes`) and where its query stands (`get_query_offset`), builds its
+masks from those answers, and then runs its own attention (eager or sdpa, with
+its own scaling, softcapping, sinks, ALiBi). So the engine owns the KV memory in
+NxDI's continuous-batching layout while the model code, masks included, stays
+transformers' own:
+
+- `PrefillCache` (one sequence): keeps nothing, hands each layer's K/V to a
+  callback as it is produced (so it can be sent while later layers compute),
+  and returns them so the layer attends over the prompt exactly as with a
+  fresh `DynamicCache`.
+- `DecodeCache` (one token per active slot): writes each row's K/V line at its
+  own position in its slot and returns the slot rows' prefix. Rows stand at
+  different positions, so the query offset is a per-row tensor; `row_masks`
+  teaches transformers' mask builders to read it. A sliding-window layer
+  returns only the positions its window can still see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from . import row_masks
+
+# Called as on_layer(layer_idx, keys, values) with tensors [kv_heads, tokens, head_dim].
+LayerKvCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+# Layer types whose attention reads (a window of) ordinary per-token K/V. The
+# others (linear attention, convolution, compressed or indexed attention, layers
+# that reuse another layer's cache) keep state this cache does not hold.
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+SERVED_LAYER_TYPES = ("full_attention", *SLIDING_TYPES)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one decoder layer keeps: its type and, for a sliding layer, its window."""
+
+    layer_type: str
+    window: int | None = None
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == "sliding_attention"
+
+
+def layer_plans(config) -> list[LayerPlan]:
+    """Per decoder layer, as transformers' own DynamicCache reads the config."""
+    text_config = config.get_text_config(decoder=True)
+    types, kwargs = get_layer_types_and_kwargs(text_config)
+    return [LayerPlan(t, kw.get("sliding_window") if t == "sliding_attention" else None) for t, kw in zip(types, kwargs)]
+
+
+@dataclass
+class SlotKvCache:
+    """Per layer, keys and values of shape [slots, kv_heads, max_seq_len, head_dim]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, num_layers: int, slots: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype, device) -> "SlotKvCache":
+        shape = (slots, kv_heads, max_seq_len, head_dim)
+        return cls(
+            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+class _Layer(CacheLayerMixin):
+    """The parts of transformers' layer protocol both caches share."""
+
+    def __init__(self, plan: LayerPlan):
+        super().__init__()
+        self.plan = plan
+        self.is_sliding = plan.is_sliding
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _PrefillLayer(_Layer):
+    def __init__(self, plan: LayerPlan, index: int, on_layer: LayerKvCallback):
+        super().__init__(plan)
+        self.index, self.on_layer, self.length = index, on_layer, 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states/value_states [1, kv_heads, L, head_dim]
+        if self.length:
+            raise RuntimeError(f"layer {self.index} wrote its KV twice in one prefill")
+        self.length = key_states.shape[-2]
+        self.on_layer(self.index, key_states[0], value_states[0])
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+class PrefillCache(Cache):
+    """A fresh cache for one prompt; every layer's K/V goes to on_layer."""
+
+    def __init__(self, plans: list[LayerPlan], on_layer: LayerKvCallback):
+        super().__init__(layers=[_PrefillLayer(plan, i, on_layer) for i, plan in enumerate(plans)])
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """Where the rows of one decode step read and write."""
+
+    slots: torch.Tensor  # [n] int64, sorted ascending
+    positions: torch.Tensor  # [n] int64: where each row's new token goes
+    kv_len: int  # max(positions) + 1
+    min_position: int  # min(positions), known on the host
+    # Rows [first, first + n) of the cache are read as a view, not a gathered
+    # copy, when the slots are one contiguous run.
+    contiguous_from: int | None = None
+
+
+class _DecodeLayer(_Layer):
+    def __init__(self, plan: LayerPlan, keys: torch.Tensor, values: torch.Tensor, step: DecodeStep):
+        super().__init__(plan)
+        self.keys, self.values, self.step = keys, values, step
+        # A sliding layer's rows see positions > position - window: skip what none of them sees.
+        self.start = max(0, step.min_position - plan.window + 1) if plan.is_sliding else 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states/value_states [n, kv_heads, 1, head_dim]
+        step = self.step
+        self.keys[step.slots, :, step.positions] = key_states[:, :, 0]
+        self.values[step.slots, :, step.positions] = value_states[:, :, 0]
+        span = slice(self.start, step.kv_len)
+        if step.contiguous_from is not None:
+            rows = slice(step.contiguous_from, step.contiguous_from + step.slots.numel())
+            return self.keys[rows, :, span], self.values[rows, :, span]
+        return self.keys[step.slots, :, span], self.values[step.slots, :, span]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.step.kv_len - self.start, self.start
+
+    def get_seq_length(self) -> int:
+        return self.step.kv_len - 1
+
+
+class DecodeCache(Cache):
+    """One decode step's view of the slot cache."""
+
+    def __init__(self, plans: list[LayerPlan], store: SlotKvCache, step: DecodeStep):
+        layers = [_DecodeLayer(plan, store.keys[i], store.values[i], step) for i, plan in enumerate(plans)]
+        super().__init__(layers=layers)
+        self.step = step
+
+    def get_query_offset(self, layer_idx: int = 0):
+        # [n]: each row's own position. transformers' own caches answer an int
+        # (or a 0-d tensor); row_masks builds per-row masks from a 1-d one.
+        return self.step.positions
