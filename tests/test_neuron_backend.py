@@ -28,17 +28,17 @@ STANDIN = str(pathlib.Path(__file__).parent / "nxdi_standin")
 
 
 # -- the NxDI config we build ------------------------------------------------------
-def test_neuron_config_for_continuous_batching_with_on_device_sampling_and_async():
+def test_neuron_config_for_continuous_batching_with_on_device_sampling_and_a_spare_line():
     options = NeuronOptions(model="/m", tp_degree=8, batch_size=16, seq_len=4096, max_context_length=2048, context_buckets=(512, 1024, 2048), token_buckets=(4096,))
     sampling = object()
     kwargs = neuron_config_kwargs(options, sampling)
     assert kwargs == {
-        "tp_degree": 8, "batch_size": 16, "ctx_batch_size": 1, "tkg_batch_size": 16, "max_batch_size": 16,
+        "tp_degree": 8, "batch_size": 17, "ctx_batch_size": 1, "tkg_batch_size": 17, "max_batch_size": 17,
         "seq_len": 4096, "max_context_length": 2048, "torch_dtype": "bfloat16", "is_continuous_batching": True,
-        "apply_seq_ids_mask": True, "on_device_sampling_config": sampling, "async_mode": True, "enable_bucketing": True,
-        "k_cache_transposed": False, "context_encoding_buckets": [512, 1024, 2048], "token_generation_buckets": [4096],
+        "apply_seq_ids_mask": True, "on_device_sampling_config": sampling, "async_mode": False, "enable_bucketing": True,
+        "save_sharded_checkpoint": True, "context_encoding_buckets": [512, 1024, 2048], "token_generation_buckets": [4096],
     }
-    assert neuron_config_kwargs(NeuronOptions(model="/m", async_mode=False), sampling)["async_mode"] is False
+    assert neuron_config_kwargs(NeuronOptions(model="/m", nxdi_async_mode=True), sampling)["async_mode"] is True  # neuron_validate.py compares
     assert "context_encoding_buckets" not in neuron_config_kwargs(NeuronOptions(model="/m"), sampling)  # NxDI's powers of two
 
 
@@ -47,9 +47,10 @@ def test_a_changed_config_compiles_into_a_new_directory(tmp_path):
     assert compiled_path(base) == compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path)))
     assert compiled_path(base) != compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), tp_degree=2))
     assert compiled_path(base) != compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), token_buckets=(128, 2048)))
+    assert compiled_path(base) == compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), async_mode=False))  # the batcher's, not compiled
 
 
-@pytest.mark.parametrize("bad", [dict(dtype="int8"), dict(seq_len=128, max_context_length=256), dict(context_buckets=(512, 128))])
+@pytest.mark.parametrize("bad", [dict(dtype="int8"), dict(seq_len=128, max_context_length=256), dict(context_buckets=(512, 128)), dict(k_cache_transposed=True)])
 def test_invalid_options_are_refused(bad):
     with pytest.raises(ValueError):
         NeuronOptions(model="/m", **bad)
@@ -72,20 +73,18 @@ def test_sampling_parameters_are_one_row_of_top_k_top_p_temperature_each():
 
 
 # -- KV lines: layouts and conversion -----------------------------------------------------
-def rank_caches(layout: KvLayout, slots=3, seq_len=10, head_dim=4, is_key=True):
-    shape = (slots, layout.heads_per_rank, head_dim, seq_len) if is_key and layout.k_transposed else (slots, layout.heads_per_rank, seq_len, head_dim)
-    return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layout.tp_degree)]
+def rank_caches(layout: KvLayout, slots=3, seq_len=10, head_dim=4):
+    return [torch.zeros((slots, layout.heads_per_rank, seq_len, head_dim), dtype=torch.bfloat16) for _ in range(layout.tp_degree)]
 
 
 @pytest.mark.parametrize("tp,kv_heads,sharding", [(1, 2, Sharding.SHARD), (2, 2, Sharding.SHARD), (4, 2, Sharding.REPLICATE), (2, 8, Sharding.SHARD), (8, 2, Sharding.REPLICATE)])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_write_then_read_is_byte_exact(tp, kv_heads, sharding, transposed):
-    layout = KvLayout(tp, kv_heads, num_attention_heads=kv_heads * 4, k_transposed=transposed)
+def test_write_then_read_is_byte_exact(tp, kv_heads, sharding):
+    layout = KvLayout(tp, kv_heads, num_attention_heads=kv_heads * 4)
     assert layout.sharding is sharding
     line = torch.randn(kv_heads, 6, 4).to(torch.bfloat16)
-    caches = rank_caches(layout, is_key=True)
-    layout.write_line(caches, slot=1, start=2, line=line, is_key=True)
-    read = layout.read_line(caches, slot=1, length=8, is_key=True)
+    caches = rank_caches(layout)
+    layout.write_line(caches, slot=1, start=2, line=line)
+    read = layout.read_line(caches, slot=1, length=8)
     assert read[:, 2:8].view(torch.int16).equal(line.view(torch.int16))
     assert not read[:, :2].any()  # nothing written before start
     assert all(not c[0].any() and not c[2].any() for c in caches)  # other slots untouched
@@ -98,15 +97,15 @@ def test_replicated_heads_go_to_consecutive_ranks_as_nxdi_repeat_interleave():
 
 
 def test_prefill_tp2_to_decode_tp8_conversion_through_the_wire():
-    prefill, decode = KvLayout(2, 4, 16), KvLayout(8, 4, 16, k_transposed=True)
+    prefill, decode = KvLayout(2, 4, 16), KvLayout(8, 4, 16)
     line = torch.randn(4, 5, 4).to(torch.bfloat16)
-    src = rank_caches(prefill, is_key=True)
-    prefill.write_line(src, 0, 0, line, is_key=True)
-    wire = prefill.read_line(src, 0, 5, is_key=True)  # what a prefill worker sends
-    dst = rank_caches(decode, is_key=True)
-    decode.write_line(dst, 2, 0, wire, is_key=True)
-    assert decode.read_line(dst, 2, 5, is_key=True).view(torch.int16).equal(line.view(torch.int16))
-    assert dst[7][2, 0, :, :5].T.view(torch.int16).equal(line[3].view(torch.int16))  # rank 7 holds head 3, transposed
+    src = rank_caches(prefill)
+    prefill.write_line(src, 0, 0, line)
+    wire = prefill.read_line(src, 0, 5)  # what a prefill worker sends
+    dst = rank_caches(decode)
+    decode.write_line(dst, 2, 0, wire)
+    assert decode.read_line(dst, 2, 5).view(torch.int16).equal(line.view(torch.int16))
+    assert dst[7][2, 0, :5].view(torch.int16).equal(line[3].view(torch.int16))  # rank 7 holds head 3
 
 
 @pytest.mark.parametrize("tp,kv_heads,heads,why", [(3, 2, 8, "neither divides the other"), (3, 8, 8, "do not divide by tp_degree"), (6, 4, 32, "neither divides the other")])
@@ -150,6 +149,13 @@ def test_transformers_neuronx_names_in_a_worker_config(tmp_path):
 
 
 # -- against the stand-in -----------------------------------------------------------------
+def torch_prefill(ids):
+    """The prompt's KV and greedy first token from transformers itself."""
+    from test_neuron_findings import torch_prefill as from_transformers
+
+    return from_transformers(ids)
+
+
 @pytest.fixture
 def standin(monkeypatch):
     monkeypatch.syspath_prepend(STANDIN)
@@ -167,17 +173,17 @@ def test_compiles_once_then_loads_and_prefill_kv_matches_the_torch_backend(stand
     again = load_backend("neuron", **options)
     (compiled,) = list(tmp_path.iterdir())
     assert (compiled / "standin_compiles.txt").read_text().count("compiled") == 1
-    assert first.model.config.neuron_config.kwargs["tkg_batch_size"] == 2
+    assert first.model.config.neuron_config.kwargs["tkg_batch_size"] == 3  # two slots and the prefill line
 
     ids = reference("llama").ids("The baker opens his shop")
-    torch_result = load_backend("torch", model=model, dtype="float32").prefill(ids, Sampling())
+    torch_result = torch_prefill(ids)
     result = again.prefill(ids, Sampling())
     assert result.first_token == torch_result.first_token
     for (k, v), (tk, tv) in zip(result.layers, torch_result.layers):
         torch.testing.assert_close(k, tk, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, tv, rtol=1e-4, atol=1e-5)
     again.write_kv(1, 0, KvKind.KEY, 0, torch_result.layers[0][0])
-    assert again.layout.read_line(again._caches(0, KvKind.KEY), 1, len(ids), is_key=True).equal(torch_result.layers[0][0])
+    assert again.layout.read_line(again._caches(0, KvKind.KEY), 1, len(ids)).equal(torch_result.layers[0][0])
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +208,27 @@ def test_the_grpc_path_with_backend_neuron_gives_the_torch_backends_tokens(neuro
         for prompt in prompts:
             got = neuron_client.complete(prompt, max_new_tokens=16)
             assert got.token_ids == torch_client.complete(prompt, max_new_tokens=16).token_ids == reference("llama").greedy(prompt, 16)
+        for prompt in prompts[:2]:  # seeded sampling where NxDI's sampler is deterministic: top_k 1
+            sampled = neuron_client.complete(prompt, max_new_tokens=8, temperature=0.8, top_k=1, seed=7).token_ids
+            assert sampled == torch_client.complete(prompt, max_new_tokens=8, temperature=0.8, top_k=1, seed=7).token_ids == reference("llama").greedy(prompt, 8)
+
+
+def test_the_colocated_neuron_worker_keeps_a_running_requests_tokens_while_another_prefills(cluster_logs, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, previous) if p)
+    try:
+        cluster = start_cluster(cluster_logs, "llama", colocated=True, batch_size=2,
+                                worker_args=["--backend", "neuron", "--max-seq-len", "256", "--tp-degree", "2", "--neuron-compiled-path", str(tmp_path)])
+    finally:
+        os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
+    try:
+        long_prompt, short_prompts = "The lighthouse keeper climbed", ["Snow fell on the hills", "Our café on the corner", "A fox"]
+        with Client(cluster.router_address, timeout=120) as client, ThreadPoolExecutor(2) as pool:
+            running = pool.submit(client.complete, long_prompt, max_new_tokens=48, ignore_eos=True)
+            for prompt in short_prompts:  # each prefills on the device while the long one decodes
+                assert client.complete(prompt, max_new_tokens=4).token_ids == reference("llama").greedy(prompt, 4)
+            assert running.result().token_ids == reference("llama").greedy(long_prompt, 48, ignore_eos=True)
+    finally:
+        cluster.stop()

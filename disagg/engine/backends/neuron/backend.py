@@ -1,20 +1,26 @@
 """NeuronBackend: the Backend interface on an NxDI model compiled for continuous batching.
 
-- prefill: forward over one prompt with seq_ids=[slot]; on-device sampling
-  returns token ids; then the slot's K/V lines are read from the model's
-  device state (per rank) and converted to the canonical layout.
+- prefill: forward over one prompt with seq_ids=[the spare line]; on-device
+  sampling returns token ids; then only the spare line's first prompt-length
+  positions are read from the model's device state (per rank) and converted to
+  the canonical layout.
 - decode: the received K/V lines are written into a free slot of the device
-  state (apply_seq_ids_mask keeps running steps off it); a step runs the active
-  slots with rows sorted by seq_id, the [batch, 3] sampling parameters and
-  position_ids = current length - 1.
+  state (apply_seq_ids_mask keeps running steps off it), from host memory one
+  contiguous run at a time; a step runs the active slots with rows sorted by
+  seq_id, the sampling rows mapped to what NxDI accepts, position_ids = current
+  length - 1 and an attention mask over the positions before it.
 
 Written against NxDI's API (models/config.py, models/model_base.py,
-utils/hf_adapter.py); run here only through the stand-in in tests/.
+models/application_base.py, utils/hf_adapter.py); run here only through the
+stand-in in tests/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import pathlib
 
 import torch
 
@@ -22,15 +28,17 @@ from ...kv_wire import KvKind
 from ...model_files import eos_token_ids
 from ...requests import Sampling
 from ...sampler import params_tensor
-from ..base import Backend, ModelInfo, PrefillResult, StepInputs
-from ..slot_attention import LayerKvCallback
-from .config import MODEL_CLASSES, NeuronOptions, compiled_path, neuron_config_kwargs
-from .layout import KvLayout, sort_rows
+from ..base import Backend, LayerKvCallback, ModelInfo, PrefillResult, StepInputs
+from .config import DTYPES, MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, neuron_config_kwargs, prefill_line
+from .layout import KvLayout, UnsupportedLayout, sort_rows
 from .packages import import_nxdi
+from .sampling import nxdi_sampling_params
 
 log = logging.getLogger(__name__)
 
 KV_STATE_KEY = "kv_mgr.past_key_values.{}"  # 2*layer: K, 2*layer+1: V, per rank
+TRACED_MODEL_FILE = "model.pt"  # application_base.COMPILED_MODEL_FILE_NAME, written last by compile()
+COMPILE_WORK_DIR_ENV = "BASE_COMPILE_WORK_DIR"  # read by NxDI's get_builder when compile() runs
 
 
 def model_class(architecture: str):
@@ -40,24 +48,74 @@ def model_class(architecture: str):
     return getattr(import_nxdi(module), name)
 
 
+def is_compiled(path: pathlib.Path) -> bool:
+    # NxDI's compile() saves neuron_config.json before tracing: only the traced model,
+    # written after the trace, says a compile finished.
+    return (path / TRACED_MODEL_FILE).exists()
+
+
+@contextlib.contextmanager
+def compile_work_dir(path: pathlib.Path):
+    """NxDI traces in BASE_COMPILE_WORK_DIR (/tmp/nxd_model/ by default) and deletes it
+    afterwards; each compiled path gets its own, so two workers compiling at once on
+    one instance keep their files."""
+    work = path.with_name(path.name + ".work")
+    previous = os.environ.get(COMPILE_WORK_DIR_ENV)
+    os.environ[COMPILE_WORK_DIR_ENV] = str(work) + "/"
+    try:
+        yield
+    finally:
+        os.environ.pop(COMPILE_WORK_DIR_ENV) if previous is None else os.environ.__setitem__(COMPILE_WORK_DIR_ENV, previous)
+
+
+def build_config(cls, options: NeuronOptions):
+    nxdi_config = import_nxdi("neuronx_distributed_inference.models.config")
+    hf_adapter = import_nxdi("neuronx_distributed_inference.utils.hf_adapter")
+    sampling = nxdi_config.OnDeviceSamplingConfig(dynamic=True, do_sample=True, global_topk=options.global_topk)
+    config_cls = cls.get_config_cls()
+    # The model's own NeuronConfig class: Mixtral's is MoENeuronConfig, whose fields its MoE modules read.
+    neuron_config = config_cls.get_neuron_config_cls()(**neuron_config_kwargs(options, sampling))
+    return config_cls(neuron_config, load_config=hf_adapter.load_pretrained_config(options.model))
+
+
 def compile_or_load(options: NeuronOptions):
     """The loaded NxDI model: compiled once into its own directory, loaded from it after."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(options.model)
     cls = model_class((hf_config.architectures or ["?"])[0])
-    nxdi_config = import_nxdi("neuronx_distributed_inference.models.config")
-    hf_adapter = import_nxdi("neuronx_distributed_inference.utils.hf_adapter")
-    sampling = nxdi_config.OnDeviceSamplingConfig(dynamic=True, do_sample=True, global_topk=options.global_topk)
-    neuron_config = nxdi_config.NeuronConfig(**neuron_config_kwargs(options, sampling))
-    config = cls.get_config_cls()(neuron_config, load_config=hf_adapter.load_pretrained_config(options.model))
+    config = build_config(cls, options)
     path = compiled_path(options)
-    if not (path / "neuron_config.json").exists():
+    if not is_compiled(path):
         log.info("compiling %s for Neuron into %s (once per configuration)", options.model, path)
-        cls(options.model, config).compile(str(path))
+        with compile_work_dir(path):
+            cls(options.model, config).compile(str(path) + "/")
     model = cls(options.model, config)
-    model.load(str(path))
+    model.load(str(path) + "/")
     return model, hf_config
+
+
+def refuse_unconvertible_layout(neuron_config, text_config, seq_len: int) -> None:
+    """What the loaded model's own config says about its KV cache, refused where the
+    hand-off (canonical [kv_heads, tokens, head_dim] lines per slot) cannot carry it.
+    Pass-through settings (NeuronOptions.extra) can set any of these."""
+    reasons = []
+    if getattr(neuron_config, "k_cache_transposed", False):
+        reasons.append("k_cache_transposed (K stored [head_dim, tokens])")
+    if getattr(neuron_config, "kv_cache_tiling", False):
+        reasons.append("kv_cache_tiling (positions tiled by 128)")
+    if getattr(neuron_config, "attention_dp_degree", 1) > 1:
+        reasons.append(f"attention_dp_degree {neuron_config.attention_dp_degree} (slots split across data-parallel groups)")
+    if getattr(neuron_config, "kv_cache_quant", False) or getattr(neuron_config, "kv_quant_config", None):
+        reasons.append("a quantized KV cache")
+    attention_dtype = getattr(neuron_config, "attention_dtype", None)
+    if attention_dtype is not None and str(attention_dtype).removeprefix("torch.") != str(neuron_config.torch_dtype).removeprefix("torch."):
+        reasons.append(f"attention_dtype {attention_dtype} (KV not in the model dtype)")
+    window = getattr(text_config, "sliding_window", None)
+    if window and window < seq_len:
+        reasons.append(f"sliding_window {window} below seq_len {seq_len} (NxDI keeps a rolling cache of {window} positions)")
+    if reasons:
+        raise UnsupportedLayout("the neuron backend cannot hand off this model's KV cache: " + "; ".join(reasons))
 
 
 class NeuronBackend(Backend):
@@ -65,8 +123,10 @@ class NeuronBackend(Backend):
         self.options = options
         self.model, hf_config = compile_or_load(options)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        neuron_config = self.model.config.neuron_config  # what NxDI built, not what we asked for
+        refuse_unconvertible_layout(neuron_config, text, options.seq_len)
         heads = text.num_attention_heads
-        self.layout = KvLayout(options.tp_degree, getattr(text, "num_key_value_heads", heads) or heads, heads, options.k_cache_transposed)
+        self.layout = KvLayout(neuron_config.tp_degree, getattr(text, "num_key_value_heads", heads) or heads, heads)
         self.info = ModelInfo(
             name=options.model.rstrip("/").rsplit("/", 1)[-1],
             backend="neuron",
@@ -89,32 +149,40 @@ class NeuronBackend(Backend):
         return [rank_state[key] for rank_state in self._state()]
 
     def _check_state(self) -> None:
+        """Every rank's K and V for every layer is exactly [lines, heads_per_rank, seq_len,
+        head_dim] in the model dtype: the layout the KV conversion assumes."""
         state = self._state()
-        if len(state) != self.options.tp_degree:
-            raise RuntimeError(f"NxDI holds {len(state)} ranks of KV state, expected tp_degree {self.options.tp_degree}")
-        first = KV_STATE_KEY.format(0)
-        if first not in state[0]:
-            raise RuntimeError(f"NxDI device state has no {first!r}; keys: {sorted(state[0])[:6]}")
-        heads = state[0][first].shape[1]
-        if heads != self.layout.heads_per_rank:
-            raise RuntimeError(f"NxDI cache holds {heads} KV heads per rank; the layout expects {self.layout.heads_per_rank}")
+        if len(state) != self.layout.tp_degree:
+            raise UnsupportedLayout(f"NxDI holds {len(state)} ranks of KV state, expected tp_degree {self.layout.tp_degree}")
+        expected = (compiled_lines(self.options), self.layout.heads_per_rank, self.options.seq_len, self.info.head_dim)
+        dtype = getattr(torch, DTYPES[self.options.dtype])
+        for rank, rank_state in enumerate(state):
+            for index in range(2 * self.info.num_layers):
+                key = KV_STATE_KEY.format(index)
+                if key not in rank_state:
+                    raise UnsupportedLayout(f"NxDI device state of rank {rank} has no {key!r}; keys: {sorted(rank_state)[:6]}")
+                cache = rank_state[key]
+                if tuple(cache.shape) != expected or cache.dtype != dtype:
+                    raise UnsupportedLayout(f"NxDI's {key} on rank {rank} is {tuple(cache.shape)} {cache.dtype}; the KV hand-off expects {expected} {dtype}")
 
     # -- Backend ---------------------------------------------------------------
     def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
         # NxDI samples with its own device RNG: seeds and first_step do not apply here.
-        slot, length = 0, len(token_ids)
+        length, line = len(token_ids), prefill_line(self.options)
+        if length > self.options.context_limit:
+            raise ValueError(f"a prompt of {length} tokens is over max_context_length {self.options.context_limit}")
         out = self.model.forward(
             input_ids=torch.tensor([token_ids], dtype=torch.int32),
             attention_mask=torch.ones(1, length, dtype=torch.int32),
             position_ids=torch.arange(length, dtype=torch.int32)[None],
-            seq_ids=torch.tensor([slot], dtype=torch.int32),
-            sampling_params=params_tensor([sampling]),  # [1, 3]: top_k, top_p, temperature
+            seq_ids=torch.tensor([line], dtype=torch.int32),
+            sampling_params=self._sampling_rows(params_tensor([sampling])),  # [1, 3]
         )
         first = int(out.tokens.reshape(-1)[0])
         layers = []
         for layer in range(self.info.num_layers):
-            keys = self.layout.read_line([c.to("cpu") for c in self._caches(layer, KvKind.KEY)], slot, length, is_key=True)
-            values = self.layout.read_line([c.to("cpu") for c in self._caches(layer, KvKind.VALUE)], slot, length, is_key=False)
+            keys = self.layout.read_line(self._caches(layer, KvKind.KEY), line, length)
+            values = self.layout.read_line(self._caches(layer, KvKind.VALUE), line, length)
             layers.append((keys, values))
             if on_layer is not None:
                 on_layer(layer, keys, values)
@@ -126,20 +194,30 @@ class NeuronBackend(Backend):
         return sum(c.numel() * c.element_size() for layer in range(self.info.num_layers) for kind in KvKind for c in self._caches(layer, kind))
 
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
-        self.layout.write_line(self._caches(layer, kind), slot, token_start, tensor, is_key=kind is KvKind.KEY)
+        self.layout.write_line(self._caches(layer, kind), slot, token_start, tensor)
 
     def decode_step(self, inputs: StepInputs) -> torch.Tensor:
         order, inverse = sort_rows(inputs.slots.tolist())  # the batcher sorts already; NxDI requires it
         slots, positions = inputs.slots[order], inputs.positions[order]
-        span = torch.arange(inputs.kv_len)
         out = self.model.forward(
             input_ids=inputs.input_ids[order][:, None].to(torch.int32),
-            attention_mask=(span[None, :] <= positions[:, None]).to(torch.int32),
+            attention_mask=decode_attention_mask(positions, inputs.kv_len),
             position_ids=positions[:, None].to(torch.int32),
             seq_ids=slots.to(torch.int32),
-            sampling_params=inputs.params[order],
+            sampling_params=self._sampling_rows(inputs.params[order]),
         )
         return out.tokens.reshape(-1).to(torch.long)[inverse]
+
+    def _sampling_rows(self, params: torch.Tensor) -> torch.Tensor:
+        return nxdi_sampling_params(params, self.options.global_topk)
+
+
+def decode_attention_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[n, kv_len - 1]: row i attends the cached positions before positions[i]. NxDI's
+    token generation attends the current token on its own (compute_for_token_gen);
+    a mask over position p itself would attend that line's stale contents."""
+    span = torch.arange(kv_len - 1)
+    return (span[None, :] < positions[:, None]).to(torch.int32)
 
 
 def load_neuron_backend(model: str, dtype: str = "bfloat16", max_seq_len: int = 0, global_topk: int = 0, batch_size: int = 1, **neuron) -> NeuronBackend:

@@ -32,9 +32,10 @@ class NeuronOptions:
     context_buckets: tuple[int, ...] = ()  # () with bucketing: NxDI's powers of two
     token_buckets: tuple[int, ...] = ()
     enable_bucketing: bool = True
-    async_mode: bool = True
+    async_mode: bool = True  # our batcher's overlap of host and device work (decode_worker/batcher.py), not NxDI's
+    nxdi_async_mode: bool = False  # NxDI's own async_mode: off, see neuron_config_kwargs
     global_topk: int = 256
-    k_cache_transposed: bool = False
+    k_cache_transposed: bool = False  # refused: a transposed K splits every KV write into head_dim copies
     compiled_root: str = ""  # default: ~/.cache/disagg/neuron
     extra: dict = field(default_factory=dict)  # other NeuronConfig keyword arguments, passed through
 
@@ -45,30 +46,66 @@ class NeuronOptions:
             raise ValueError("tp_degree and batch_size must be at least 1")
         if self.max_context_length > self.seq_len:
             raise ValueError(f"max_context_length {self.max_context_length} is over seq_len {self.seq_len}")
+        if self.k_cache_transposed:
+            raise ValueError("k_cache_transposed is not supported: each KV write would become head_dim copies of a few bytes (docs/neuron.md)")
+        self._check_buckets()
+
+    @property
+    def context_limit(self) -> int:
+        """NxDI's max_context_length: the longest prompt one context encoding takes."""
+        return self.max_context_length or self.seq_len
+
+    def _check_buckets(self) -> None:
         for name, buckets in (("context", self.context_buckets), ("token-generation", self.token_buckets)):
-            if buckets and (list(buckets) != sorted(buckets) or buckets[-1] > self.seq_len):
-                raise ValueError(f"{name} buckets {list(buckets)} must be ascending and at most seq_len {self.seq_len}")
+            if buckets and list(buckets) != sorted(buckets):
+                raise ValueError(f"{name} buckets {list(buckets)} must be ascending")
+        # NeuronConfig.__init__ asserts this; failing here says which flag to change.
+        if self.context_buckets and self.context_buckets[-1] > self.context_limit:
+            raise ValueError(f"the last context bucket {self.context_buckets[-1]} is over max_context_length {self.context_limit}")
+        # ModelWrapper.get_target_bucket raises "exceeds largest bucket" for a decode step whose
+        # attention mask is longer than the last bucket: mid-generation, for every running request.
+        if self.token_buckets and self.token_buckets[-1] != self.seq_len:
+            raise ValueError(f"the last token-generation bucket {self.token_buckets[-1]} must be seq_len {self.seq_len}, or decoding fails past it")
+
+
+def compiled_lines(options: NeuronOptions) -> int:
+    """KV lines compiled: the decode slots and one spare line that prefill writes (see prefill_line)."""
+    return options.batch_size + 1
+
+
+def prefill_line(options: NeuronOptions) -> int:
+    """The line every context encoding writes: NxDI's context encoding fills the whole
+    padded prompt into line seq_ids[0], so it must be a line no request owns (a
+    colocated worker prefills while its slots decode)."""
+    return options.batch_size
 
 
 def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
     """Keyword arguments for NeuronConfig: continuous batching, one prompt per context
-    encoding, dynamic on-device sampling, the seq_ids mask, async mode."""
+    encoding, dynamic on-device sampling, the seq_ids mask, NxDI's async mode off."""
+    lines = compiled_lines(options)
     kwargs = dict(
         tp_degree=options.tp_degree,
-        batch_size=options.batch_size,
+        batch_size=lines,
         ctx_batch_size=1,
-        tkg_batch_size=options.batch_size,
-        max_batch_size=options.batch_size,
+        tkg_batch_size=lines,
+        max_batch_size=lines,
         seq_len=options.seq_len,
-        max_context_length=options.max_context_length or options.seq_len,
+        max_context_length=options.context_limit,
         torch_dtype=DTYPES[options.dtype],
         is_continuous_batching=True,
         # A slot receiving KV must not be written by the decode steps running beside it.
         apply_seq_ids_mask=True,
         on_device_sampling_config=on_device_sampling,
-        async_mode=options.async_mode,
+        # NxDI's async mode (causal_lm_async_execution) launches a hidden step fed with its
+        # own output while seq_ids stay the same, returns the step before, and discards the
+        # hidden one when the batch changes, after it wrote position p+1 of every row, a
+        # retired slot being refilled included. forward() still waits for the host copy.
+        # Our batcher overlaps host and device work itself; NxDI's is off.
+        async_mode=options.nxdi_async_mode,
         enable_bucketing=options.enable_bucketing,
-        k_cache_transposed=options.k_cache_transposed,
+        # Weights sharded once at compile; a load does not re-shard them.
+        save_sharded_checkpoint=True,
     )
     if options.context_buckets:
         kwargs["context_encoding_buckets"] = list(options.context_buckets)
@@ -81,7 +118,8 @@ def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
 def compiled_path(options: NeuronOptions) -> pathlib.Path:
     """A directory per distinct configuration: a changed config compiles into a new
     directory and never over a stale one."""
-    key = hashlib.sha256(json.dumps(asdict(options), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    compiled = {k: v for k, v in asdict(options).items() if k != "async_mode"}  # the batcher's setting changes no artifact
+    key = hashlib.sha256(json.dumps(compiled, sort_keys=True, default=str).encode()).hexdigest()[:16]
     root = pathlib.Path(options.compiled_root) if options.compiled_root else pathlib.Path.home() / ".cache" / "disagg" / "neuron"
     name = pathlib.Path(options.model.rstrip("/")).name or "model"
     return root / f"{name}-tp{options.tp_degree}-b{options.batch_size}-s{options.seq_len}-{key}"

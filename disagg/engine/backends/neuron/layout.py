@@ -2,8 +2,7 @@
 
 Canonical (on the wire): one layer's K or V as [kv_heads, tokens, head_dim],
 the model's own heads. NxDI keeps, per tensor-parallel rank, a cache of
-[batch, heads_per_rank, max_len, head_dim] (K as [batch, heads, head_dim, max_len]
-when k_cache_transposed). How the model's KV heads map to ranks follows NxDI's
+[lines, heads_per_rank, max_len, head_dim]. How the model's KV heads map to ranks follows NxDI's
 GQA sharding (modules/attention/gqa.py):
 
 - SHARD: kv_heads divisible by tp: rank r holds heads [r*k, (r+1)*k), k = kv_heads/tp;
@@ -38,7 +37,6 @@ class KvLayout:
     tp_degree: int
     kv_heads: int  # the model's own KV heads
     num_attention_heads: int
-    k_transposed: bool = False
 
     def __post_init__(self):
         if self.num_attention_heads == self.kv_heads:  # MHA: NxDI pads heads to a multiple of tp
@@ -74,33 +72,30 @@ class KvLayout:
         return next(r for r in range(self.tp_degree) if head in self.rank_heads(r))
 
     # -- one slot's lines, for one layer's K or V ------------------------------------
-    def read_line(self, rank_caches: list[torch.Tensor], slot: int, length: int, is_key: bool) -> torch.Tensor:
-        """[kv_heads, length, head_dim] from per-rank caches."""
+    def read_line(self, rank_caches: list[torch.Tensor], slot: int, length: int) -> torch.Tensor:
+        """[kv_heads, length, head_dim] on the host, from per-rank device caches.
+
+        Only the slot's first `length` positions of each head cross to the host, one
+        contiguous run per head, from the first rank holding it: not the whole state."""
         heads = []
         for head in range(self.kv_heads):
             rank = self._owner(head)
-            index = self.rank_heads(rank).index(head)
-            cache = rank_caches[rank]
-            if is_key and self.k_transposed:
-                heads.append(cache[slot, index, :, :length].transpose(0, 1))  # [D, S] -> [S, D]
-            else:
-                heads.append(cache[slot, index, :length, :])
-        return torch.stack(heads).contiguous()
+            run = rank_caches[rank].narrow(0, slot, 1).narrow(1, self.rank_heads(rank).index(head), 1).narrow(2, 0, length)
+            heads.append(run.to("cpu").reshape(length, -1))
+        return torch.stack(heads)
 
-    def rank_pieces(self, line: torch.Tensor, is_key: bool) -> list[torch.Tensor]:
-        """Canonical [kv_heads, tokens, head_dim] -> each rank's [heads_per_rank, tokens, head_dim]
-        (or [heads_per_rank, head_dim, tokens] for a transposed K)."""
-        pieces = []
-        for rank in range(self.tp_degree):
-            part = line[self.rank_heads(rank)]
-            pieces.append(part.transpose(1, 2).contiguous() if is_key and self.k_transposed else part)
-        return pieces
+    def write_line(self, rank_caches: list[torch.Tensor], slot: int, start: int, line: torch.Tensor) -> None:
+        """Writes canonical [kv_heads, tokens, head_dim] into a slot of the per-rank caches.
 
-    def write_line(self, rank_caches: list[torch.Tensor], slot: int, start: int, line: torch.Tensor, is_key: bool) -> None:
-        end = start + line.shape[1]
-        for cache, piece in zip(rank_caches, self.rank_pieces(line, is_key)):
-            target = cache[slot, :, :, start:end] if is_key and self.k_transposed else cache[slot, :, start:end, :]
-            target.copy_(piece.to(device=target.device, dtype=target.dtype))
+        Each copy is one contiguous run of the device state ([1, 1, tokens, head_dim] of
+        one head) from host memory: the form the Neuron runtime takes (narrow + copy_
+        host-to-device), where a strided slice or a device-to-device copy between
+        differently sized tensors is refused (docs/neuron.md)."""
+        tokens = line.shape[1]
+        for rank, cache in enumerate(rank_caches):
+            for index, head in enumerate(self.rank_heads(rank)):
+                run = cache.narrow(0, slot, 1).narrow(1, index, 1).narrow(2, start, tokens)
+                run.copy_(line[head].to(device="cpu", dtype=cache.dtype).contiguous().view(run.shape))
 
 
 def sort_rows(slots: list[int]) -> tuple[list[int], list[int]]:
