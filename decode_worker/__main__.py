@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from disagg.flags import add_model_flags, add_server_flags, setup_process, worker_fields
+from disagg.flags import add_model_flags, add_server_flags, run_worker, setup_process, worker_fields
 
 from .config import DecodeWorkerConfig
 
@@ -33,7 +32,7 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
 def main(argv=None) -> None:
     from .server import serve
 
-    asyncio.run(serve(parse_config(argv)))
+    run_worker("decode_worker", serve, parse_config(argv))
 
 
 if __name__ == "__main__":

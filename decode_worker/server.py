@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
@@ -12,7 +11,7 @@ from disagg import wire
 from disagg.engine.backends import load_backend
 from disagg.engine.kv_wire import KvWireError
 from disagg.metrics import DecodeMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, UnparsableMessage, lenient_parser, announce_ports, check_parsed, serve_until_signal, start_server
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, RequestError, UnparsableMessage, lenient_parser, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
 from .colocated import ColocatedPrefillServicer
@@ -111,7 +110,7 @@ async def serve(config: DecodeWorkerConfig) -> None:
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("decode worker on port %d: loading %s", server.port, config.model)
-    backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **backend_options(config)))
+    backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **backend_options(config)))
     worker = DecodeWorker(backend, config, metrics)
     await worker.start()
     servicer.worker = worker

@@ -163,7 +163,7 @@ def main(argv=None) -> int:
 
     make = sub.add_parser("make-model", help="make a small trained checkpoint offline")
     make.add_argument("out")
-    make.add_argument("--architecture", default="llama", choices=["llama", "qwen2", "mistral"])
+    make.add_argument("--architecture", default="llama", help="a transformers model type served exactly (docs/models.md): llama, qwen2, mistral, gemma2, gptj, bloom, ...")
     make.add_argument("--train-steps", type=int, default=300)
     make.set_defaults(run=cmd_make_model)
 

@@ -154,3 +154,18 @@ def setup_process(args) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def run_worker(prog: str, serve, config) -> None:
+    """Runs a worker's serve(config); a model the engine cannot serve exactly ends
+    the process with one line naming it and why (exit status 2), not a traceback."""
+    import asyncio
+    import sys
+
+    from disagg.engine.backends.architectures import UnsupportedModel
+
+    try:
+        asyncio.run(serve(config))
+    except UnsupportedModel as e:
+        print(f"{prog}: refusing {config.model}: {e}", file=sys.stderr)
+        sys.exit(2)

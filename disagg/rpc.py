@@ -272,6 +272,16 @@ async def serve_until_signal(server: RunningServer, grace_seconds: float, busy) 
     await server.server.stop(0.5)
 
 
+async def load_while_not_serving(server: RunningServer, load):
+    """Runs load() off the event loop while health says NOT_SERVING; if it fails
+    (a model refused at start-up), the server stops before the error goes on."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, load)
+    except BaseException:
+        await server.server.stop(0)
+        raise
+
+
 def announce_ports(port_file: str | None, port: int, metrics_port: int) -> None:
     """Writes the bound ports for whoever started this process with --port 0."""
     if port_file:

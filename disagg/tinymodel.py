@@ -23,7 +23,7 @@ _VERSION = 1  # bump when the recipe changes, so cached models are remade
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    architecture: str = "llama"  # llama, qwen2, mistral
+    architecture: str = "llama"  # a transformers model type: llama, qwen2, mistral, gemma2, gptj, bloom, ...
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 192
@@ -33,6 +33,7 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     train_steps: int = 300
     seed: int = 0
+    sliding_window: int | None = None  # for architectures that have one
 
     def cache_key(self) -> str:
         blob = json.dumps({**asdict(self), "corpus": CORPUS.read_text(), "v": _VERSION}, sort_keys=True)
@@ -69,24 +70,38 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def _config(spec: TinyModelSpec, tokenizer):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+# The spec's sizes under the names each architecture's config uses; a name the
+# config does not have is skipped.
+_SIZE_NAMES = {
+    "hidden_size": ("hidden_size", "n_embd"),
+    "intermediate_size": ("intermediate_size", "n_inner"),
+    "num_layers": ("num_hidden_layers", "n_layer"),
+    "num_heads": ("num_attention_heads", "n_head"),
+    "num_kv_heads": ("num_key_value_heads",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+}
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
-    if spec.architecture not in classes:
-        raise ValueError(f"architecture must be one of {sorted(classes)}")
-    return classes[spec.architecture](
+
+def _config(spec: TinyModelSpec, tokenizer):
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(spec.architecture)
+    known = set(defaults.to_dict()) | set(vars(defaults))
+    sizes = {name: getattr(spec, field) for field, names in _SIZE_NAMES.items() for name in names if name in known}
+    if "rotary_dim" in known:  # GPT-J, CodeGen: rotate half of each head
+        sizes["rotary_dim"] = spec.hidden_size // spec.num_heads // 2
+    if "sliding_window" in known:
+        sizes["sliding_window"] = spec.sliding_window
+    if "head_dim" in known:
+        sizes["head_dim"] = spec.hidden_size // spec.num_heads
+    return AutoConfig.for_model(
+        spec.architecture,
         vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
+        **sizes,
     )
 
 
@@ -123,7 +138,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
     config = _config(spec, tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _train(model, tokenizer, spec)
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     tmp = out.with_name(out.name + ".partial")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
@@ -10,7 +9,7 @@ import grpc
 from disagg import wire
 from disagg.engine.backends import load_backend
 from disagg.metrics import PrefillMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, RequestError, announce_ports, check_parsed, serve_until_signal, start_server
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, RequestError, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
 from .config import PrefillWorkerConfig
@@ -56,7 +55,7 @@ async def serve(config: PrefillWorkerConfig) -> None:
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("prefill worker on port %d: loading %s", server.port, config.model)
     options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1, neuron=config.neuron)
-    backend = await asyncio.get_running_loop().run_in_executor(None, lambda: load_backend(config.backend, **options))
+    backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **options))
     servicer.worker = PrefillWorker(backend, config, metrics)
     await server.set_serving(True)
     log.info("prefill worker serving on port %d (%s)", server.port, backend.info.dtype)

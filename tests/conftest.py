@@ -12,11 +12,19 @@ from disagg.tinymodel import TinyModelSpec, cache_dir, ensure_tiny_model
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
+# Test checkpoints by name: the plain ones by model type, plus sliding-window
+# models whose 16-token window the tests' prompts run well past.
+TEST_MODELS = {
+    **{name: TinyModelSpec(architecture=name) for name in (*ARCHITECTURES, "gptj", "bloom")},
+    "mistral-sw": TinyModelSpec(architecture="mistral", sliding_window=16),
+    "gemma2-sw": TinyModelSpec(architecture="gemma2", sliding_window=16),  # sliding and full layers in turn
+}
+
 
 @functools.cache
-def tiny_model(architecture: str = "llama") -> str:
+def tiny_model(name: str = "llama") -> str:
     # Made once per machine (cached under DISAGG_CACHE); a few seconds each.
-    return str(ensure_tiny_model(TinyModelSpec(architecture=architecture), root=cache_dir() / "test-models"))
+    return str(ensure_tiny_model(TEST_MODELS[name], root=cache_dir() / "test-models"))
 
 
 class Reference:

@@ -8,7 +8,6 @@ after the fix. Backends are built directly (no workers) to keep this file fast.
 from __future__ import annotations
 
 import importlib
-import pathlib
 
 import pytest
 import torch

@@ -27,7 +27,6 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from . import row_masks
 
 # Called as on_layer(layer_idx, keys, values) with tensors [kv_heads, tokens, head_dim].
 LayerKvCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
