@@ -66,8 +66,12 @@ def cmd_bench(args) -> int:
 
     from disagg.loadgen import BenchConfig, plot, run_bench, table
 
+    if args.api == "openai" and (args.url is None or args.start_cluster):
+        print("disagg bench: --api openai needs --url (the server's base URL) and cannot --start-cluster", file=sys.stderr)
+        return 2
     config = BenchConfig(
-        address=args.address,
+        address=args.url if args.api == "openai" else args.address,
+        api=args.api,
         requests=args.requests,
         rate=args.rate,
         sweep=[float(r) for r in args.sweep.split(",")] if args.sweep else [],
@@ -140,7 +144,9 @@ def main(argv=None) -> int:
     gen.set_defaults(run=cmd_generate)
 
     bench = sub.add_parser("bench", help="load-test the public API and report latency, throughput and goodput")
-    bench.add_argument("--address", default="127.0.0.1:50050")
+    bench.add_argument("--address", default="127.0.0.1:50050", help="our gRPC API (--api grpc)")
+    bench.add_argument("--api", default="grpc", choices=["grpc", "openai"], help="openai: stream /v1/completions of any OpenAI-compatible server (vLLM, ...); needs pip install 'disagg[bench]'")
+    bench.add_argument("--url", default=None, help="base URL of the OpenAI API (--api openai), e.g. http://127.0.0.1:8000")
     bench.add_argument("--start-cluster", action="store_true", help="start a local cluster on --model (or the default model) to test")
     bench.add_argument("--model", default=None)
     bench.add_argument("--log-dir", default=None)

@@ -1,4 +1,6 @@
-"""The load generator behind `disagg bench`: drives the public gRPC API.
+"""The load generator behind `disagg bench`: drives the public gRPC API, or any
+server's OpenAI HTTP API (--api openai, through disagg.openai_client) with the
+same workloads and the same report.
 
 Open loop (Poisson arrivals at --rate, or a --sweep of rates) or closed loop
 (--concurrency). Prompts and output lengths are fixed, uniform in a range
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from disagg.client import AsyncClient
+from disagg.openai_client import OpenAIClient, OpenAIError
 
 
 @dataclass
@@ -98,6 +101,8 @@ async def run_one(client: AsyncClient, spec: RequestSpec) -> RequestResult:
                 tokens += len(chunk.token_ids)
     except grpc.aio.AioRpcError as exc:
         return RequestResult(ok=False, code=exc.code().name)
+    except OpenAIError as exc:
+        return RequestResult(ok=False, code=exc.code)
     return RequestResult(ok=True, ttft=first or 0.0, e2e=time.perf_counter() - start, output_tokens=tokens, token_gaps=gaps)
 
 
@@ -171,7 +176,8 @@ def table(summary: dict, label: str = "") -> str:
 
 @dataclass
 class BenchConfig:
-    address: str
+    address: str  # host:port of our gRPC API, or the base URL of an OpenAI API
+    api: str = "grpc"  # or "openai"
     requests: int = 100
     rate: float | None = None  # requests/s, open loop
     sweep: list[float] = field(default_factory=list)  # several open-loop rates
@@ -186,12 +192,19 @@ class BenchConfig:
     seed: int = 0
     progress: bool = True
 
+    def __post_init__(self):
+        if self.api not in ("grpc", "openai"):
+            raise ValueError(f"api must be grpc or openai, not {self.api!r}")
+
+    def client(self, timeout: float = 600):
+        return OpenAIClient(self.address, timeout=timeout) if self.api == "openai" else AsyncClient(self.address, timeout=timeout)
+
 
 async def run_bench(config: BenchConfig) -> list[dict]:
     from tqdm import tqdm
 
     rng = random.Random(config.seed)
-    async with AsyncClient(config.address, timeout=600) as client:
+    async with config.client() as client:
         total = config.requests + config.warmup
         if config.dataset:
             specs = await dataset_specs(client, config.dataset, total, parse_range(config.output_len)[1], rng)
