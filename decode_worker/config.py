@@ -4,17 +4,40 @@ from dataclasses import dataclass
 
 from disagg.worker_config import WorkerConfig
 
+GIB = 2**30
+# NxDI compiles for a fixed batch, chosen before the model (and its KV size) is known.
+NEURON_DEFAULT_SLOTS = 8
+
 
 @dataclass(frozen=True)
 class DecodeWorkerConfig(WorkerConfig):
     address: str = "127.0.0.1:50061"
-    batch_size: int = 8
+    batch_size: int = 0  # decode slots; 0: as many as kv_cache_gib holds, at most max_batch_size
+    kv_cache_gib: float = 4.0  # memory for the slot cache when the slots are sized from it (vLLM's KV cache space)
+    max_batch_size: int = 64
     async_mode: bool = True
     lease_seconds: float = 30.0
     colocated: bool = False  # also serve PrefillService on this process (the non-disaggregated baseline)
 
     def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError("--batch-size must be at least 1")
+        if self.batch_size < 0:
+            raise ValueError("--batch-size must be at least 1 (or 0: sized from --kv-cache-gib)")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("--kv-cache-gib must be positive")
+        if self.max_batch_size < 1:
+            raise ValueError("--max-batch-size must be at least 1")
         if self.lease_seconds <= 0:
             raise ValueError("--lease-seconds must be positive")
+
+    def slots_before_load(self) -> int:
+        """The slot count a backend that compiles for its batch needs before loading (0: decide after)."""
+        return self.batch_size or (NEURON_DEFAULT_SLOTS if self.backend == "neuron" else 0)
+
+    def slots_for(self, bytes_per_slot: int) -> int:
+        """--batch-size when given, else how many slots of bytes_per_slot fit the KV budget (at least 1)."""
+        if self.batch_size:
+            return self.batch_size
+        fit = int(self.kv_cache_gib * GIB // bytes_per_slot)
+        if fit < 1:
+            raise ValueError(f"--kv-cache-gib {self.kv_cache_gib} holds no slot of {bytes_per_slot / GIB:.2f} GiB (max_seq_len positions); raise it or lower --max-seq-len")
+        return min(fit, self.max_batch_size)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
 import grpc
+import torch
 
 from disagg import wire
 from disagg.engine.backends import load_backend
@@ -89,7 +91,17 @@ def parse_kv_chunk(raw: bytes) -> tuple[wpb.KvChunk, memoryview | None] | Unpars
 
 def backend_options(config) -> dict:
     neuron = {**config.neuron, "async_mode": config.async_mode}
-    return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=config.batch_size, neuron=neuron)
+    return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=config.slots_before_load(), neuron=neuron)
+
+
+def size_slots(config: DecodeWorkerConfig, info) -> DecodeWorkerConfig:
+    """The config with its slot count settled: given, or sized from the KV budget now that the model is known."""
+    itemsize = torch.empty(0, dtype=getattr(torch, info.dtype)).element_size()
+    per_slot = info.kv_bytes_per_token(itemsize) * info.max_seq_len
+    slots = config.slots_before_load() or config.slots_for(per_slot)
+    how = "--batch-size" if config.batch_size else f"--kv-cache-gib {config.kv_cache_gib:g}, at most --max-batch-size {config.max_batch_size}"
+    log.info("decode slots: %d (%s; %.1f MiB per slot of %d positions)", slots, how, per_slot / 2**20, info.max_seq_len)
+    return dataclasses.replace(config, batch_size=slots)
 
 
 # The device thread waits for the GIL each time the event loop or the host loop
@@ -111,6 +123,7 @@ async def serve(config: DecodeWorkerConfig) -> None:
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("decode worker on port %d: loading %s", server.port, config.model)
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **backend_options(config)))
+    config = size_slots(config, backend.info)
     worker = DecodeWorker(backend, config, metrics)
     await worker.start()
     servicer.worker = worker

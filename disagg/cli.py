@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     serve.add_argument("--port", type=int, default=int(os.environ.get("DISAGG_PORT", 50050)), help="router port")
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
-    serve.add_argument("--batch-size", type=int, default=8, help="decode slots per decode worker")
+    serve.add_argument("--batch-size", type=int, default=0, help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
     serve.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     serve.set_defaults(run=cmd_serve)
 
