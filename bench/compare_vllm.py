@@ -53,20 +53,24 @@ def workload(count: int, prompt_len: int, output_len: int, seed: int) -> list[Re
 
 
 async def closed_run(client, streams: int, specs: list[RequestSpec]) -> dict:
-    await closed_loop(client, specs[:streams], streams, _NoBar())  # warm-up: one request per stream
+    await closed_loop(client, specs[:streams], streams, _NoBar())  # warm-up: the first request of each stream, sent again after
     started = time.perf_counter()
     results = await closed_loop(client, specs, streams, _NoBar())
     return summarize(results, time.perf_counter() - started, 1e9, 1e9)
 
 
-async def measure(client, args) -> dict:
-    out = {"throughput": {}}
+async def measure(client, args, out: dict, checkpoint) -> None:
+    """Fills `out`, calling checkpoint() after each figure so an interrupted run keeps what it measured."""
+    out["throughput"] = {}
     for n in args.streams:
         count = max(args.min_requests, n * args.rounds)
-        out["throughput"][n] = await closed_run(client, n, workload(count + n, args.prompt_len, args.output_len, seed=n))
+        busy = os.getloadavg()[0]
+        out["throughput"][n] = await closed_run(client, n, workload(count, args.prompt_len, args.output_len, seed=n))
         t = out["throughput"][n]
+        t["loadavg_before"] = busy  # 1-minute load as the run began (the system's own load from the run before included)
         print(f"    {n:3d} streams: {t['ok']}/{t['requests']} ok, {t['output_tokens_per_second']:.1f} tok/s, "
               f"ITL p50 {t['itl']['p50'] * 1e3:.1f} ms, TTFT p50 {t['ttft']['p50'] * 1e3:.0f} ms", flush=True)
+        checkpoint()
     if args.long_prompt:
         specs = workload(args.long_prompt_requests + 1, args.long_prompt, 1, seed=args.long_prompt)
         await closed_loop(client, specs[:1], 1, _NoBar())  # warm-up
@@ -74,25 +78,25 @@ async def measure(client, args) -> dict:
         results = await closed_loop(client, specs[1:], 1, _NoBar())
         out["long_prompt"] = summarize(results, time.perf_counter() - started, 1e9, 1e9)
         print(f"    {args.long_prompt}-token prompt: TTFT p50 {out['long_prompt']['ttft']['p50'] * 1e3:.0f} ms", flush=True)
-    return out
+        checkpoint()
 
 
 # -- ours ----------------------------------------------------------------------------------------
-def run_disagg(model: str, args) -> dict:
+def run_disagg(model: str, args, out: dict, checkpoint) -> None:
     # The defaults `disagg serve` starts with (1 prefill + 1 decode worker, its batch size and dtype).
     spec = ClusterSpec(model=model, dtype=args.dtype, log_dir=args.log_dir + "/disagg")
 
-    async def run(address: str) -> dict:
+    async def run(address: str) -> None:
         async with AsyncClient(address, timeout=900) as client:
-            return await measure(client, args)
+            await measure(client, args, out, checkpoint)
 
     print("disagg serve: starting ...", flush=True)
     started = time.perf_counter()
     with LocalCluster(spec) as cluster:
         startup = time.perf_counter() - started
         print(f"  healthy after {startup:.1f} s", flush=True)
-        out = {"name": "disagg serve", "dtype": args.dtype, "startup_seconds": startup, "batch_size": spec.batch_size, **asyncio.run(run(cluster.router_address))}
-    return out
+        out.update(name="disagg serve", dtype=args.dtype, startup_seconds=startup, batch_size=spec.batch_size)
+        asyncio.run(run(cluster.router_address))
 
 
 # -- vLLM CPU --------------------------------------------------------------------------------------
@@ -129,7 +133,7 @@ def stop_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_vllm(model: str, args) -> dict:
+def run_vllm(model: str, args, out: dict, checkpoint) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     os.makedirs(args.log_dir, exist_ok=True)
@@ -145,14 +149,14 @@ def run_vllm(model: str, args) -> dict:
         startup = time.perf_counter() - started
         print(f"  healthy after {startup:.1f} s", flush=True)
 
-        async def run() -> dict:
+        async def run() -> None:
             async with OpenAIClient(url, timeout=900) as client:
-                return await measure(client, args)
+                await measure(client, args, out, checkpoint)
 
-        out = {"name": "vLLM CPU", "dtype": args.dtype, "startup_seconds": startup, "version": vllm_version(), "kv_cache_gib": args.vllm_kv_gib, **asyncio.run(run())}
+        out.update(name="vLLM CPU", dtype=args.dtype, startup_seconds=startup, version=vllm_version(), kv_cache_gib=args.vllm_kv_gib)
+        asyncio.run(run())
     finally:
         stop_group(proc)
-    return out
 
 
 def vllm_version() -> str:
@@ -164,7 +168,7 @@ def vllm_version() -> str:
 # -- the report ------------------------------------------------------------------------------------
 def report(results: dict) -> str:
     ours, peer = results.get("disagg"), results.get("vllm")
-    if not ours or not peer:
+    if not ours or not peer or "name" not in ours or "name" not in peer:
         return "(one system missing: no comparison)"
 
     def ratio(a: float, b: float) -> str:
@@ -173,7 +177,10 @@ def report(results: dict) -> str:
     head = f"{'streams':>7} | {'ITL p50 ms: ours':>16} {'vLLM':>7} {'ratio':>6} | {'TTFT p50 ms: ours':>17} {'vLLM':>7} {'ratio':>6} | {'tok/s: ours':>11} {'vLLM':>7} {'ratio':>6}"
     lines = [head, "-" * len(head)]
     for n in results["streams"]:
-        a, b = ours["throughput"][str(n)], peer["throughput"][str(n)]
+        a, b = ours.get("throughput", {}).get(str(n)), peer.get("throughput", {}).get(str(n))
+        if not a or not b:
+            lines.append(f"{n:7d} | not measured: " + ", ".join(s["name"] for s, t in ((ours, a), (peer, b)) if not t))
+            continue
         itl = (a["itl"]["p50"] * 1e3, b["itl"]["p50"] * 1e3)
         ttft = (a["ttft"]["p50"] * 1e3, b["ttft"]["p50"] * 1e3)
         tps = (a["output_tokens_per_second"], b["output_tokens_per_second"])
@@ -181,8 +188,11 @@ def report(results: dict) -> str:
     if ours.get("long_prompt") and peer.get("long_prompt"):
         a, b = ours["long_prompt"]["ttft"]["p50"] * 1e3, peer["long_prompt"]["ttft"]["p50"] * 1e3
         lines.append(f"TTFT p50 of a {results['long_prompt']}-token prompt, 1 stream: ours {a:.0f} ms, vLLM {b:.0f} ms, ratio {ratio(a, b).strip()}")
-    lines.append(f"start-up to healthy: ours {ours['startup_seconds']:.1f} s, vLLM {peer['startup_seconds']:.1f} s ({peer.get('version', '')})")
-    errors = {s["name"]: {n: t["errors"] for n, t in s["throughput"].items() if t["errors"]} for s in (ours, peer)}
+    lines.append(f"start-up to healthy: ours {ours.get('startup_seconds', 0):.1f} s, vLLM {peer.get('startup_seconds', 0):.1f} s ({peer.get('version', '')})")
+    busy = {s["name"]: s.get("loadavg_at_launch", 0.0) for s in (ours, peer)}
+    if max(busy.values()) > 0.5:
+        lines.append(f"warning: the machine was not quiet before a system started (1-minute load average {busy}); other work skews these figures")
+    errors = {s["name"]: {n: t["errors"] for n, t in s.get("throughput", {}).items() if t["errors"]} for s in (ours, peer)}
     if any(errors.values()):
         lines.append(f"errors: {errors}")
     return "\n".join(lines)
@@ -199,7 +209,7 @@ def main() -> int:
     parser.add_argument("--long-prompt-requests", type=int, default=5)
     parser.add_argument("--systems", default="vllm,disagg", help="which to run, in this order; a system left out keeps its figures from --json")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for both systems")
-    parser.add_argument("--vllm-kv-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
     parser.add_argument("--log-dir", default="/tmp/disagg-compare-vllm-logs")
     parser.add_argument("--json", default="bench/results/compare_vllm.json")
@@ -219,10 +229,9 @@ def main() -> int:
     results.update(model=f"SmolLM-135M shape, seeded weights, {args.dtype}", streams=args.streams, prompt_len=args.prompt_len,
                    output_len=args.output_len, long_prompt=args.long_prompt, cpus=os.cpu_count())
     for name in systems:
-        out = run_vllm(model, args) if name == "vllm" else run_disagg(model, args)
-        out["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        results[name] = out = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_launch": os.getloadavg()[0]}
+        (run_vllm if name == "vllm" else run_disagg)(model, args, out, lambda: save(results, args.json))
         results[name] = json.loads(json.dumps(out, default=float))  # stream counts become str keys, as when reloaded
-        save(results, args.json)
     print(report(results))
     print(f"saved {args.json}")
     return 0

