@@ -18,7 +18,7 @@ from disagg.v1 import worker_pb2 as wpb
 
 from .colocated import ColocatedPrefillServicer
 from .config import DecodeWorkerConfig
-from .worker import DecodeWorker
+from .worker import DecodeWorker, KvPull
 
 log = logging.getLogger(__name__)
 SERVICE = wpb.DESCRIPTOR.services_by_name["DecodeService"]
@@ -71,6 +71,15 @@ class DecodeServicer:
             await context.abort(exc.code, str(exc))
         return wpb.KvAck(bytes_received=received)
 
+    async def PullKv(self, request: wpb.PullKvRequest, context: grpc.aio.ServicerContext) -> wpb.KvAck:
+        worker = await self._ready(context)
+        pull = KvPull(request.reservation_id, request.agent_name, request.agent_metadata, request.address, request.prompt_len, request.num_layers, request.first_token)
+        try:
+            received = await worker.pull_kv(pull, context.time_remaining())
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        return wpb.KvAck(bytes_received=received)
+
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._ready(context)
         return wire.worker_load("decode", worker.info, **worker.load())
@@ -118,7 +127,7 @@ async def serve(config: DecodeWorkerConfig) -> None:
     if config.colocated:
         services.append((ColocatedPrefillServicer(servicer), wpb.DESCRIPTOR.services_by_name["PrefillService"]))
     # While draining, KV still arrives for slots reserved before SIGTERM.
-    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=(PUSH_KV,), deserializers={PUSH_KV: parse_kv_chunk})
+    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=(PUSH_KV, wire.PULL_KV), deserializers={PUSH_KV: parse_kv_chunk})
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("decode worker on port %d: loading %s", server.port, config.model)

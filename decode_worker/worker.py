@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -17,6 +19,7 @@ from disagg.engine.backends import Backend
 from disagg.engine.kv_wire import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode
 from disagg.engine.requests import FinishReason, Sampling, Stopping
 from disagg.engine.slots import Reservation, SlotManager, SlotState
+from disagg.kv.nixl_transport import NixlTransferError
 from disagg.metrics import DecodeMetrics
 from disagg.rpc import RequestError
 
@@ -71,11 +74,15 @@ class DecodeWorker:
         self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics, device_cpus=config.device_cpus)
         metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
         self._reaper: asyncio.Task | None = None
+        self.nixl = None  # the NIXL sink, with --kv-transport nixl
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         cache_bytes = await self._loop.run_in_executor(None, self.backend.allocate_slots, self.config.batch_size)
         log.info("slot cache: %d slots x %d positions, %.1f MiB", self.config.batch_size, self.info.max_seq_len, cache_bytes / 2**20)
+        if self.config.kv_transport == "nixl":
+            self.nixl = open_nixl_sink(self.backend)
+            log.info("KV transport: NIXL agent %s, slot cache registered", self.nixl.agent.name)
         self.batcher.start()
         self._reaper = asyncio.create_task(self._reap_expired_leases())
 
@@ -154,7 +161,7 @@ class DecodeWorker:
                 if isinstance(message, KvCommit):
                     while writes:
                         await writes.popleft()
-                    self._commit(stream, coverage, message)
+                    self._commit(stream, coverage.missing(), message)
                     self.metrics.kv_bytes.inc(received)
                     return received
                 writes.append(self._write_piece(stream, coverage, message))
@@ -173,6 +180,38 @@ class DecodeWorker:
                 write.add_done_callback(lambda done: done.cancelled() or done.exception())
             if stream is not None:
                 stream.transferring = False
+
+    async def pull_kv(self, pull: KvPull, timeout: float | None) -> int:
+        """NIXL: reads a staged prompt's KV straight into the reserved slot, then commits.
+
+        The read runs on the KV writer thread, so it finishes before any later
+        write into the same slot, whatever happens to the reservation meanwhile.
+        """
+        if self.nixl is None:
+            raise RequestError("this decode worker has no NIXL transport (--kv-transport grpc)", grpc.StatusCode.FAILED_PRECONDITION)
+        stream = self._begin_transfer(pull.reservation_id)
+        try:
+            reservation = stream.reservation
+            if pull.prompt_len != reservation.prompt_len or pull.num_layers != self.info.num_layers:
+                raise KvWireError(f"staged KV of {pull.prompt_len} tokens x {pull.num_layers} layers does not match the reservation ({reservation.prompt_len} x {self.info.num_layers})")
+            deadline = time.monotonic() + min(timeout or self.config.lease_seconds, self.config.lease_seconds)
+            read = functools.partial(self.nixl.read_into_slot, reservation.slot, pull.agent_name, pull.agent_metadata, pull.address, pull.prompt_len, deadline)
+            try:
+                received = await asyncio.shield(self._loop.run_in_executor(self._kv_writer, read))
+            except NixlTransferError as exc:
+                raise RequestError(str(exc), grpc.StatusCode.ABORTED) from exc
+            log.debug("pulled %d bytes for %s from %s", received, pull.reservation_id, pull.agent_name)
+            self._commit(stream, [], KvCommit(pull.first_token, pull.prompt_len, pull.num_layers))
+            self.metrics.kv_bytes.inc(received)
+            return received
+        except KvWireError as exc:
+            self.metrics.kv_failures.inc()
+            raise RequestError(f"KV pull refused: {exc}") from exc
+        except BaseException:
+            self.metrics.kv_failures.inc()
+            raise
+        finally:
+            stream.transferring = False
 
     def _begin_transfer(self, key: str) -> DecodeStream:
         stream = self._streams.get(key)
@@ -200,7 +239,7 @@ class DecodeWorker:
         coverage.add(piece)
         return self._loop.run_in_executor(self._kv_writer, self.backend.write_kv, stream.reservation.slot, piece.layer, piece.kind, piece.token_start, tensor)
 
-    def _commit(self, stream: DecodeStream, coverage: KvCoverage, commit: KvCommit) -> None:
+    def _commit(self, stream: DecodeStream, missing: list[str], commit: KvCommit) -> None:
         # The last piece's write yielded to the loop: the lease may have run out or the
         # Decode call may have ended meanwhile.
         if not self.slots.is_reserved(stream.key):
@@ -209,7 +248,6 @@ class DecodeWorker:
             raise KvWireError(f"commit for {commit.prompt_len} tokens x {commit.num_layers} layers does not match the reservation ({stream.reservation.prompt_len} x {self.info.num_layers})")
         if not 0 <= commit.first_token < self.info.vocab_size:
             raise KvWireError(f"first_token {commit.first_token} is not in the vocabulary")
-        missing = coverage.missing()
         if missing:
             raise KvWireError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
         reservation = self.slots.activate(stream.key)
@@ -278,3 +316,28 @@ class DecodeWorker:
             "active": self.batcher.active_count,
             "inflight_transfers": sum(1 for s in self._streams.values() if s.transferring),
         }
+
+
+@dataclass(frozen=True)
+class KvPull:
+    """Where a prompt's KV waits in a prefill worker's NIXL staging buffer."""
+
+    reservation_id: str
+    agent_name: str
+    agent_metadata: bytes
+    address: int
+    prompt_len: int
+    num_layers: int
+    first_token: int
+
+
+def open_nixl_sink(backend: Backend):
+    from disagg.kv.layout import KvGeometry
+    from disagg.kv.nixl_transport import NixlSink
+
+    cache = getattr(backend, "cache", None)
+    if cache is None:
+        raise RuntimeError("--kv-transport nixl needs a slot cache in host memory (the torch backend); on Neuron see docs/neuron.md")
+    info = backend.info
+    geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, cache.keys[0].element_size(), info.max_seq_len)
+    return NixlSink(geometry, cache.keys, cache.values)

@@ -16,7 +16,7 @@ def cmd_serve(args) -> int:
     if args.model is None:
         print("Using the built-in tiny model (made on first use, ~20 s) ...", flush=True)
     model = args.model or str(ensure_tiny_model())
-    spec = ClusterSpec(model=model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, dtype=args.dtype, batch_size=args.batch_size)
+    spec = ClusterSpec(model=model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, dtype=args.dtype, batch_size=args.batch_size, worker_args=["--kv-transport", args.kv_transport])
     cluster = LocalCluster(spec)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -127,6 +127,7 @@ def main(argv=None) -> int:
     serve.add_argument("--decode-workers", type=int, default=1)
     serve.add_argument("--batch-size", type=int, default=0, help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
     serve.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    serve.add_argument("--kv-transport", default="grpc", choices=["grpc", "nixl"], help="how KV moves from prefill to decode (nixl: read straight into the slot; needs nixl-cu12)")
     serve.set_defaults(run=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a generation to the terminal")

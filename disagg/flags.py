@@ -39,6 +39,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="pin the thread that runs the model (and torch's compute threads) to these CPUs, e.g. 1 or 2-3; "
         "gRPC and KV receive stay on the process's other CPUs, as host work does beside an accelerator",
     )
+    parser.add_argument("--kv-transport", default="grpc", choices=["grpc", "nixl"], help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
     neuron.add_argument("--context-buckets", default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
@@ -135,6 +136,7 @@ def worker_fields(args) -> tuple[dict, dict]:
         port_file=args.port_file,
         tls=internal_tls(args),
         neuron=neuron,
+        kv_transport=args.kv_transport,
     )
     return fields, settings
 

@@ -73,6 +73,7 @@ def chunk_from_pb(msg: wpb.KvChunk, data: bytes | memoryview | None = None) -> t
 # each side: any protobuf KvChunk parses here, and what is written here parses
 # as a KvChunk anywhere (tests check both ways).
 PUSH_KV = f"/{wpb.DESCRIPTOR.services_by_name['DecodeService'].full_name}/PushKv"
+PULL_KV = f"/{wpb.DESCRIPTOR.services_by_name['DecodeService'].full_name}/PullKv"
 _DATA_FIELD = wpb.KvChunk.DESCRIPTOR.fields_by_name["data"].number
 
 

@@ -26,3 +26,4 @@ class WorkerConfig:
     port_file: str | None = None  # where to announce the bound ports
     neuron: dict = field(default_factory=dict)  # neuron backend options (tp_degree, buckets, ...)
     tls: TlsFiles | None = None  # mutual TLS between the router and the workers
+    kv_transport: str = "grpc"  # how KV moves between the workers: grpc (push stream) or nixl (pull into the slot)

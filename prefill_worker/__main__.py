@@ -15,6 +15,7 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
     add_model_flags(parser)
     parser.add_argument("--kv-piece-bytes", type=int, default=4 * 1024 * 1024, help="largest KV piece in one gRPC message")
     parser.add_argument("--stream-kv", dest="stream_kv", action="store_true", default=None, help="send KV layer by layer during prefill (default on accelerators)")
+    parser.add_argument("--kv-staging-buffers", type=int, default=2, help="NIXL: prompts staged in registered memory for decode workers to read at once")
     parser.add_argument("--no-stream-kv", dest="stream_kv", action="store_false", help="send KV after the first token (default on CPU)")
     args = parser.parse_args(argv)
     setup_process(args)
@@ -23,6 +24,7 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
         **shared,
         kv_piece_bytes=args.kv_piece_bytes,
         stream_kv_during_prefill=args.stream_kv,
+        kv_staging_buffers=args.kv_staging_buffers,
     )
 
 

@@ -45,6 +45,24 @@ class WorkerStopping(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PullKvRequest(_message.Message):
+    __slots__ = ("reservation_id", "agent_name", "agent_metadata", "address", "prompt_len", "num_layers", "first_token")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    agent_name: str
+    agent_metadata: bytes
+    address: int
+    prompt_len: int
+    num_layers: int
+    first_token: int
+    def __init__(self, reservation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_len", "sampling", "stopping", "first_step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class DecodeServiceStub:
                 request_serializer=disagg_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
                 response_deserializer=disagg_dot_v1_dot_worker__pb2.KvAck.FromString,
                 _registered_method=True)
+        self.PullKv = channel.unary_unary(
+                '/disagg.v1.DecodeService/PullKv',
+                request_serializer=disagg_dot_v1_dot_worker__pb2.PullKvRequest.SerializeToString,
+                response_deserializer=disagg_dot_v1_dot_worker__pb2.KvAck.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/disagg.v1.DecodeService/GetLoad',
                 request_serializer=disagg_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
@@ -74,6 +79,15 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKv(self, request, context):
+        """The NIXL transport: the decode worker reads a prompt's KV from the prefill
+        worker's registered staging buffer straight into the reserved slot, then
+        answers. FAILED_PRECONDITION when this worker has no NIXL transport.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -91,6 +105,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
             'PushKv': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKv,
                     request_deserializer=disagg_dot_v1_dot_worker__pb2.KvChunk.FromString,
+                    response_serializer=disagg_dot_v1_dot_worker__pb2.KvAck.SerializeToString,
+            ),
+            'PullKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullKv,
+                    request_deserializer=disagg_dot_v1_dot_worker__pb2.PullKvRequest.FromString,
                     response_serializer=disagg_dot_v1_dot_worker__pb2.KvAck.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
@@ -154,6 +173,33 @@ class DecodeService:
             target,
             '/disagg.v1.DecodeService/PushKv',
             disagg_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
+            disagg_dot_v1_dot_worker__pb2.KvAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disagg.v1.DecodeService/PullKv',
+            disagg_dot_v1_dot_worker__pb2.PullKvRequest.SerializeToString,
             disagg_dot_v1_dot_worker__pb2.KvAck.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,158 @@
+"""The NIXL KV transport (pull): the decode worker reads a prompt's KV from the
+prefill worker's registered staging buffer straight into the reserved slot.
+
+Why pull, as vLLM's NIXL connector does: the decode worker decides when bytes
+land in its slot. It reads only for a reservation it holds, on the same single
+writer thread that orders every other write into the cache, so a slot that is
+freed and given to the next request can never receive the previous request's
+bytes: the next owner's writes queue behind the read. A push from the prefill
+side could land late in a slot that already belongs to someone else.
+
+Layouts (host memory, the UCX backend; on AWS the same calls with LIBFABRIC
+and Neuron memory registered as VRAM, see docs/neuron.md):
+- staging (prefill): [layer][K, V][kv_heads][prompt_len][head_dim], compact;
+- slot cache (decode): per layer and kind [slots, kv_heads, max_seq_len,
+  head_dim]; a slot's prompt is kv_heads runs of prompt_len * head_dim, one
+  strided descriptor per layer and kind.
+Control (metadata, the staging address, commit, cancel) travels on gRPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from .layout import KvGeometry
+
+MEMORY = "DRAM"
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL is not installed or its UCX backend does not load."""
+
+
+class NixlTransferError(RuntimeError):
+    """A read did not complete (the peer went away, or the deadline passed)."""
+
+
+def import_nixl():
+    """NIXL's Python API: the `nixl` meta package, or the CUDA 12 build PyPI ships (`nixl-cu12`)."""
+    for name in ("nixl", "nixl_cu12"):
+        try:
+            module = __import__(name, fromlist=["nixl_agent", "nixl_agent_config"])
+            if hasattr(module, "nixl_agent"):
+                return module
+        except ImportError:
+            continue
+    raise NixlUnavailable("NIXL is not installed: pip install nixl-cu12 (or 'disagg[nixl]')")
+
+
+def available() -> bool:
+    try:
+        import_nixl()
+    except NixlUnavailable:
+        return False
+    return True
+
+
+def new_agent(role: str, progress_thread: bool):
+    nixl = import_nixl()
+    # The side that is only read from needs UCX progressed without a caller:
+    # its progress thread does that. The reading side polls its own transfers.
+    config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    agent = nixl.nixl_agent(f"disagg-{role}-{uuid.uuid4().hex[:12]}", config)
+    if "UCX" not in agent.backends:
+        raise NixlUnavailable("NIXL's UCX backend did not load")
+    return agent
+
+
+@dataclasses.dataclass
+class StagingBuffer:
+    tensor: torch.Tensor  # uint8, [capacity bytes]
+
+    @property
+    def address(self) -> int:
+        return self.tensor.data_ptr()
+
+
+class NixlSource:
+    """Prefill side: a pool of registered staging buffers the decode side reads from."""
+
+    def __init__(self, geometry: KvGeometry, max_tokens: int, buffers: int):
+        self.agent = new_agent("prefill", progress_thread=True)
+        self.geometry = geometry
+        self.buffers = [StagingBuffer(torch.empty(geometry.prompt_bytes(max_tokens), dtype=torch.uint8)) for _ in range(buffers)]
+        self._registered = self.agent.register_memory([b.tensor for b in self.buffers], MEMORY)
+        self.metadata = self.agent.get_agent_metadata()
+
+    @property
+    def name(self) -> str:
+        return self.agent.name
+
+    def stage_layer(self, buffer: StagingBuffer, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copies one layer's K and V ([kv_heads, tokens, head_dim]) into the buffer's layout."""
+        tokens = keys.shape[1]
+        for kind, tensor in enumerate((keys, values)):
+            start = self.geometry.staging_offset(layer, kind, tokens)
+            span = buffer.tensor[start : start + self.geometry.layer_kind_bytes(tokens)]
+            span.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+class NixlSink:
+    """Decode side: the slot cache registered once; reads a staged prompt into a slot."""
+
+    def __init__(self, geometry: KvGeometry, keys: list[torch.Tensor], values: list[torch.Tensor], poll_seconds: float = 0.0005):
+        self.agent = new_agent("decode", progress_thread=False)
+        self.geometry = geometry
+        self._caches = [(k, v) for k, v in zip(keys, values)]
+        self._registered = self.agent.register_memory([t for pair in self._caches for t in pair], MEMORY)
+        self._peers: dict[str, str] = {}
+        self.poll_seconds = poll_seconds
+
+    def _peer(self, agent_name: str, metadata: bytes) -> str:
+        if agent_name not in self._peers:
+            peer = self.agent.add_remote_agent(metadata)
+            self.agent.make_connection(peer)
+            self._peers[agent_name] = peer
+        return self._peers[agent_name]
+
+    def read_into_slot(self, slot: int, agent_name: str, metadata: bytes, address: int, prompt_len: int, deadline: float) -> int:
+        """Reads every layer's K and V of a staged prompt into the slot; returns the bytes read.
+        Blocks until the read is done: call it on the thread that orders cache writes."""
+        peer = self._peer(agent_name, metadata)
+        local, remote = self._descriptors(slot, address, prompt_len)
+        local_list = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, MEMORY)
+        remote_list = self.agent.prep_xfer_dlist(peer, remote, MEMORY)
+        # Each strided row expands to kv_heads descriptors; take them all, in order.
+        indices = list(range(len(local) * self.geometry.kv_heads))
+        handle = self.agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
+        try:
+            state = self.agent.transfer(handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise NixlTransferError(f"KV read from {agent_name} did not finish in time")
+                time.sleep(self.poll_seconds)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise NixlTransferError(f"KV read from {agent_name} failed ({state})")
+        finally:
+            # Releasing a handle still in flight cancels it before the next write into the cache.
+            self.agent.release_xfer_handle(handle)
+            self.agent.release_dlist_handle(local_list)
+            self.agent.release_dlist_handle(remote_list)
+        return self.geometry.prompt_bytes(prompt_len)
+
+    def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Strided (address, length, device, stride, count) rows, one per layer and kind."""
+        g = self.geometry
+        run = g.run_bytes(prompt_len)
+        local, remote = [], []
+        for layer, pair in enumerate(self._caches):
+            for kind, cache in enumerate(pair):
+                local.append((g.slot_address(cache.data_ptr(), slot), run, 0, g.slot_head_stride, g.kv_heads))
+                remote.append((address + g.staging_offset(layer, kind, prompt_len), run, 0, run, g.kv_heads))
+        return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)

@@ -1,0 +1,87 @@
+"""The NIXL KV transport through real processes: the decode worker reads each
+prompt's KV from the prefill worker's staging buffer straight into the slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import assert_nothing_held, reference, start_cluster
+from disagg.client import AsyncClient
+from disagg.kv import nixl_transport
+from disagg.tinymodel import paragraphs
+
+pytestmark = pytest.mark.skipif(not nixl_transport.available(), reason="NIXL is not installed (pip install nixl-cu12)")
+
+NIXL = ["--kv-transport", "nixl"]
+
+
+def cases(count: int) -> list[tuple[str, int]]:
+    texts = paragraphs()
+    return [(" ".join(texts[i % len(texts)].split()[: 3 + (i * 5) % 37]), 4 + (i * 7) % 30) for i in range(count)]
+
+
+def run_all(cluster, work: list[tuple[str, int]]):
+    async def run():
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            return await asyncio.gather(*(client.complete(p, max_new_tokens=n) for p, n in work), return_exceptions=True)
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def nixl_cluster(cluster_logs):
+    cluster = start_cluster(cluster_logs, "llama", prefill=2, decode=2, batch_size=4, worker_args=NIXL)
+    yield cluster
+    cluster.stop()
+
+
+def test_concurrent_requests_through_nixl_equal_generate(nixl_cluster):
+    ref = reference("llama")
+    work = cases(16)
+    for (prompt, n), result in zip(work, run_all(nixl_cluster, work)):
+        assert not isinstance(result, Exception), result
+        assert result.token_ids == ref.greedy(prompt, n), prompt
+    assert_nothing_held(nixl_cluster)
+    kv_bytes = sum(scrape_counter(p.metrics_address, "disagg_decode_kv_received_bytes_total") for p in nixl_cluster.processes if p.name.startswith("decode"))
+    assert kv_bytes > 0
+
+
+def test_a_prefill_worker_on_nixl_pushes_over_grpc_to_a_decode_worker_without_it(cluster_logs):
+    ref = reference("llama")
+    cluster = start_cluster(cluster_logs, "llama", prefill_args=NIXL)
+    try:
+        work = cases(4)
+        for (prompt, n), result in zip(work, run_all(cluster, work)):
+            assert result.token_ids == ref.greedy(prompt, n), prompt
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()
+
+
+def test_cancelled_requests_during_nixl_transfers_leave_nothing_held(nixl_cluster):
+    ref = reference("llama")
+    work = cases(12)
+
+    async def run():
+        async with AsyncClient(nixl_cluster.router_address, timeout=120) as client:
+            tasks = [asyncio.create_task(client.complete(p, max_new_tokens=n)) for p, n in work]
+            await asyncio.sleep(0.05)
+            for task in tasks[::2]:
+                task.cancel()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(run())
+    for (prompt, n), result in list(zip(work, results))[1::2]:
+        assert result.token_ids == ref.greedy(prompt, n), prompt
+    assert_nothing_held(nixl_cluster, within=10)
+
+
+def scrape_counter(address: str, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
