@@ -169,12 +169,8 @@ class DecodeWorker:
                 if len(writes) >= WRITES_IN_FLIGHT:
                     await writes.popleft()
             raise RequestError("KV transfer ended without a commit", grpc.StatusCode.ABORTED)
-        except KvWireError as exc:
-            self.metrics.kv_failures.inc()
-            raise RequestError(f"KV chunk refused: {exc}") from exc
-        except BaseException:
-            self.metrics.kv_failures.inc()
-            raise
+        except BaseException as exc:
+            raise self._transfer_failed(exc, "KV chunk refused") from None
         finally:
             for write in writes:  # a broken transfer's copies still finish, in order, before any later owner's
                 write.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -204,14 +200,19 @@ class DecodeWorker:
             self._commit(stream, [], KvCommit(pull.first_token, pull.prompt_len, pull.num_layers))
             self.metrics.kv_bytes.inc(received)
             return received
-        except KvWireError as exc:
-            self.metrics.kv_failures.inc()
-            raise RequestError(f"KV pull refused: {exc}") from exc
-        except BaseException:
-            self.metrics.kv_failures.inc()
-            raise
+        except BaseException as exc:
+            raise self._transfer_failed(exc, "KV pull refused") from None
         finally:
             stream.transferring = False
+
+    def _transfer_failed(self, exc: BaseException, refused: str) -> BaseException:
+        """Counts a failed transfer; a malformed one becomes INVALID_ARGUMENT naming what was wrong."""
+        self.metrics.kv_failures.inc()
+        if isinstance(exc, KvWireError):
+            error = RequestError(f"{refused}: {exc}")
+            error.__cause__ = exc
+            return error
+        return exc
 
     def _begin_transfer(self, key: str) -> DecodeStream:
         stream = self._streams.get(key)

@@ -52,11 +52,11 @@ def import_nixl():
 
 
 def available() -> bool:
-    try:
-        import_nixl()
-    except NixlUnavailable:
-        return False
-    return True
+    """Whether NIXL is installed, without loading it: its bundled abseil clashes
+    with grpc_tools' protoc in one process, so only processes that use it load it."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu12"))
 
 
 def new_agent(role: str, progress_thread: bool):
