@@ -84,7 +84,8 @@ async def measure(client, args, out: dict, checkpoint) -> None:
 # -- ours ----------------------------------------------------------------------------------------
 def run_disagg(model: str, args, out: dict, checkpoint) -> None:
     # The defaults `disagg serve` starts with (1 prefill + 1 decode worker, its batch size and dtype).
-    spec = ClusterSpec(model=model, dtype=args.dtype, log_dir=args.log_dir + "/disagg")
+    # batch_size 0: the slots sized from the KV budget, as `disagg serve` does.
+    spec = ClusterSpec(model=model, dtype=args.dtype, batch_size=0, log_dir=args.log_dir + "/disagg")
 
     async def run(address: str) -> None:
         async with AsyncClient(address, timeout=900) as client:
