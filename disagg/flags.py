@@ -9,6 +9,8 @@ import argparse
 import logging
 import os
 
+from disagg.kv import TRANSPORTS
+
 
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind; localhost unless you pass --bind-all")
@@ -39,7 +41,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="pin the thread that runs the model (and torch's compute threads) to these CPUs, e.g. 1 or 2-3; "
         "gRPC and KV receive stay on the process's other CPUs, as host work does beside an accelerator",
     )
-    parser.add_argument("--kv-transport", default="grpc", choices=["grpc", "nixl"], help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through)")
+    parser.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
     neuron.add_argument("--context-buckets", default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
@@ -136,9 +138,19 @@ def worker_fields(args) -> tuple[dict, dict]:
         port_file=args.port_file,
         tls=internal_tls(args),
         neuron=neuron,
-        kv_transport=args.kv_transport,
+        kv_transport=kv_transport(args.kv_transport),
     )
     return fields, settings
+
+
+def kv_transport(name: str) -> str:
+    """Refuses --kv-transport nixl up front when NIXL is not installed."""
+    if name == "nixl":
+        from disagg.kv.nixl_transport import available
+
+        if not available():
+            raise SystemExit("--kv-transport nixl: NIXL is not installed (pip install nixl-cu12, or 'disagg[nixl]')")
+    return name
 
 
 def resolve_model(model: str | None) -> str:

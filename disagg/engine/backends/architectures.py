@@ -15,8 +15,6 @@ import functools
 import json
 import pathlib
 
-import transformers
-
 VERDICTS = pathlib.Path(__file__).with_name("model_support.json")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # the mask builders row_masks extends
 
@@ -116,7 +114,3 @@ def context_limit(text_config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 4096
-
-
-def installed_transformers() -> str:
-    return transformers.__version__
