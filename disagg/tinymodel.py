@@ -19,6 +19,11 @@ from dataclasses import asdict, dataclass
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 _VERSION = 1  # bump when the recipe changes, so cached models are remade
+# A plain chat template, so the chat APIs (messages) run on the tiny models too.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class TinyModelSpec:
     sliding_window: int | None = None  # for architectures that have one
 
     def cache_key(self) -> str:
-        blob = json.dumps({**asdict(self), "corpus": CORPUS.read_text(), "v": _VERSION}, sort_keys=True)
+        blob = json.dumps({**asdict(self), "corpus": CORPUS.read_text(), "v": _VERSION, "chat_template": CHAT_TEMPLATE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -62,6 +67,7 @@ def build_tokenizer(vocab_size: int):
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+    fast.chat_template = CHAT_TEMPLATE
     # The local text has fewer merges than a large vocabulary: fill it up with
     # placeholder tokens, so every id the model can emit decodes.
     missing = vocab_size - len(fast)
