@@ -66,10 +66,14 @@ def test_rows_sort_by_seq_id_and_outputs_go_back():
 
 
 def test_sampling_parameters_are_one_row_of_top_k_top_p_temperature_each():
+    from disagg.engine.backends.neuron.sampling import nxdi_sampling_params
     from disagg.engine.sampler import params_tensor
 
     params = params_tensor([Sampling(temperature=0.7, top_k=40, top_p=0.9), Sampling()])
-    assert params.shape == (2, 3) and params[0].tolist() == pytest.approx([40, 0.9, 0.7]) and params[1].tolist() == [0, 1.0, 0.0]
+    # Ours: NxDI's three columns first, then min_p and the penalties (neutral here).
+    assert params.shape == (2, 7) and params[0, :3].tolist() == pytest.approx([40, 0.9, 0.7]) and params[1].tolist() == [0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    # What NxDI is given: [n, 3], greedy as (1, 1, 1).
+    torch.testing.assert_close(nxdi_sampling_params(params, global_topk=256), torch.tensor([[40, 0.9, 0.7], [1.0, 1.0, 1.0]]))
 
 
 # -- KV lines: layouts and conversion -----------------------------------------------------
