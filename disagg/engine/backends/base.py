@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_wire import KvKind
+from disagg.kv.codec import KvKind
 from ..requests import Sampling
 from .slot_cache import LayerKvCallback
 
