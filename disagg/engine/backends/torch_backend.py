@@ -142,8 +142,8 @@ class TorchBackend(Backend):
     def allocate_slots(self, num_slots: int) -> int:
         info = self.info
         self.cache = SlotKvCache.allocate(info.num_layers, num_slots, info.kv_heads, info.max_seq_len, info.head_dim, self.dtype, self.device)
-        self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)
-        return self.cache.nbytes + self.token_counts.nbytes
+        self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)  # penalties: 5 bytes per slot and vocabulary entry
+        return self.cache.nbytes
 
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
         target = (self.cache.keys if kind is KvKind.KEY else self.cache.values)[layer]
