@@ -18,7 +18,15 @@ from dataclasses import asdict, dataclass
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
-_VERSION = 1  # bump when the recipe changes, so cached models are remade
+_VERSION = 2  # bump when the recipe changes, so cached models are remade
+
+# A Zephyr-style chat template, so chat requests (OpenAI's messages) have one to
+# render with on the tiny models, as on any instruction-tuned checkpoint. It
+# writes BOS itself: a rendered chat is tokenized without special tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ def build_tokenizer(vocab_size: int):
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+    fast.chat_template = CHAT_TEMPLATE
     # The local text has fewer merges than a large vocabulary: fill it up with
     # placeholder tokens, so every id the model can emit decodes.
     missing = vocab_size - len(fast)
