@@ -37,11 +37,16 @@ def channel_options(max_message_bytes: int = INTERNAL_MESSAGE_BYTES) -> list[tup
 
 
 class RequestError(Exception):
-    """Bad input from a caller: maps to INVALID_ARGUMENT unless another code is given."""
+    """Bad input from a caller: maps to INVALID_ARGUMENT unless another code is given.
 
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+    field: the refused request field's dotted name in the gRPC API
+    ("sampling.temperature", "prompt"), so another edge can name it its own way.
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT, field: str | None = None):
         super().__init__(message)
         self.code = code
+        self.field = field
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ class Limits:
     max_stop_sequence_chars: int = 256
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 128
+    max_top_logprobs: int = 20  # OpenAI's limit
+    max_choices: int = 16  # n
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,11 @@ from disagg.v1 import generation_pb2 as pb
 
 from .coalesce import coalesced
 from .config import RouterConfig
-from .lifecycle import Chunk, Lifecycle
-from .validation import GenerationRequest, ModelFacts, build_request, check_request_fields
+from .grpc_edge import chunk_to_pb, params_from_pb
+from .lifecycle import Lifecycle
+from .params import GenerateParams
+from .prompts import prompt_ids
+from .validation import GenerationRequest, ModelFacts, build_request, check_params
 from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -44,11 +47,12 @@ class Router:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    async def prepare(self, message: pb.GenerateRequest) -> GenerationRequest:
-        check_parsed(message)
-        check_request_fields(message, self.config.limits, self.facts)
-        prompt_ids = list(message.prompt_token_ids) or await self.tokenize(message.prompt)
-        return build_request(message, prompt_ids, self.config.limits, self.facts)
+    async def prepare(self, params: GenerateParams) -> GenerationRequest:
+        """Validates a request from either edge and tokenizes (or renders) its prompt."""
+        check_params(params, self.config.limits, self.facts)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenizer_pool, prompt_ids, self.tokenizer, params)
+        return build_request(params, ids, self.config.limits, self.facts)
 
     async def generate(self, request: GenerationRequest, timeout: float | None = None):
         if request.request_id in self.in_flight:
@@ -67,18 +71,6 @@ class Router:
             self.metrics.requests.labels(outcome).inc()
 
 
-def chunk_to_pb(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, finish_reason=int(chunk.finish))
-    if chunk.finish:
-        response.usage.prompt_tokens = chunk.prompt_tokens
-        response.usage.completion_tokens = chunk.completion_tokens
-        response.matched_stop = chunk.matched_stop
-        response.timings.queue_seconds = chunk.queue_seconds
-        response.timings.time_to_first_token_seconds = chunk.ttft_seconds
-        response.timings.total_seconds = chunk.total_seconds
-    return response
-
-
 class GenerationServicer:
     def __init__(self):
         self.router: Router | None = None  # set once the workers are ready
@@ -91,7 +83,7 @@ class GenerationServicer:
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         router = await self._ready(context)
         try:
-            generation = await router.prepare(request)
+            generation = await router.prepare(params_from_pb(request))
             async for chunk in coalesced(router.generate(generation, context.time_remaining())):
                 yield chunk_to_pb(chunk, generation.request_id)
         except RequestError as exc:

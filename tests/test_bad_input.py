@@ -14,8 +14,8 @@ from conftest import assert_nothing_held
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 CASES = [
-    (dict(), "exactly one of prompt or prompt_token_ids"),
-    (dict(prompt="x", prompt_token_ids=[1]), "exactly one of prompt or prompt_token_ids"),
+    (dict(), "exactly one of prompt, prompt_token_ids or messages"),
+    (dict(prompt="x", prompt_token_ids=[1]), "exactly one of prompt, prompt_token_ids or messages"),
     (dict(prompt_token_ids=[1, 10**6]), "prompt_token_ids contains 1000000"),
     (dict(prompt_token_ids=[1, -3]), "prompt_token_ids contains -3"),
     (dict(prompt="x", temperature=-1.0), "sampling.temperature"),
