@@ -88,8 +88,8 @@ def cmd_bench(args) -> int:
 
     from disagg.loadgen import BenchConfig, plot, run_bench, table
 
-    if args.api == "openai" and (args.url is None or args.start_cluster):
-        print("disagg bench: --api openai needs --url (the server's base URL) and cannot --start-cluster", file=sys.stderr)
+    if args.api == "openai" and (args.url is None) == (not args.start_cluster):
+        print("disagg bench: --api openai needs either --url (the server's base URL) or --start-cluster (ours, over HTTP)", file=sys.stderr)
         return 2
     config = BenchConfig(
         address=args.url if args.api == "openai" else args.address,
@@ -113,8 +113,9 @@ def cmd_bench(args) -> int:
         from disagg.launcher import ClusterSpec, LocalCluster
         from disagg.tinymodel import ensure_tiny_model
 
-        cluster = LocalCluster(ClusterSpec(model=args.model or str(ensure_tiny_model()), log_dir=args.log_dir)).start()
-        config.address = cluster.router_address
+        http_port = 0 if args.api == "openai" else None
+        cluster = LocalCluster(ClusterSpec(model=args.model or str(ensure_tiny_model()), log_dir=args.log_dir, http_port=http_port)).start()
+        config.address = cluster.http_url if args.api == "openai" else cluster.router_address
     try:
         runs = asyncio.run(run_bench(config))
     finally:
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="load-test the public API and report latency, throughput and goodput")
     bench.add_argument("--address", default="127.0.0.1:50050", help="our gRPC API (--api grpc)")
-    bench.add_argument("--api", default="grpc", choices=["grpc", "openai"], help="openai: stream /v1/completions of any OpenAI-compatible server (vLLM, ...); needs pip install 'disagg[bench]'")
+    bench.add_argument("--api", default="grpc", choices=["grpc", "openai"], help="openai: stream /v1/completions of any OpenAI-compatible server (ours with --http-port, vLLM, ...); needs pip install 'disagg[bench]'")
     bench.add_argument("--url", default=None, help="base URL of the OpenAI API (--api openai), e.g. http://127.0.0.1:8000")
     bench.add_argument("--start-cluster", action="store_true", help="start a local cluster on --model (or the default model) to test")
     bench.add_argument("--model", default=None)
