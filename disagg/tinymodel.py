@@ -18,14 +18,11 @@ from dataclasses import asdict, dataclass
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
-_VERSION = 2  # bump when the recipe changes, so cached models are remade
-
-# A Zephyr-style chat template, so chat requests (OpenAI's messages) have one to
-# render with on the tiny models, as on any instruction-tuned checkpoint. It
-# writes BOS itself: a rendered chat is tokenized without special tokens.
+_VERSION = 1  # bump when the recipe changes, so cached models are remade
+# A plain chat template, so the chat APIs (messages) run on the tiny models too.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
 
@@ -44,7 +41,7 @@ class TinyModelSpec:
     sliding_window: int | None = None  # for architectures that have one
 
     def cache_key(self) -> str:
-        blob = json.dumps({**asdict(self), "corpus": CORPUS.read_text(), "v": _VERSION}, sort_keys=True)
+        blob = json.dumps({**asdict(self), "corpus": CORPUS.read_text(), "v": _VERSION, "chat_template": CHAT_TEMPLATE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
