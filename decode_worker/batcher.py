@@ -36,7 +36,8 @@ from prometheus_client import CollectorRegistry
 from disagg.engine.backends import Backend, StepInputs
 from disagg.flags import pin_this_thread
 from disagg.metrics import DecodeMetrics
-from disagg.engine.requests import FinishReason, Sampling, Stopping, token_finish
+from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs, token_finish
+from disagg.engine.sampler import SampleOutput, params_row
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Sequence:
     sampling: Sampling
     stopping: Stopping  # max_new_tokens counts from first_token
     step_offset: int = 0  # sampling counter of first_token (tokens generated on an earlier worker)
+    context_ids: tuple[int, ...] = ()  # the prompt_len ids behind the KV, when a penalty needs them
     generated: int = 1  # tokens the host has seen, the first one included
     scheduled: int = 1  # tokens seen plus tokens being computed
     in_flight: int = 0  # steps submitted and not yet processed that include this row
@@ -59,8 +61,10 @@ class Sequence:
     def __post_init__(self):
         self.last_token = self.first_token
 
-    def params_row(self) -> tuple[float, float, float]:
-        return (float(self.sampling.top_k), float(self.sampling.top_p), float(self.sampling.temperature))
+    def token_history(self) -> tuple[list[int], list[int]]:
+        """(prompt ids, ids generated so far, first_token included): what penalties count."""
+        split = len(self.context_ids) - self.step_offset
+        return list(self.context_ids[:split]), [*self.context_ids[split:], self.first_token]
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,13 @@ class TokenEvent:
     key: str
     token_ids: list[int]
     finish: FinishReason
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
 
 
 @dataclass
 class _Step:
     rows: list[Sequence]
-    output: Future  # -> tensor [n] of token ids
+    output: Future  # -> SampleOutput of n rows
 
 
 @dataclass
@@ -180,6 +185,10 @@ class Batcher:
         # The first token came from prefill; it may already end the request.
         reason = token_finish(seq.first_token, 1, seq.prompt_len + 1, seq.stopping, self.max_seq_len)
         self._active[seq.slot] = seq
+        if seq.sampling.penalized:
+            # Queued on the device thread: after every step that still held the slot's
+            # previous owner, before the first step of this one.
+            self._device.submit(self.backend.start_sequence, seq.slot, *seq.token_history())
         if reason is not FinishReason.NONE:
             self._publish([TokenEvent(seq.key, [], reason)])
             self._finish(seq)
@@ -216,12 +225,14 @@ class Batcher:
             slots=torch.tensor(slots),
             positions=torch.tensor(positions),
             input_ids=torch.tensor(host_tokens),
-            params=torch.tensor([s.params_row() for s in rows], dtype=torch.float32),
+            params=torch.tensor([params_row(s.sampling) for s in rows], dtype=torch.float32),
             seeds=torch.tensor([s.sampling.seed for s in rows]),
             steps=torch.tensor([s.step_offset + s.scheduled for s in rows]),  # sampling counter of the token produced
             kv_len=max(positions) + 1,
             min_position=min(positions),
             contiguous_from=slots[0] if slots[-1] - slots[0] == len(slots) - 1 else None,
+            penalized=any(s.sampling.penalized for s in rows),
+            top_logprobs=max(s.sampling.logprobs for s in rows),
         )
         for s in rows:
             s.scheduled += 1
@@ -230,7 +241,7 @@ class Batcher:
         self._resumed_from_idle = False
         return _Step(rows, output)
 
-    def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool) -> torch.Tensor:
+    def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool) -> SampleOutput:
         # Runs on the device thread, in submission order, so _last_output is the
         # previous step's output whenever from_prev points into it.
         start = time.perf_counter()
@@ -241,7 +252,7 @@ class Batcher:
             carried = self._last_output[from_prev.clamp(min=0)]
             inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids)
         output = self.backend.decode_step(inputs)
-        self._last_output = output
+        self._last_output = output.token_ids
         self._last_step_end = time.perf_counter()
         elapsed = self._last_step_end - start
         self.metrics.step.observe(elapsed)
@@ -250,9 +261,11 @@ class Batcher:
         return output
 
     def _process(self, step: _Step) -> None:
-        tokens = step.output.result().tolist()  # the one host/device sync of a step
+        output: SampleOutput = step.output.result()
+        tokens = output.token_ids.tolist()  # the one host/device sync of a step
+        logprobs = output.rows([s.sampling.logprobs for s in step.rows])
         events = []
-        for seq, token in zip(step.rows, tokens):
+        for seq, token, row in zip(step.rows, tokens, logprobs):
             seq.in_flight -= 1
             if seq.done:
                 self.stats.dropped_tokens += 1
@@ -260,7 +273,8 @@ class Batcher:
             seq.generated += 1
             seq.last_token = token
             reason = token_finish(token, seq.generated, seq.prompt_len + seq.generated, seq.stopping, self.max_seq_len)
-            events.append(TokenEvent(seq.key, [token], reason))
+            row_logprobs = None if row is None else [TokenLogprobs(token, row[0], tuple(row[1]))]
+            events.append(TokenEvent(seq.key, [token], reason, row_logprobs))
             if reason is not FinishReason.NONE:
                 self._finish(seq)
         self.stats.steps += 1

@@ -35,12 +35,15 @@ class ColocatedPrefillServicer:
             self.pending += 1
             started = time.perf_counter()
             try:
-                first, layers = await worker.colocated_prefill(ids, wire.sampling_from_pb(request.sampling), request.first_step)
+                sampling = wire.sampling_from_pb(request.sampling)
+                wire.check_sampling(worker.backend, sampling)
+                result = await worker.colocated_prefill(ids, sampling, request.first_step)
             finally:
                 self.pending -= 1
-            yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=first, prefill_seconds=time.perf_counter() - started))
+            logprobs = wire.logprobs_to_pb(result.logprobs) if result.logprobs else None
+            yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=result.first_token, prefill_seconds=time.perf_counter() - started, logprobs=logprobs))
             if key is not None:
-                copied = await worker.colocated_fill(key, ids, first, layers)
+                copied = await worker.colocated_fill(key, ids, result.first_token, result.layers)
                 yield wpb.PrefillEvent(kv_sent=wpb.KvSent(bytes=copied, seconds=0.0))
         except RequestError as exc:
             await context.abort(exc.code, str(exc))

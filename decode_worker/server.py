@@ -40,14 +40,16 @@ class DecodeServicer:
         worker = await self._ready(context)
         try:
             check_parsed(request)
-            stream = worker.open_stream(request.request_id, request.prompt_len, wire.sampling_from_pb(request.sampling), wire.stopping_from_pb(request.stopping), request.first_step)
+            sampling, stopping = wire.sampling_from_pb(request.sampling), wire.stopping_from_pb(request.stopping)
+            stream = worker.open_stream(request.request_id, request.prompt_len, sampling, stopping, request.first_step, tuple(request.context_token_ids))
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
         try:
             r = stream.reservation
             yield wpb.DecodeEvent(reserved=wpb.Reserved(reservation_id=r.reservation_id, slot=r.slot, lease_seconds=worker.config.lease_seconds))
             async for event in worker.events(stream):
-                yield wpb.DecodeEvent(tokens=wpb.DecodeTokens(token_ids=event.token_ids, finish=int(event.finish)))
+                logprobs = [wire.logprobs_to_pb(x) for x in event.logprobs] if event.logprobs else None
+                yield wpb.DecodeEvent(tokens=wpb.DecodeTokens(token_ids=event.token_ids, finish=int(event.finish), logprobs=logprobs))
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
         finally:

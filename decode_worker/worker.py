@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from disagg import wire
 from disagg.engine.backends import Backend
 from disagg.engine.kv_wire import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode
 from disagg.engine.requests import FinishReason, Sampling, Stopping
@@ -39,6 +40,7 @@ class DecodeStream:
     sampling: Sampling
     stopping: Stopping
     first_step: int
+    context_ids: tuple[int, ...] = ()  # the prompt_len ids behind the KV, when a penalty needs them
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent | RequestError
     transferring: bool = False
 
@@ -54,7 +56,8 @@ def _first_merged(waiting: list) -> tuple:
     """
     first, rest = waiting[0], waiting[1:]
     while isinstance(first, TokenEvent) and first.finish is FinishReason.NONE and rest and isinstance(rest[0], TokenEvent):
-        first = TokenEvent(first.key, first.token_ids + rest[0].token_ids, rest[0].finish)
+        logprobs = None if first.logprobs is None else first.logprobs + (rest[0].logprobs or [])
+        first = TokenEvent(first.key, first.token_ids + rest[0].token_ids, rest[0].finish, logprobs)
         rest = rest[1:]
     return first, rest
 
@@ -93,15 +96,18 @@ class DecodeWorker:
         self._kv_writer.shutdown(wait=True)
 
     # -- Decode stream -----------------------------------------------------
-    def open_stream(self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0) -> DecodeStream:
+    def open_stream(self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0, context_ids: tuple[int, ...] = ()) -> DecodeStream:
         if not 0 < prompt_len < self.info.max_seq_len:
             raise RequestError(f"prompt_len {prompt_len} must be in [1, {self.info.max_seq_len})")
         if stopping.max_new_tokens < 1:
             raise RequestError(f"stopping.max_new_tokens must be at least 1, got {stopping.max_new_tokens}")
+        wire.check_sampling(self.backend, sampling)
+        if sampling.penalized:
+            check_context(context_ids, prompt_len, self.info.vocab_size)
         if not self.slots.can_reserve():
             raise RequestError(f"all {self.slots.num_slots} slots are in use", grpc.StatusCode.RESOURCE_EXHAUSTED)
         reservation = self.slots.reserve(request_id, prompt_len, self.config.lease_seconds)
-        stream = DecodeStream(reservation, sampling, stopping, first_step)
+        stream = DecodeStream(reservation, sampling, stopping, first_step, tuple(context_ids))
         self._streams[stream.key] = stream
         return stream
 
@@ -253,12 +259,11 @@ class DecodeWorker:
             raise KvWireError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
         reservation = self.slots.activate(stream.key)
         stream.transferring = False
-        self.batcher.admit(Sequence(stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step))
+        self.batcher.admit(Sequence(stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids))
 
     # -- colocated mode: prefill on this worker's own device thread --------------
     async def colocated_prefill(self, token_ids: list[int], sampling: Sampling, first_step: int):
-        result = await asyncio.wrap_future(self.batcher.run_on_device(self.backend.prefill, token_ids, sampling, None, first_step))
-        return result.first_token, result.layers
+        return await asyncio.wrap_future(self.batcher.run_on_device(self.backend.prefill, token_ids, sampling, None, first_step))
 
     async def colocated_fill(self, key: str, token_ids: list[int], first_token: int, layers) -> int:
         """Copies a local prefill's KV into the reserved slot and admits it: no wire, no codec."""
@@ -277,7 +282,7 @@ class DecodeWorker:
         if not self.slots.is_reserved(key):
             raise RequestError(f"reservation_id {key!r} was released during the copy", grpc.StatusCode.NOT_FOUND)
         reservation = self.slots.activate(key)
-        self.batcher.admit(Sequence(key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step))
+        self.batcher.admit(Sequence(key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids))
         return copied
 
     # -- from the batcher's thread ------------------------------------------
@@ -317,6 +322,14 @@ class DecodeWorker:
             "active": self.batcher.active_count,
             "inflight_transfers": sum(1 for s in self._streams.values() if s.transferring),
         }
+
+
+def check_context(context_ids: tuple[int, ...], prompt_len: int, vocab_size: int) -> None:
+    if len(context_ids) != prompt_len:
+        raise RequestError(f"context_token_ids has {len(context_ids)} ids; a penalized request needs its prompt_len {prompt_len}")
+    bad = next((t for t in context_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"context_token_ids contains {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,14 @@ from disagg.v1 import generation_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]]  # (token_id, text, logprob), best first
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     request_id: str
     token_ids: list[int]
@@ -27,6 +35,8 @@ class GenerationChunk:
     completion_tokens: int = 0
     matched_stop: str = ""
     ttft_seconds: float = 0.0
+    index: int = 0  # which of the n choices
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, with logprobs=True
 
 
 @dataclass
@@ -40,11 +50,14 @@ class Generation:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     matched_stop: str = ""
+    index: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, chunk: GenerationChunk) -> None:
-        self.request_id = chunk.request_id
+        self.request_id, self.index = chunk.request_id, chunk.index
         self.token_ids += chunk.token_ids
         self.text += chunk.text
+        self.logprobs += chunk.logprobs
         if chunk.finish_reason:
             self.finish_reason, self.matched_stop = chunk.finish_reason, chunk.matched_stop
             self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
@@ -63,18 +76,33 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     request_id: str = "",
+    messages: Sequence[tuple[str, str]] = (),
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    n: int = 0,
 ) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
+    """messages: (role, content) pairs, a chat the server renders with the model's chat template."""
+    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     if top_p is not None:
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
     return pb.GenerateRequest(
         request_id=request_id,
         prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids),
+        messages=[pb.ChatMessage(role=role, content=content) for role, content in messages],
         sampling=sampling,
         stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=n,
     )
 
 
@@ -89,7 +117,17 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> GenerationChunk:
         completion_tokens=msg.usage.completion_tokens,
         matched_stop=msg.matched_stop,
         ttft_seconds=msg.timings.time_to_first_token_seconds,
+        index=msg.index,
+        logprobs=[TokenLogprob(x.token_id, x.text, x.logprob, [(t.token_id, t.text, t.logprob) for t in x.top_logprobs]) for x in msg.logprobs],
     )
+
+
+def by_choice(chunks) -> list[Generation]:
+    """The chunks of an n-choice generation, joined per choice, in index order."""
+    choices: dict[int, Generation] = {}
+    for chunk in chunks:
+        choices.setdefault(chunk.index, Generation()).add(chunk)
+    return [choices[i] for i in sorted(choices)]
 
 
 def _credentials(tls_ca: str | bytes | None) -> grpc.ChannelCredentials | None:
@@ -123,10 +161,14 @@ class Client:
             call.cancel()
 
     def complete(self, prompt: str | None = None, **params) -> Generation:
-        result = Generation()
-        for chunk in self.generate(prompt, **params):
-            result.add(chunk)
+        if params.get("n", 1) > 1:
+            raise ValueError("complete() returns one choice: use choices() with n > 1")
+        (result,) = self.choices(prompt, **params)
         return result
+
+    def choices(self, prompt: str | None = None, **params) -> list[Generation]:
+        """Every choice of the generation (n of them), in index order."""
+        return by_choice(self.generate(prompt, **params))
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
@@ -162,10 +204,14 @@ class AsyncClient:
             call.cancel()
 
     async def complete(self, prompt: str | None = None, **params) -> Generation:
-        result = Generation()
-        async for chunk in self.generate(prompt, **params):
-            result.add(chunk)
+        if params.get("n", 1) > 1:
+            raise ValueError("complete() returns one choice: use choices() with n > 1")
+        (result,) = await self.choices(prompt, **params)
         return result
+
+    async def choices(self, prompt: str | None = None, **params) -> list[Generation]:
+        """Every choice of the generation (n of them), in index order."""
+        return by_choice([chunk async for chunk in self.generate(prompt, **params)])
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)

@@ -4,17 +4,55 @@ place the workers touch protobuf messages' fields."""
 from __future__ import annotations
 
 from disagg.engine.kv_wire import KvCommit, KvKind, KvPiece
-from disagg.engine.requests import FinishReason, Sampling, Stopping
-from disagg.rpc import LENGTH_DELIMITED, WireField, wire_fields
+from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs
+from disagg.rpc import LENGTH_DELIMITED, RequestError, WireField, wire_fields
 from disagg.v1 import worker_pb2 as wpb
 
 
 def sampling_from_pb(msg: wpb.WorkerSampling) -> Sampling:
-    return Sampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, seed=msg.seed)
+    return Sampling(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p or 1.0,
+        seed=msg.seed,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logprobs=msg.top_logprobs if msg.logprobs else -1,
+    )
 
 
 def sampling_to_pb(sampling: Sampling) -> wpb.WorkerSampling:
-    return wpb.WorkerSampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
+    return wpb.WorkerSampling(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logprobs=sampling.logprobs >= 0,
+        top_logprobs=max(sampling.logprobs, 0),
+    )
+
+
+def check_sampling(backend, sampling: Sampling) -> None:
+    """Refuses a request's sampling that the worker's backend cannot serve, naming the field.
+    (The router refuses it first; a worker does not trust that.)"""
+    unsupported = backend.unsupported(sampling)
+    if unsupported:
+        field = f"sampling.{unsupported[0]}"
+        raise RequestError(f"{field} is not supported by the {backend.info.backend} backend (see docs/neuron.md)", field=field)
+
+
+def logprobs_to_pb(logprobs: TokenLogprobs) -> wpb.WorkerLogprobs:
+    return wpb.WorkerLogprobs(logprob=logprobs.logprob, top_token_ids=[t for t, _ in logprobs.top], top_logprobs=[v for _, v in logprobs.top])
+
+
+def logprobs_from_pb(token_id: int, msg: wpb.WorkerLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
 def stopping_from_pb(msg: wpb.WorkerStopping) -> Stopping:

@@ -36,7 +36,8 @@ class PrefillServicer:
             events = worker.prefill(list(request.token_ids), wire.sampling_from_pb(request.sampling), target, request.first_step, context.time_remaining())
             async for event in events:
                 if isinstance(event, FirstToken):
-                    yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=event.token_id, prefill_seconds=event.prefill_seconds))
+                    logprobs = wire.logprobs_to_pb(event.logprobs) if event.logprobs else None
+                    yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=event.token_id, prefill_seconds=event.prefill_seconds, logprobs=logprobs))
                 else:
                     yield wpb.PrefillEvent(kv_sent=wpb.KvSent(bytes=event.bytes, seconds=event.seconds))
         except RequestError as exc:

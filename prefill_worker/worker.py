@@ -14,7 +14,7 @@ import grpc
 from disagg import wire
 from disagg.engine.backends import Backend
 from disagg.engine.kv_wire import KvCommit, KvKind, encode
-from disagg.engine.requests import Sampling
+from disagg.engine.requests import Sampling, TokenLogprobs
 from disagg.flags import pin_this_thread
 from disagg.metrics import PrefillMetrics, outcome_label
 from disagg.rpc import RequestError
@@ -37,6 +37,7 @@ class KvTarget:
 class FirstToken:
     token_id: int
     prefill_seconds: float
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class PrefillWorker:
             await channel.close()
         self._device.shutdown(wait=True)
 
-    def validate(self, token_ids: list[int]) -> None:
+    def validate(self, token_ids: list[int], sampling: Sampling) -> None:
+        wire.check_sampling(self.backend, sampling)
         if not token_ids:
             raise RequestError("token_ids is empty")
         if len(token_ids) >= self.info.max_seq_len:
@@ -82,7 +84,7 @@ class PrefillWorker:
 
         timeout is what is left of the caller's deadline; the KV send inherits it.
         """
-        self.validate(token_ids)
+        self.validate(token_ids, sampling)
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue = asyncio.Queue()
 
@@ -100,7 +102,7 @@ class PrefillWorker:
         try:
             result = await loop.run_in_executor(self._device, self.backend.prefill, token_ids, sampling, on_layer if target and not pull else None, first_step)
             self.metrics.prefill.observe(time.perf_counter() - started)
-            yield FirstToken(result.first_token, time.perf_counter() - started)
+            yield FirstToken(result.first_token, time.perf_counter() - started, result.logprobs)
             if pull:
                 sent_at = time.perf_counter()
                 try:

@@ -20,11 +20,18 @@ from .lifecycle import Chunk
 
 
 def merge(chunks: list[Chunk]) -> Chunk:
-    """One chunk for several in a row; the last one's finish, usage and timings stand."""
+    """One chunk for several in a row of one choice; the last one's finish, usage and timings stand."""
     if len(chunks) == 1:
         return chunks[0]
     token_ids = [t for chunk in chunks for t in chunk.token_ids]
-    return replace(chunks[-1], token_ids=token_ids, text="".join(chunk.text for chunk in chunks))
+    logprobs = None if chunks[0].logprobs is None else [x for chunk in chunks for x in chunk.logprobs or ()]
+    return replace(chunks[-1], token_ids=token_ids, text="".join(chunk.text for chunk in chunks), logprobs=logprobs)
+
+
+def merge_per_choice(chunks: list[Chunk]) -> list[Chunk]:
+    """One chunk per choice present, in the order the choices first appear."""
+    indices = dict.fromkeys(chunk.index for chunk in chunks)
+    return [merge([chunk for chunk in chunks if chunk.index == index]) for index in indices]
 
 
 class _Buffer:
@@ -66,7 +73,8 @@ async def coalesced(source: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
     filler = asyncio.create_task(buffer.fill(source))
     try:
         while chunks := await buffer.take():
-            yield merge(chunks)
+            for chunk in merge_per_choice(chunks):
+                yield chunk
         if buffer.error is not None:
             raise buffer.error
     finally:

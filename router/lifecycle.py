@@ -26,7 +26,7 @@ from typing import AsyncIterator
 import grpc
 
 from disagg import wire
-from disagg.engine.requests import FinishReason, Stopping, token_finish
+from disagg.engine.requests import FinishReason, Stopping, TokenLogprobs, token_finish
 from disagg.metrics import RouterMetrics
 from disagg.rpc import RequestError
 from disagg.v1 import worker_pb2 as wpb
@@ -42,10 +42,15 @@ log = logging.getLogger(__name__)
 SLOT_RETRY_SECONDS = 0.005
 # Worker codes that mean "this worker, not the request": try elsewhere.
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+# What a worker stream yields: new token ids, the finish they bring, their logprobs when asked.
+Tokens = tuple[list[int], FinishReason, list[TokenLogprobs] | None]
 
 
 @dataclass
 class Chunk:
+    """New output of one choice: its tokens and text since the previous chunk; the last
+    chunk of a choice carries its finish, usage and timings."""
+
     token_ids: list[int]
     text: str
     finish: FinishReason = FinishReason.NONE
@@ -55,6 +60,8 @@ class Chunk:
     queue_seconds: float = 0.0
     ttft_seconds: float = 0.0
     total_seconds: float = 0.0
+    index: int = 0  # which of the request's n choices
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when asked
 
 
 class TextAssembler:
@@ -65,7 +72,13 @@ class TextAssembler:
         self._stops = StopSequenceMatcher(list(request.stop_sequences))
         self.completion_tokens = 0
 
-    def add(self, token_ids: list[int], finish: FinishReason) -> Chunk:
+    def add(self, token_ids: list[int], finish: FinishReason, logprobs: list[TokenLogprobs] | None = None) -> Chunk:
+        chunk = self._add(token_ids, finish)
+        if logprobs is not None:
+            chunk.logprobs = logprobs[: len(chunk.token_ids)]  # a stop sequence may have cut the tokens
+        return chunk
+
+    def _add(self, token_ids: list[int], finish: FinishReason) -> Chunk:
         if not self._stops.active:
             return self._add_run(token_ids, finish)
         # A stop sequence may end inside a run of several tokens: the tokens after
@@ -149,7 +162,7 @@ class DecodeLease:
         self.error = error
         self.call.cancel()
 
-    async def tokens(self) -> AsyncIterator[tuple[list[int], FinishReason]]:
+    async def tokens(self) -> AsyncIterator[Tokens]:
         # read() throughout: grpc.aio forbids mixing read() and iteration on one call.
         while True:
             try:
@@ -162,7 +175,9 @@ class DecodeLease:
                 raise worker_failure(self.worker, exc) from exc
             if event is grpc.aio.EOF:
                 raise self.error or WorkerLost(self.worker, "the stream ended without finishing")
-            yield list(event.tokens.token_ids), wire.finish_from_pb(event.tokens.finish)
+            ids = list(event.tokens.token_ids)
+            logprobs = [wire.logprobs_from_pb(t, x) for t, x in zip(ids, event.tokens.logprobs)] if event.tokens.logprobs else None
+            yield ids, wire.finish_from_pb(event.tokens.finish), logprobs
 
     async def close(self) -> None:
         self.call.cancel()
@@ -196,10 +211,10 @@ class Lifecycle:
         while True:
             try:
                 async with contextlib.aclosing(self._attempt(Plan(request, list(done)), deadline, timings, started)) as tokens:
-                    async for token_ids, finish in tokens:
+                    async for token_ids, finish, logprobs in tokens:
                         last_token_at = self._observe_tokens(len(token_ids), last_token_at, timings)
                         done += token_ids
-                        chunk = text.add(token_ids, finish)
+                        chunk = text.add(token_ids, finish, logprobs)
                         if chunk.finish is not FinishReason.NONE:
                             chunk.prompt_tokens, chunk.completion_tokens = len(request.prompt_ids), text.completion_tokens
                             chunk.queue_seconds, chunk.ttft_seconds = timings["queue"], timings["ttft"]
@@ -230,7 +245,7 @@ class Lifecycle:
                 self.metrics.itl.observe(gap)
         return now
 
-    async def _attempt(self, plan: Plan, deadline: Deadline, timings: dict, started: float) -> AsyncIterator[tuple[list[int], FinishReason]]:
+    async def _attempt(self, plan: Plan, deadline: Deadline, timings: dict, started: float) -> AsyncIterator[Tokens]:
         """Tokens of one attempt: the prefill's first token, then the decode stream's."""
         async with contextlib.AsyncExitStack() as calls:
             lease = None
@@ -239,19 +254,19 @@ class Lifecycle:
                 calls.push_async_callback(lease.close)
             if not plan.done:
                 timings["queue"] = time.perf_counter() - started
-            first, prefill = await self._prefill(plan, lease, deadline, calls)
+            first, first_logprobs, prefill = await self._prefill(plan, lease, deadline, calls)
             if not plan.done:
                 timings["ttft"] = time.perf_counter() - started
             seq_len = len(plan.context_ids) + 1
             finish = token_finish(first, 1, seq_len, plan.stopping, self.facts.max_seq_len)
-            yield [first], finish
+            yield [first], finish, None if first_logprobs is None else [first_logprobs]
             if finish is not FinishReason.NONE:
                 return
             delivery = asyncio.create_task(self._watch_delivery(prefill, plan, lease, deadline, calls))
             delivery.add_done_callback(lambda task: task.cancelled() or task.exception() is None or lease.fail(task.exception()))
             calls.callback(delivery.cancel)
-            async for token_ids, finish in lease.tokens():
-                yield token_ids, finish
+            async for tokens in lease.tokens():
+                yield tokens
 
     async def _reserve_decode(self, plan: Plan, deadline: Deadline) -> DecodeLease:
         message = wpb.DecodeRequest(
@@ -260,6 +275,8 @@ class Lifecycle:
             sampling=wire.sampling_to_pb(plan.request.sampling),
             stopping=wire.stopping_to_pb(plan.stopping),
             first_step=len(plan.done),
+            # Penalties count the prompt and the tokens before this worker: the decode worker needs their ids.
+            context_token_ids=plan.context_ids if plan.request.sampling.penalized else None,
         )
         while True:
             worker = await self.pool.acquire_decode()
@@ -293,7 +310,7 @@ class Lifecycle:
         )
         return PrefillCall(worker, worker.stub.Prefill(message, timeout=deadline.remaining()))
 
-    async def _prefill(self, plan: Plan, lease: DecodeLease | None, deadline: Deadline, calls, exclude: set[str] | None = None) -> tuple[int, PrefillCall]:
+    async def _prefill(self, plan: Plan, lease: DecodeLease | None, deadline: Deadline, calls, exclude: set[str] | None = None) -> tuple[int, TokenLogprobs | None, PrefillCall]:
         """The first token, from the first prefill worker that lives to give it."""
         exclude = set() if exclude is None else exclude
         while True:
@@ -312,7 +329,9 @@ class Lifecycle:
                 prefill.worker.outstanding -= 1
             if event is grpc.aio.EOF or not event.HasField("first_token"):
                 raise WorkerLost(prefill.worker, "ended without a first token")
-            return event.first_token.token_id, prefill
+            first = event.first_token
+            logprobs = wire.logprobs_from_pb(first.token_id, first.logprobs) if first.HasField("logprobs") else None
+            return first.token_id, logprobs, prefill
 
     async def _watch_delivery(self, prefill: PrefillCall, plan: Plan, lease: DecodeLease, deadline: Deadline, calls) -> None:
         """Until the decode worker has the KV; a prefill worker that dies mid-transfer is replaced."""
@@ -332,4 +351,4 @@ class Lifecycle:
             # KV again, so another prefill worker sends it (its first token is the same).
             self.pool.mark_unavailable(prefill.worker)
             exclude.add(prefill.worker.address)
-            _, prefill = await self._prefill(plan, lease, deadline, calls, exclude)
+            _, _, prefill = await self._prefill(plan, lease, deadline, calls, exclude)

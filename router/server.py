@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,7 @@ from disagg.rpc import PUBLIC_MESSAGE_BYTES, RequestError, announce_ports, check
 from disagg.security import BearerTokenInterceptor
 from disagg.v1 import generation_pb2 as pb
 
+from .choices import choice_requests, merged_choices
 from .coalesce import coalesced
 from .config import RouterConfig
 from .grpc_edge import chunk_to_pb, params_from_pb
@@ -43,6 +45,8 @@ class Router:
         metrics.queued.set_function(lambda: pool.queued)
         # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenizer")
+        # One token decoded alone (logprobs name their tokens): microseconds, and cached.
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()
@@ -56,12 +60,13 @@ class Router:
         return build_request(params, ids, self.config.limits, self.facts)
 
     async def generate(self, request: GenerationRequest, timeout: float | None = None):
+        """The chunks of all the request's choices (Chunk.index), each choice ending with its finish."""
         if request.request_id in self.in_flight:
             raise RequestError(f"request_id {request.request_id!r} is already in flight")
         self.in_flight.add(request.request_id)
         outcome = "cancelled"
         try:
-            async for chunk in self.lifecycle.run(request, timeout):
+            async for chunk in merged_choices(choice_requests(request), lambda choice: self.lifecycle.run(choice, timeout)):
                 yield chunk
             outcome = "ok"
         except RequestError as exc:
@@ -86,7 +91,7 @@ class GenerationServicer:
         try:
             generation = await router.prepare(params_from_pb(request))
             async for chunk in coalesced(router.generate(generation, context.time_remaining())):
-                yield chunk_to_pb(chunk, generation.request_id)
+                yield chunk_to_pb(chunk, generation.request_id, router.token_text)
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
 

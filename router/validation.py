@@ -38,6 +38,7 @@ class GenerationRequest:
     sampling: Sampling
     stopping: Stopping  # EOS merged into stop_token_ids unless ignore_eos
     stop_sequences: tuple[str, ...]
+    n: int = 1  # choices, each sampled with its own seed (choices.py)
 
     @property
     def max_new_tokens(self) -> int:
@@ -58,7 +59,7 @@ def check_params(params: GenerateParams, limits: Limits, facts: ModelFacts) -> N
     _check_sampling(params)
     _check_stopping(params, limits, facts)
     _check_output(params, limits)
-    _refuse_unbuilt(params)
+    _check_backend(params, facts)
 
 
 def _check_prompt(params: GenerateParams, facts: ModelFacts) -> None:
@@ -133,19 +134,23 @@ def _check_output(p: GenerateParams, limits: Limits) -> None:
         raise refuse("n", f"must be in [1, {limits.max_choices}], got {p.n}")
 
 
-def _refuse_unbuilt(p: GenerateParams) -> None:
-    """Fields the engine does not serve yet: refused rather than ignored."""
-    unbuilt = {
+# What NxDI's on-device sampler cannot do (docs/neuron.md says why).
+NEURON_REFUSES = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+
+
+def _check_backend(p: GenerateParams, facts: ModelFacts) -> None:
+    if facts.backend != "neuron":
+        return
+    used = {
         "min_p": p.min_p != 0,
         "presence_penalty": p.presence_penalty != 0,
         "frequency_penalty": p.frequency_penalty != 0,
         "repetition_penalty": p.repetition_penalty not in (None, 1.0),
         "logprobs": p.logprobs,
-        "n": p.n != 1,
     }
-    for name, used in unbuilt.items():
-        if used:
-            raise refuse(name, "is not supported yet")
+    for name in NEURON_REFUSES:
+        if used[name]:
+            raise refuse(name, "is not supported on the neuron backend: NxDI's on-device sampler takes top_k, top_p and temperature only and returns token ids (see docs/neuron.md)")
 
 
 def build_request(params: GenerateParams, prompt_ids: list[int], limits: Limits, facts: ModelFacts) -> GenerationRequest:
@@ -161,11 +166,22 @@ def build_request(params: GenerateParams, prompt_ids: list[int], limits: Limits,
     max_new = max_new or min(limits.default_max_new_tokens, room)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(facts.eos_token_ids))
     seed = params.seed if params.seed is not None else random.getrandbits(63)
-    sampling = Sampling(temperature=params.temperature, top_k=params.top_k, top_p=1.0 if params.top_p is None else params.top_p, seed=seed)
+    sampling = Sampling(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=1.0 if params.top_p is None else params.top_p,
+        seed=seed,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=1.0 if params.repetition_penalty is None else params.repetition_penalty,
+        logprobs=params.top_logprobs if params.logprobs else -1,
+    )
     return GenerationRequest(
         request_id=params.request_id or uuid.uuid4().hex,
         prompt_ids=list(prompt_ids),
         sampling=sampling,
         stopping=Stopping(max_new_tokens=max_new, stop_token_ids=frozenset(stop_ids)),
         stop_sequences=tuple(params.stop),
+        n=params.n,
     )

@@ -54,7 +54,7 @@ def one_step(backend, rows: dict[int, tuple[int, int]]) -> dict[int, int]:
     n = len(slots)
     inputs = StepInputs(torch.tensor(slots), positions, torch.tensor([rows[s][1] for s in slots]), params_tensor([Sampling()] * n),
                         torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), int(positions.max()) + 1, None)
-    return dict(zip(slots, backend.decode_step(inputs).tolist()))
+    return dict(zip(slots, backend.decode_step(inputs).token_ids.tolist()))
 
 
 def round_trip_while_decoding(backend, ids: list[int]) -> bool:

@@ -67,7 +67,7 @@ def step(backend, rows: dict[int, tuple[int, int]], row=GREEDY):
     inputs = StepInputs(slots=torch.tensor(slots), positions=positions, input_ids=torch.tensor([rows[s][1] for s in slots]),
                         params=torch.tensor([row] * len(slots)), seeds=torch.zeros(len(slots), dtype=torch.long),
                         steps=torch.zeros(len(slots), dtype=torch.long), kv_len=int(positions.max()) + 1, contiguous_from=None)
-    return dict(zip(slots, backend.decode_step(inputs).tolist()))
+    return dict(zip(slots, backend.decode_step(inputs).token_ids.tolist()))
 
 
 def greedy_decode(backend, slot, prompt_len, first, count, row=GREEDY):

@@ -88,3 +88,30 @@ def test_messages_render_as_apply_chat_template_does(llama_path):
     conversation = (("system", "Be brief."), ("user", "The cat sat"))
     expected = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in conversation], add_generation_prompt=True, tokenize=True, return_dict=False)
     assert prompt_ids(tokenizer, GenerateParams(messages=conversation)) == list(expected)
+
+
+NEURON = ModelFacts(name="tiny", vocab_size=512, max_seq_len=512, eos_token_ids=(2,), backend="neuron", dtype="bfloat16")
+NEURON_REFUSED = [
+    (dict(min_p=0.1), "sampling.min_p"),
+    (dict(presence_penalty=0.5), "sampling.presence_penalty"),
+    (dict(frequency_penalty=0.5), "sampling.frequency_penalty"),
+    (dict(repetition_penalty=1.2), "sampling.repetition_penalty"),
+    (dict(logprobs=True), "logprobs"),
+]
+
+
+@pytest.mark.parametrize("fields,name", NEURON_REFUSED, ids=[name for _, name in NEURON_REFUSED])
+def test_the_neuron_backend_refuses_what_nxdi_cannot_sample_naming_the_field(fields, name):
+    with pytest.raises(RequestError) as error:
+        check_params(GenerateParams(prompt="x", **fields), LIMITS, NEURON)
+    assert error.value.field == name and "neuron backend" in str(error.value)
+    check_params(GenerateParams(prompt="x", **fields), LIMITS, FACTS)  # the torch backend serves it
+    check_params(GenerateParams(prompt="x", n=3, repetition_penalty=1.0), LIMITS, NEURON)  # neutral values and n pass
+
+
+def test_choice_seeds_are_seed_plus_index_wrapped_to_int64():
+    from router.choices import choice_requests
+
+    request = build_request(GenerateParams(prompt="x", seed=2**63 - 2, n=3, temperature=1.0), [1, 2], LIMITS, FACTS)
+    seeds = [choice.sampling.seed for choice in choice_requests(request)]
+    assert seeds == [2**63 - 2, 2**63 - 1, -(2**63)]

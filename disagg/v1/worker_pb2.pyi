@@ -26,16 +26,38 @@ KV_KIND_KEY: KvKind
 KV_KIND_VALUE: KvKind
 
 class WorkerSampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class WorkerLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerStopping(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_ids")
@@ -64,18 +86,20 @@ class PullKvRequest(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "stopping", "first_step")
+    __slots__ = ("request_id", "prompt_len", "sampling", "stopping", "first_step", "context_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: WorkerSampling
     stopping: WorkerStopping
     first_step: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stopping: _Optional[_Union[WorkerStopping, _Mapping]] = ..., first_step: _Optional[int] = ...) -> None: ...
+    context_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stopping: _Optional[_Union[WorkerStopping, _Mapping]] = ..., first_step: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("reservation_id", "slot", "lease_seconds")
@@ -88,12 +112,14 @@ class Reserved(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., slot: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
-    __slots__ = ("token_ids", "finish")
+    __slots__ = ("token_ids", "finish", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish: WorkerFinish
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[WorkerFinish, str]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[WorkerLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[WorkerFinish, str]] = ..., logprobs: _Optional[_Iterable[_Union[WorkerLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("reserved", "tokens")
@@ -162,12 +188,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., kv_target: _Optional[_Union[KvTarget, _Mapping]] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "prefill_seconds")
+    __slots__ = ("token_id", "prefill_seconds", "logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     prefill_seconds: float
-    def __init__(self, token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    logprobs: WorkerLogprobs
+    def __init__(self, token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., logprobs: _Optional[_Union[WorkerLogprobs, _Mapping]] = ...) -> None: ...
 
 class KvSent(_message.Message):
     __slots__ = ("bytes", "seconds")

@@ -2,9 +2,10 @@
 
 Its shape follows NxDI's continuous batching: prefill encodes one sequence;
 decode runs one step over the active slots (`seq_ids`), sorted ascending, with
-a [batch, 3] sampling-parameter tensor; a slot's KV lines are written whole
-before the slot joins the batch. Tensors cross this interface; token ids
-leave it as a tensor so the caller decides when to wait for the device.
+a [batch, 7] sampling-parameter tensor whose first three columns are NxDI's
+(top_k, top_p, temperature); a slot's KV lines are written whole before the
+slot joins the batch. Tensors cross this interface; token ids (and logprobs)
+leave it as tensors so the caller decides when to wait for the device.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kv_wire import KvKind
-from ..requests import Sampling
+from ..requests import Sampling, TokenLogprobs
+from ..sampler import SampleOutput
 from .slot_cache import LayerKvCallback
 
 
@@ -40,6 +42,7 @@ class PrefillResult:
     first_token: int
     # Per layer (keys, values), each [kv_heads, prompt_len, head_dim].
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    logprobs: TokenLogprobs | None = None  # when sampling.logprobs >= 0
 
 
 @dataclass
@@ -49,20 +52,30 @@ class StepInputs:
     slots: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64, where each row's input token goes
     input_ids: torch.Tensor  # [n] int64
-    params: torch.Tensor  # [n, 3] float32 (top_k, top_p, temperature)
+    params: torch.Tensor  # [n, 7] float32 (top_k, top_p, temperature, min_p, presence, frequency, repetition)
     seeds: torch.Tensor  # [n] int64
     steps: torch.Tensor  # [n] int64, the sampling counter of the token being produced
     kv_len: int  # max(positions) + 1, known on the host
     contiguous_from: int | None  # first slot when slots are one contiguous run
     min_position: int | None = None  # min(positions), known on the host (sliding windows read from it)
+    penalized: bool = False  # some row has a penalty: the slots' token counts are read
+    top_logprobs: int = -1  # -1: no row wants logprobs; else the most alternatives a row wants
 
 
 class Backend(abc.ABC):
     info: ModelInfo
 
+    def unsupported(self, sampling: Sampling) -> list[str]:
+        """The Sampling fields this backend cannot serve for this request (none here)."""
+        return []
+
     @abc.abstractmethod
     def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
-        """Encodes one prompt and samples its next token with sampling counter first_step."""
+        """Encodes one prompt and samples its next token with sampling counter first_step.
+
+        The last first_step of token_ids are tokens generated earlier (a request
+        resumed on another worker): penalties count them as generated.
+        """
 
     @abc.abstractmethod
     def allocate_slots(self, num_slots: int) -> int:
@@ -73,5 +86,9 @@ class Backend(abc.ABC):
         """Writes a token range of one layer's K or V, [kv_heads, tokens, head_dim], into a slot."""
 
     @abc.abstractmethod
-    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
-        """Runs one token-generation step; returns the sampled ids [n] (on the device)."""
+    def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
+        """Sets a slot's token counts as it joins the batch (penalties read them)."""
+
+    @abc.abstractmethod
+    def decode_step(self, inputs: StepInputs) -> SampleOutput:
+        """Runs one token-generation step; returns the sampled ids [n] (on the device), and logprobs when asked."""

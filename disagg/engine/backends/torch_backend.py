@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..kv_wire import KvKind, dtype_name
 from ..model_files import eos_token_ids
-from ..requests import Sampling
-from ..sampler import params_tensor, sample
+from ..requests import Sampling, TokenLogprobs
+from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
 from . import architectures, row_masks
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
 from .slot_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
@@ -77,6 +77,7 @@ class TorchBackend(Backend):
         eos = eos_token_ids(config.model, self.model.config) if model is None else architectures.config_eos(self.model.config)
         self.info = describe(config.model, self.model.config, "torch", self.dtype, config.max_seq_len, kv_shape, eos)
         self.cache: SlotKvCache | None = None
+        self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
 
     @torch.inference_mode()
     def _probe(self) -> dict[int, tuple]:
@@ -107,14 +108,27 @@ class TorchBackend(Backend):
                 on_layer(layer, keys, values)
 
         logits = self.prefill_logits(token_ids, keep_layer)
-        first = sample(
+        counts = in_prompt = None
+        if sampling.penalized:
+            split = len(token_ids) - first_step  # the tokens after it were generated earlier
+            counts, in_prompt = token_rows(token_ids[:split], token_ids[split:], self.info.vocab_size, self.device)
+        out = sample(
             logits,  # [1, vocab]
             params_tensor([sampling], self.device),
             torch.tensor([sampling.seed], device=self.device),
             torch.full((1,), first_step, dtype=torch.long, device=self.device),
             self.config.global_topk,
+            counts,
+            in_prompt,
+            sampling.logprobs,
         )
-        return PrefillResult(first_token=int(first[0]), layers=[layers[i] for i in range(self.info.num_layers)])
+        first = int(out.token_ids[0])
+        logprobs = out.rows([sampling.logprobs])[0]
+        return PrefillResult(
+            first_token=first,
+            layers=[layers[i] for i in range(self.info.num_layers)],
+            logprobs=None if logprobs is None else TokenLogprobs(first, logprobs[0], tuple(logprobs[1])),
+        )
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback) -> torch.Tensor:
@@ -128,7 +142,8 @@ class TorchBackend(Backend):
     def allocate_slots(self, num_slots: int) -> int:
         info = self.info
         self.cache = SlotKvCache.allocate(info.num_layers, num_slots, info.kv_heads, info.max_seq_len, info.head_dim, self.dtype, self.device)
-        return self.cache.nbytes
+        self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)
+        return self.cache.nbytes + self.token_counts.nbytes
 
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
         target = (self.cache.keys if kind is KvKind.KEY else self.cache.values)[layer]
@@ -142,6 +157,16 @@ class TorchBackend(Backend):
         out = self.model(inputs.input_ids[:, None], position_ids=inputs.positions[:, None], past_key_values=cache, use_cache=True)
         return out.logits[:, -1]
 
+    def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
+        self.token_counts.start(slot, prompt_ids, generated_ids)
+
     @torch.inference_mode()
-    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
-        return sample(self.decode_logits(inputs), inputs.params, inputs.seeds, inputs.steps, self.config.global_topk)
+    def decode_step(self, inputs: StepInputs) -> SampleOutput:
+        logits = self.decode_logits(inputs)
+        slots = inputs.slots.to(self.device)
+        counts, in_prompt = self.token_counts.rows(slots) if inputs.penalized else (None, None)
+        params = inputs.params.to(self.device)
+        out = sample(logits, params, inputs.seeds, inputs.steps, self.config.global_topk, counts, in_prompt, inputs.top_logprobs)
+        if inputs.penalized:
+            self.token_counts.add(slots, out.token_ids)
+        return out

@@ -27,7 +27,7 @@ import torch
 from ...kv_wire import KvKind
 from ...model_files import eos_token_ids
 from ...requests import Sampling
-from ...sampler import params_tensor
+from ...sampler import SampleOutput, params_tensor
 from ..base import Backend, LayerKvCallback, ModelInfo, PrefillResult, StepInputs
 from .config import DTYPES, MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, neuron_config_kwargs, prefill_line
 from .layout import KvLayout, UnsupportedLayout, sort_rows
@@ -176,7 +176,7 @@ class NeuronBackend(Backend):
             attention_mask=torch.ones(1, length, dtype=torch.int32),
             position_ids=torch.arange(length, dtype=torch.int32)[None],
             seq_ids=torch.tensor([line], dtype=torch.int32),
-            sampling_params=self._sampling_rows(params_tensor([sampling])),  # [1, 3]
+            sampling_params=self._sampling_rows(params_tensor([sampling])),  # [1, 3] once mapped
         )
         first = int(out.tokens.reshape(-1)[0])
         layers = []
@@ -196,7 +196,15 @@ class NeuronBackend(Backend):
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
         self.layout.write_line(self._caches(layer, kind), slot, token_start, tensor)
 
-    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
+    def unsupported(self, sampling: Sampling) -> list[str]:
+        # NxDI's dynamic on-device sampler takes (top_k, top_p, temperature) per row
+        # and returns token ids only: see docs/neuron.md.
+        return sampling.features_used()
+
+    def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
+        """Nothing to keep: no penalty reaches this backend (unsupported refuses them)."""
+
+    def decode_step(self, inputs: StepInputs) -> SampleOutput:
         order, inverse = sort_rows(inputs.slots.tolist())  # the batcher sorts already; NxDI requires it
         slots, positions = inputs.slots[order], inputs.positions[order]
         out = self.model.forward(
@@ -206,7 +214,7 @@ class NeuronBackend(Backend):
             seq_ids=slots.to(torch.int32),
             sampling_params=self._sampling_rows(inputs.params[order]),
         )
-        return out.tokens.reshape(-1).to(torch.long)[inverse]
+        return SampleOutput(out.tokens.reshape(-1).to(torch.long)[inverse])
 
     def _sampling_rows(self, params: torch.Tensor) -> torch.Tensor:
         return nxdi_sampling_params(params, self.options.global_topk)

@@ -1,4 +1,4 @@
-"""Our [batch, 3] sampling rows -> the rows NxDI's dynamic on-device sampler accepts.
+"""Our sampling rows -> the [batch, 3] rows NxDI's dynamic on-device sampler accepts.
 
 NxDI's validate_sampling_params (modules/generation/sampling.py) raises for the
 whole batched step on one row with temperature 0 unless top_k is 1, or top_k
@@ -18,7 +18,9 @@ MIN_TOP_P = 1e-6
 
 
 def nxdi_sampling_params(params: torch.Tensor, global_topk: int) -> torch.Tensor:
-    """params: [n, 3] (top_k, top_p, temperature) as ours -> [n, 3] float32 as NxDI reads them."""
+    """params: [n, 7] ours, whose first three columns are (top_k, top_p, temperature) -> [n, 3] float32 as NxDI reads them.
+
+    The other columns (min_p, penalties) never reach here set: the backend refuses them (NeuronBackend.unsupported)."""
     top_k, top_p, temperature = (params[:, i].float() for i in range(3))
     greedy = (temperature <= 0) | (top_k == 1)
     unlimited = (top_k <= 0) | (top_k > global_topk)
