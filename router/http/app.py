@@ -28,6 +28,7 @@ from .convert import chat_params, completion_params, openai_param
 from .responses import Choice, Envelope, TokenText, chat_logprobs, completion_logprobs, finish_reason, gather, total_usage, usage
 from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest, TokenizeRequest
 from .streams import MergedGenerations
+from .token_bytes import TokenBytes
 
 
 @dataclass
@@ -39,6 +40,12 @@ class FrontState:
     auth_token: str | None
     model_path: str  # the --model the router was given: accepted as a name too (as vLLM serves it)
     started: int = 0
+    _token_bytes: TokenBytes | None = None
+
+    def token_bytes(self, router) -> TokenBytes:
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(router.tokenizer)
+        return self._token_bytes
 
 
 class ClientGone(Exception):
@@ -198,7 +205,7 @@ def create_app(state: FrontState) -> FastAPI:
             raise errors.bad_request("echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", router.facts.name, chat=False)
         prepared = await prepare(router, completion_params(body, envelope.id), body)
-        text_of = TokenText(router.tokenizer)
+        text_of = router.token_text
         echoes = [router.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) if body.echo else "" for r in prepared]
         merged = await started(request, router, prepared, body.n)
         if body.stream:
@@ -223,17 +230,17 @@ def create_app(state: FrontState) -> FastAPI:
         include_usage = check_stream_options(body)
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", router.facts.name, chat=True)
         prepared = await prepare(router, [chat_params(body, envelope.id)], body)
-        text_of = TokenText(router.tokenizer)
+        text_of = router.token_text
         merged = await started(request, router, prepared, body.n)
         if body.stream:
-            events = chat_events(merged, envelope, body, text_of, include_usage)
+            events = chat_events(merged, envelope, body, text_of, state.token_bytes(router), include_usage)
             return ClosingStreamingResponse(events, merged.aclose, media_type="text/event-stream")
         choices = await collected(request, merged)
         out = []
         for index, choice in sorted(choices.items()):
             item = {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
             if body.logprobs:
-                item["logprobs"] = chat_logprobs(choice.logprobs, text_of)
+                item["logprobs"] = chat_logprobs(choice.logprobs, text_of, state.token_bytes(router))
             out.append(item)
         return {**envelope.head(streamed=False), "choices": out, "usage": total_usage(choices, body.n)}
 
@@ -267,7 +274,7 @@ async def completion_events(merged, envelope: Envelope, body: CompletionRequest,
                 offsets[index] = 0
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(chunk.finish)}
             if body.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(getattr(chunk, "logprobs", None) or [], text_of, offsets[index])
+                choice["logprobs"] = completion_logprobs(chunk.logprobs or [], text_of, offsets[index])
             if body.return_token_ids:
                 choice["token_ids"] = chunk.token_ids
             offsets[index] += len(text)
@@ -280,7 +287,7 @@ async def completion_events(merged, envelope: Envelope, body: CompletionRequest,
     yield SSE_DONE
 
 
-async def chat_events(merged, envelope: Envelope, body: ChatCompletionRequest, text_of: TokenText, include_usage: bool):
+async def chat_events(merged, envelope: Envelope, body: ChatCompletionRequest, text_of: TokenText, bytes_of: TokenBytes, include_usage: bool):
     counts = StreamUsage(body.n)
     extra = {"usage": None} if include_usage else {}
     head = envelope.head(streamed=True)
@@ -292,7 +299,7 @@ async def chat_events(merged, envelope: Envelope, body: ChatCompletionRequest, t
             delta = {"content": chunk.text} if chunk.text or not chunk.finish else {}
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(chunk.finish)}
             if body.logprobs:
-                choice["logprobs"] = chat_logprobs(getattr(chunk, "logprobs", None) or [], text_of)
+                choice["logprobs"] = chat_logprobs(chunk.logprobs or [], text_of, bytes_of)
             counts.add(index, chunk)
             yield sse({**head, "choices": [choice], **extra})
         if include_usage:

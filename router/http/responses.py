@@ -10,6 +10,7 @@ bytes, top_logprobs}]}`. finish_reason is "length" for a length limit and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg.engine.requests import FinishReason
@@ -41,14 +42,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-class TokenText:
-    """Token id -> its text, as logprobs show tokens (each decoded alone)."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
-
-    def __call__(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
+# Token id -> its text as logprobs show it (decoded alone): Router.token_text.
+TokenText = Callable[[int], str]
 
 
 def completion_logprobs(entries, text_of: TokenText, offset: int) -> dict:
@@ -66,15 +61,14 @@ def completion_logprobs(entries, text_of: TokenText, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _token_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def chat_logprobs(entries, text_of: TokenText, bytes_of: Callable[[int], list[int]]) -> dict:
+    def entry_of(token_id: int, logprob: float) -> dict:
+        return {"token": text_of(token_id), "logprob": logprob, "bytes": bytes_of(token_id)}
 
-
-def chat_logprobs(entries, text_of: TokenText) -> dict:
     content = []
     for entry in entries:
-        item = _token_entry(text_of(entry.token_id), entry.logprob)
-        item["top_logprobs"] = [_token_entry(text_of(t), lp) for t, lp in entry.top]
+        item = entry_of(entry.token_id, entry.logprob)
+        item["top_logprobs"] = [entry_of(t, lp) for t, lp in entry.top]
         content.append(item)
     return {"content": content}
 
@@ -96,7 +90,7 @@ def gather(choices: dict[int, Choice], tagged: Tagged) -> None:
     chunk = tagged.chunk
     choice.text += chunk.text
     choice.token_ids += chunk.token_ids
-    choice.logprobs += getattr(chunk, "logprobs", None) or []
+    choice.logprobs += chunk.logprobs or []
     if chunk.finish:
         choice.finish, choice.prompt_tokens, choice.completion_tokens = chunk.finish, chunk.prompt_tokens, chunk.completion_tokens
 

@@ -56,7 +56,7 @@ class MergedGenerations:
                 async for chunk in chunks:
                     if not first.done():
                         first.set_result(None)
-                    self._queue.put_nowait(Tagged(offset + getattr(chunk, "index", 0), chunk))
+                    self._queue.put_nowait(Tagged(offset + chunk.index, chunk))
             self._queue.put_nowait(_DONE)
         except Exception as exc:  # handed to the reader, which raises it
             if not first.done():
