@@ -125,9 +125,13 @@ def check_http_output(command: str, output: str) -> None:
     if "/v1/models" in command:
         assert body["data"][0]["object"] == "model"
         return
-    choice = body["choices"][0]
-    text = choice["message"]["content"] if "chat" in command else choice["text"]
-    assert text and choice["finish_reason"] in ("stop", "length") and body["usage"]["completion_tokens"] >= 1, output
+    n = json.loads(re.search(r"-d '(.*)'", command).group(1)).get("n", 1)
+    assert [c["index"] for c in body["choices"]] == list(range(n)), output
+    for choice in body["choices"]:
+        text = choice["message"]["content"] if "chat" in command else choice["text"]
+        assert text and choice["finish_reason"] in ("stop", "length"), output
+        assert (choice["logprobs"] is not None) == ('"logprobs"' in command), output
+    assert body["usage"]["completion_tokens"] >= n, output
 
 
 def test_the_readme_curl_examples_as_written(served):
