@@ -140,7 +140,7 @@ def test_logprobs_in_openais_shapes_equal_the_grpc_api(client, model, llama_clus
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
     assert "".join(logprobs.tokens) == out.choices[0].text
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert len(top) == 3 and top[token] == logprob == max(top.values())  # greedy: the sampled token is top-1
     with Client(llama_cluster.router_address, timeout=60) as grpc_client:
         reference = grpc_client.complete(PROMPT, max_new_tokens=6, logprobs=True, top_logprobs=3, ignore_eos=True).logprobs
