@@ -70,3 +70,27 @@ def test_finish_reasons_are_openais():
     from router.http.responses import finish_reason
 
     assert [finish_reason(f) for f in FinishReason] == [None, "length", "stop", "stop"]
+
+
+def test_the_front_answers_503_until_ready_and_its_connections_have_nagle_off():
+    import socket
+
+    from router.http.app import FrontState
+    from router.http.server import HttpFront
+
+    async def run():
+        front = HttpFront(FrontState(router=lambda: None, draining=lambda: False, auth_token=None, model_path="m"), "127.0.0.1", 0)
+        await front.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = (await reader.readuntil(b"}}")).decode()
+        (connection,) = front._server.server_state.connections
+        # Without TCP_NODELAY every SSE event after the first waits for the client's delayed ACK.
+        nodelay = connection.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        writer.close()
+        await front.stop()
+        return response, nodelay
+
+    response, nodelay = asyncio.run(run())
+    assert response.startswith("HTTP/1.1 503") and '"message":"the router is waiting for its workers"' in response
+    assert nodelay

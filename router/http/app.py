@@ -117,7 +117,7 @@ def create_app(state: FrontState) -> FastAPI:
     async def _starlette_error(_, exc: HTTPException):
         return errors.HttpError(exc.status_code, str(exc.detail), "invalid_request_error").response()
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:  # async: FastAPI runs a sync dependency in a thread
         if state.auth_token is None:
             return
         given = request.headers.get("authorization")

@@ -31,7 +31,10 @@ def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the port is announced: a port in use is
     an error at start-up, with the port named."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto
+    # is IPPROTO_TCP, and a connection accepted here inherits proto 0 otherwise: then
+    # each small SSE write after the first waits for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
