@@ -78,3 +78,52 @@ def test_bf16_is_the_default_and_allocates_the_slot_cache_once():
     info = backend.info
     size = backend.allocate_slots(3)
     assert size == 2 * info.num_layers * 3 * info.kv_heads * info.max_seq_len * info.head_dim * 2
+
+
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_processing(async_mode):
+    """Prefill samples the first token, the batcher the rest, next to unpenalized rows
+    (the per-slot counts are set on admission and updated on the device each step)."""
+    import torch
+
+    from test_sampling_e2e import reference_run
+
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(4)
+    penalized = Sampling(repetition_penalty=1.5, presence_penalty=-0.5, frequency_penalty=2.0, logprobs=3)
+    rows = [("The cat slept", penalized), ("Snow fell", Sampling()), ("At night", penalized)]
+    out, logprobs, retired, done = {}, {}, [], threading.Event()
+
+    def publish(events):
+        for e in events:
+            out[e.key] += e.token_ids
+            logprobs[e.key] += e.logprobs or []
+
+    def on_retired(keys):
+        retired.extend(keys)
+        if len(retired) == len(rows):
+            done.set()
+
+    batcher = Batcher(backend, publish, on_retired, async_mode=async_mode)
+    batcher.start()
+    for slot, (prompt, sampling) in enumerate(rows):
+        ids = ref.ids(prompt)
+        result = backend.prefill(ids, sampling)
+        for layer, (k, v) in enumerate(result.layers):
+            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
+            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+        out[str(slot)], logprobs[str(slot)] = [result.first_token], [result.logprobs] if result.logprobs else []
+        batcher.admit(Sequence(str(slot), slot, len(ids), result.first_token, sampling, Stopping(16 + slot), context_ids=tuple(ids)))
+    assert done.wait(60)
+    batcher.stop()
+    for slot, (prompt, sampling) in enumerate(rows):
+        if sampling.penalized:
+            expected, scores = reference_run(ref, ref.ids(prompt), repetition=1.5, presence=-0.5, frequency=2.0, max_new_tokens=16 + slot)
+            assert out[str(slot)] == expected, prompt
+            for token, got, step in zip(expected, logprobs[str(slot)], scores, strict=True):
+                values, top = step.log_softmax(-1).topk(3)
+                assert got.token_id == token and got.logprob == pytest.approx(values[0].item(), abs=1e-4)
+                assert [t for t, _ in got.top] == top.tolist() and torch.allclose(torch.tensor([v for _, v in got.top]), values, atol=1e-4)
+        else:
+            assert out[str(slot)] == ref.greedy(prompt, 16 + slot, ignore_eos=True) and logprobs[str(slot)] == []

@@ -66,10 +66,14 @@ def test_rows_sort_by_seq_id_and_outputs_go_back():
 
 
 def test_sampling_parameters_are_one_row_of_top_k_top_p_temperature_each():
+    from disagg.engine.backends.neuron.sampling import nxdi_sampling_params
     from disagg.engine.sampler import params_tensor
 
     params = params_tensor([Sampling(temperature=0.7, top_k=40, top_p=0.9), Sampling()])
-    assert params.shape == (2, 3) and params[0].tolist() == pytest.approx([40, 0.9, 0.7]) and params[1].tolist() == [0, 1.0, 0.0]
+    # Ours: NxDI's three columns first, then min_p and the penalties (neutral here).
+    assert params.shape == (2, 7) and params[0, :3].tolist() == pytest.approx([40, 0.9, 0.7]) and params[1].tolist() == [0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    # What NxDI is given: [n, 3], greedy as (1, 1, 1).
+    torch.testing.assert_close(nxdi_sampling_params(params, global_topk=256), torch.tensor([[40, 0.9, 0.7], [1.0, 1.0, 1.0]]))
 
 
 # -- KV lines: layouts and conversion -----------------------------------------------------
@@ -211,6 +215,33 @@ def test_the_grpc_path_with_backend_neuron_gives_the_torch_backends_tokens(neuro
         for prompt in prompts[:2]:  # seeded sampling where NxDI's sampler is deterministic: top_k 1
             sampled = neuron_client.complete(prompt, max_new_tokens=8, temperature=0.8, top_k=1, seed=7).token_ids
             assert sampled == torch_client.complete(prompt, max_new_tokens=8, temperature=0.8, top_k=1, seed=7).token_ids == reference("llama").greedy(prompt, 8)
+
+
+NXDI_CANNOT = [(dict(min_p=0.1), "sampling.min_p"), (dict(presence_penalty=0.5), "sampling.presence_penalty"), (dict(frequency_penalty=0.5), "sampling.frequency_penalty"),
+               (dict(repetition_penalty=1.3), "sampling.repetition_penalty"), (dict(logprobs=True), "logprobs")]
+
+
+def test_what_nxdis_sampler_cannot_do_is_refused_naming_the_field_by_router_and_workers(neuron_cluster):
+    import grpc
+
+    from conftest import assert_nothing_held
+    from disagg.v1 import worker_pb2 as wpb
+    from disagg.v1 import worker_pb2_grpc as wgrpc
+
+    with Client(neuron_cluster.router_address, timeout=120) as client:
+        for params, field in NXDI_CANNOT:
+            with pytest.raises(grpc.RpcError) as error:
+                client.complete("The cat", max_new_tokens=4, **params)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in error.value.details() and "neuron backend" in error.value.details()
+        choices = client.choices("The cat", n=2, max_new_tokens=6)  # n runs as independent requests: served
+        assert [c.token_ids for c in choices] == [reference("llama").greedy("The cat", 6)] * 2
+    # A worker does not trust the router to have checked.
+    with grpc.insecure_channel(neuron_cluster.addresses("prefill")[0]) as channel:
+        request = wpb.PrefillRequest(request_id="r", token_ids=[1, 2, 3], sampling=wpb.WorkerSampling(min_p=0.1))
+        with pytest.raises(grpc.RpcError) as error:
+            list(wgrpc.PrefillServiceStub(channel).Prefill(request, timeout=30))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.min_p" in error.value.details()
+    assert_nothing_held(neuron_cluster)
 
 
 def test_the_colocated_neuron_worker_keeps_a_running_requests_tokens_while_another_prefills(cluster_logs, tmp_path):

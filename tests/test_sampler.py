@@ -1,9 +1,18 @@
 import pytest
 import torch
-from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from disagg.engine.requests import Sampling
-from disagg.engine.sampler import SlotTokenCounts, params_tensor, sample, token_rows, uniform_draws
+from disagg.engine.sampler import (
+    SlotTokenCounts,
+    params_tensor,
+    sample,
+    token_rows,
+    uniform_draws,
+)
 
 
 def logits(batch=4, vocab=50, seed=0):

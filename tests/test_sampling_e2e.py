@@ -8,9 +8,9 @@ import asyncio
 import grpc
 import pytest
 import torch
+from conftest import assert_nothing_held
 from transformers import LogitsProcessorList
 
-from conftest import assert_nothing_held
 from disagg.client import AsyncClient, Client
 
 PROMPT = "The market is busy on Saturdays. People buy apples, cheese, fish,"
@@ -30,13 +30,13 @@ class PresenceFrequencyPenalty:
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
-def reference_run(ref, prompt_ids: list[int], repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0):
+def reference_run(ref, prompt_ids: list[int], repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0, max_new_tokens: int = NEW):
     """transformers' greedy generate() with the same processing: (token ids, the processed scores per step)."""
     processors = LogitsProcessorList([PresenceFrequencyPenalty(len(prompt_ids), presence, frequency)]) if presence or frequency else None
     with torch.no_grad():
         out = ref.model.generate(
             torch.tensor([prompt_ids]),
-            max_new_tokens=NEW,
+            max_new_tokens=max_new_tokens,
             do_sample=False,
             repetition_penalty=repetition,
             logits_processor=processors,
