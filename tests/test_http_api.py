@@ -183,6 +183,7 @@ BAD = [
     ("completions", {"prompt": [1, 10**6]}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": {"a": 1}}, "prompt"),
+    ("completions", {"prompt": ["a"] * 257}, "prompt"),
     ("completions", {"echo": True, "logprobs": 1}, "echo"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"best_of": 2}, "best_of"),

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from disagg.rpc import RequestError
 
 from . import errors
-from .convert import chat_params, completion_params, openai_param
+from .convert import chat_params, completion_params, echo_text, openai_param, split_prompts
 from .responses import Choice, Envelope, TokenText, chat_logprobs, completion_logprobs, finish_reason, gather, total_usage, usage
 from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest, TokenizeRequest
 from .streams import MergedGenerations
@@ -141,9 +141,10 @@ def create_app(state: FrontState) -> FastAPI:
         if body.model is not None and body.model not in model_names(router):
             raise errors.model_not_found(body.model)
 
-    async def prepare(router, params_list, body: CommonRequest):
+    async def prepare(router, make_params, body: CommonRequest):
+        """make_params() -> the GenerateParams list, validated and tokenized; a refusal is a 400 naming its parameter."""
         try:
-            return [await router.prepare(p) for p in params_list]
+            return [await router.prepare(p) for p in make_params()]
         except RequestError as exc:
             raise errors.HttpError.from_status(exc.code, str(exc), openai_param(exc.field, body), exc.field) from exc
 
@@ -204,9 +205,9 @@ def create_app(state: FrontState) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise errors.bad_request("echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", router.facts.name, chat=False)
-        prepared = await prepare(router, completion_params(body, envelope.id), body)
+        prepared = await prepare(router, lambda: completion_params(body, envelope.id), body)
         text_of = router.token_text
-        echoes = [router.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) if body.echo else "" for r in prepared]
+        echoes = [echo_text(router.tokenizer, p) if body.echo else "" for p in split_prompts(body.prompt)]
         merged = await started(request, router, prepared, body.n)
         if body.stream:
             events = completion_events(merged, envelope, body, text_of, echoes, include_usage)
@@ -229,7 +230,7 @@ def create_app(state: FrontState) -> FastAPI:
         check_model(router, body)
         include_usage = check_stream_options(body)
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", router.facts.name, chat=True)
-        prepared = await prepare(router, [chat_params(body, envelope.id)], body)
+        prepared = await prepare(router, lambda: [chat_params(body, envelope.id)], body)
         text_of = router.token_text
         merged = await started(request, router, prepared, body.n)
         if body.stream:

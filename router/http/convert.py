@@ -8,6 +8,7 @@ turns it into the parameter the HTTP caller sent (`max_tokens`).
 
 from __future__ import annotations
 
+from disagg.rpc import RequestError
 from router.params import GenerateParams
 
 from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest
@@ -53,11 +54,23 @@ def _common(request: CommonRequest) -> dict:
     )
 
 
+# Prompts in one completions request: each is a generation (n of them) at once,
+# so a batch is bounded like the choices of one prompt are, times the queue's room.
+MAX_BATCH_PROMPTS = 256
+
+
 def split_prompts(prompt) -> list[str | list[int]]:
     """OpenAI's prompt forms -> one entry per completion: a string or token ids."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         return [prompt]
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise RequestError(f"prompt is a batch of {len(prompt)} prompts; at most {MAX_BATCH_PROMPTS} are allowed", field="prompt")
     return list(prompt)  # a list of strings or of token-id lists (or an empty list)
+
+
+def echo_text(tokenizer, prompt: str | list[int]) -> str:
+    """The prompt as `echo` returns it: a string as sent, token ids decoded."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=True)
 
 
 def completion_params(request: CompletionRequest, request_id: str) -> list[GenerateParams]:
