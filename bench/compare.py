@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.client import AsyncClient
 from disagg.engine.backends import load_backend
-from disagg.engine.kv_wire import KvKind
+from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling, Stopping
 from disagg.launcher import ClusterSpec, LocalCluster
 from disagg.loadgen import RequestSpec, closed_loop, open_loop, percentiles, run_one, summarize

@@ -17,7 +17,7 @@ import torch
 from decode_worker.batcher import Batcher, Sequence
 from disagg.client import Client
 from disagg.engine.backends import load_backend
-from disagg.engine.kv_wire import KvKind
+from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling, Stopping
 from disagg.launcher import ClusterSpec, LocalCluster
 from disagg.tinymodel import ensure_tiny_model

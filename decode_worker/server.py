@@ -11,7 +11,8 @@ import torch
 
 from disagg import wire
 from disagg.engine.backends import load_backend
-from disagg.engine.kv_wire import KvWireError
+from disagg.kv.codec import KvWireError
+from disagg.kv.push import PULL_KV, PUSH_KV, chunk_from_pb, split_kv_chunk
 from disagg.metrics import DecodeMetrics, serve_metrics
 from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, RequestError, UnparsableMessage, lenient_parser, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
@@ -22,7 +23,6 @@ from .worker import DecodeWorker, KvPull
 
 log = logging.getLogger(__name__)
 SERVICE = wpb.DESCRIPTOR.services_by_name["DecodeService"]
-PUSH_KV = wire.PUSH_KV
 
 
 class DecodeServicer:
@@ -63,7 +63,7 @@ class DecodeServicer:
                 if isinstance(chunk, UnparsableMessage):
                     raise KvWireError(chunk.as_error().args[0])
                 try:
-                    yield wire.chunk_from_pb(*chunk)
+                    yield chunk_from_pb(*chunk)
                 except ValueError as exc:
                     raise KvWireError(str(exc)) from exc
 
@@ -75,7 +75,7 @@ class DecodeServicer:
 
     async def PullKv(self, request: wpb.PullKvRequest, context: grpc.aio.ServicerContext) -> wpb.KvAck:
         worker = await self._ready(context)
-        pull = KvPull(request.reservation_id, request.agent_name, request.agent_metadata, request.address, request.prompt_len, request.num_layers, request.first_token)
+        pull = KvPull(request.reservation_id, request.agent_name, request.agent_metadata, request.address, request.prompt_len, request.num_layers, request.first_token, request.generation)
         try:
             received = await worker.pull_kv(pull, context.time_remaining())
         except RequestError as exc:
@@ -93,7 +93,7 @@ _parse_kv_header = lenient_parser(wpb.KvChunk)
 def parse_kv_chunk(raw: bytes) -> tuple[wpb.KvChunk, memoryview | None] | UnparsableMessage:
     """PushKv's deserializer: the tensor bytes stay where gRPC put them (no copy)."""
     try:
-        header, data = wire.split_kv_chunk(raw)
+        header, data = split_kv_chunk(raw)
     except ValueError as exc:
         return UnparsableMessage(wpb.KvChunk.DESCRIPTOR.full_name, str(exc))
     message = _parse_kv_header(header)
@@ -129,7 +129,7 @@ async def serve(config: DecodeWorkerConfig) -> None:
     if config.colocated:
         services.append((ColocatedPrefillServicer(servicer), wpb.DESCRIPTOR.services_by_name["PrefillService"]))
     # While draining, KV still arrives for slots reserved before SIGTERM.
-    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=(PUSH_KV, wire.PULL_KV), deserializers={PUSH_KV: parse_kv_chunk})
+    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=(PUSH_KV, PULL_KV), deserializers={PUSH_KV: parse_kv_chunk})
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("decode worker on port %d: loading %s", server.port, config.model)

@@ -17,9 +17,10 @@ import grpc
 
 from disagg import wire
 from disagg.engine.backends import Backend
-from disagg.engine.kv_wire import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode
+from disagg.kv.codec import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode
 from disagg.engine.requests import FinishReason, Sampling, Stopping
 from disagg.engine.slots import Reservation, SlotManager, SlotState
+from disagg.kv import open_fallible
 from disagg.kv.nixl_transport import NixlTransferError
 from disagg.metrics import DecodeMetrics
 from disagg.rpc import RequestError
@@ -84,8 +85,8 @@ class DecodeWorker:
         cache_bytes = await self._loop.run_in_executor(None, self.backend.allocate_slots, self.config.batch_size)
         log.info("slot cache: %d slots x %d positions, %.1f MiB", self.config.batch_size, self.info.max_seq_len, cache_bytes / 2**20)
         if self.config.kv_transport == "nixl":
-            self.nixl = open_nixl_sink(self.backend)
-            log.info("KV transport: NIXL agent %s, slot cache registered", self.nixl.agent.name)
+            self.nixl = open_fallible(lambda: open_nixl_sink(self.backend), self.config)
+        log.info("KV transport: %s", f"NIXL agent {self.nixl.agent.name}, slot cache registered" if self.nixl else "gRPC stream")
         self.batcher.start()
         self._reaper = asyncio.create_task(self._reap_expired_leases())
 
@@ -154,6 +155,7 @@ class DecodeWorker:
         """
         stream: DecodeStream | None = None  # set once this transfer owns a reservation
         received = 0
+        started = time.perf_counter()
         # Each piece is copied into the cache on the writer thread while the next
         # one is read off the wire; at most WRITES_IN_FLIGHT pieces wait in memory.
         writes: collections.deque[asyncio.Future] = collections.deque()
@@ -168,7 +170,7 @@ class DecodeWorker:
                     while writes:
                         await writes.popleft()
                     self._commit(stream, coverage.missing(), message)
-                    self.metrics.kv_bytes.inc(received)
+                    self._count_received("grpc", received, started)
                     return received
                 writes.append(self._write_piece(stream, coverage, message))
                 received += len(message.data)
@@ -176,7 +178,7 @@ class DecodeWorker:
                     await writes.popleft()
             raise RequestError("KV transfer ended without a commit", grpc.StatusCode.ABORTED)
         except BaseException as exc:
-            raise self._transfer_failed(exc, "KV chunk refused") from None
+            raise self._transfer_failed(exc, "KV chunk refused", "grpc") from None
         finally:
             for write in writes:  # a broken transfer's copies still finish, in order, before any later owner's
                 write.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -192,28 +194,33 @@ class DecodeWorker:
         if self.nixl is None:
             raise RequestError("this decode worker has no NIXL transport (--kv-transport grpc)", grpc.StatusCode.FAILED_PRECONDITION)
         stream = self._begin_transfer(pull.reservation_id)
+        started = time.perf_counter()
         try:
             reservation = stream.reservation
             if pull.prompt_len != reservation.prompt_len or pull.num_layers != self.info.num_layers:
                 raise KvWireError(f"staged KV of {pull.prompt_len} tokens x {pull.num_layers} layers does not match the reservation ({reservation.prompt_len} x {self.info.num_layers})")
             deadline = time.monotonic() + min(timeout or self.config.lease_seconds, self.config.lease_seconds)
-            read = functools.partial(self.nixl.read_into_slot, reservation.slot, pull.agent_name, pull.agent_metadata, pull.address, pull.prompt_len, deadline)
+            read = functools.partial(self.nixl.read_into_slot, reservation.slot, pull.agent_name, pull.agent_metadata, pull.address, pull.prompt_len, pull.generation, deadline)
             try:
                 received = await asyncio.shield(self._loop.run_in_executor(self._kv_writer, read))
             except NixlTransferError as exc:
                 raise RequestError(str(exc), grpc.StatusCode.ABORTED) from exc
             log.debug("pulled %d bytes for %s from %s", received, pull.reservation_id, pull.agent_name)
             self._commit(stream, [], KvCommit(pull.first_token, pull.prompt_len, pull.num_layers))
-            self.metrics.kv_bytes.inc(received)
+            self._count_received("nixl", received, started)
             return received
         except BaseException as exc:
-            raise self._transfer_failed(exc, "KV pull refused") from None
+            raise self._transfer_failed(exc, "KV pull refused", "nixl") from None
         finally:
             stream.transferring = False
 
-    def _transfer_failed(self, exc: BaseException, refused: str) -> BaseException:
+    def _count_received(self, transport: str, received: int, started: float) -> None:
+        self.metrics.kv_bytes.labels(transport).inc(received)
+        self.metrics.kv_seconds.labels(transport).observe(time.perf_counter() - started)
+
+    def _transfer_failed(self, exc: BaseException, refused: str, transport: str) -> BaseException:
         """Counts a failed transfer; a malformed one becomes INVALID_ARGUMENT naming what was wrong."""
-        self.metrics.kv_failures.inc()
+        self.metrics.kv_failures.labels(transport).inc()
         if isinstance(exc, KvWireError):
             error = RequestError(f"{refused}: {exc}")
             error.__cause__ = exc
@@ -343,6 +350,7 @@ class KvPull:
     prompt_len: int
     num_layers: int
     first_token: int
+    generation: int
 
 
 def open_nixl_sink(backend: Backend):

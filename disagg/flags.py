@@ -9,7 +9,7 @@ import argparse
 import logging
 import os
 
-from disagg.kv import TRANSPORTS
+from disagg.kv import CHOICES as KV_CHOICES
 
 
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
@@ -41,7 +41,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="pin the thread that runs the model (and torch's compute threads) to these CPUs, e.g. 1 or 2-3; "
         "gRPC and KV receive stay on the process's other CPUs, as host work does beside an accelerator",
     )
-    parser.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through)")
+    parser.add_argument("--kv-transport", default="auto", choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
     neuron.add_argument("--context-buckets", default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
@@ -139,18 +139,19 @@ def worker_fields(args) -> tuple[dict, dict]:
         tls=internal_tls(args),
         neuron=neuron,
         kv_transport=kv_transport(args.kv_transport),
+        kv_transport_fallback=args.kv_transport == "auto",
     )
     return fields, settings
 
 
-def kv_transport(name: str) -> str:
-    """Refuses --kv-transport nixl up front when NIXL is not installed."""
-    if name == "nixl":
-        from disagg.kv.nixl_transport import available
+def kv_transport(choice: str) -> str:
+    """The transport to open; refuses --kv-transport nixl up front when NIXL is not installed."""
+    from disagg.kv import resolve
+    from disagg.kv.nixl_transport import available
 
-        if not available():
-            raise SystemExit("--kv-transport nixl: NIXL is not installed (pip install nixl-cu12, or 'disagg[nixl]')")
-    return name
+    if choice == "nixl" and not available():
+        raise SystemExit("--kv-transport nixl: NIXL is not installed (pip install nixl-cu12, or 'disagg[nixl]')")
+    return resolve(choice)
 
 
 def resolve_model(model: str | None) -> str:
@@ -177,9 +178,13 @@ def run_worker(prog: str, serve, config) -> None:
     import sys
 
     from disagg.engine.backends.architectures import UnsupportedModel
+    from disagg.kv.nixl_transport import NixlUnavailable
 
     try:
         asyncio.run(serve(config))
     except UnsupportedModel as e:
         print(f"{prog}: refusing {config.model}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except NixlUnavailable as e:
+        print(f"{prog}: --kv-transport nixl: {e}", file=sys.stderr)
         sys.exit(2)

@@ -31,9 +31,9 @@ class PrefillMetrics:
         self.requests = Counter("disagg_prefill_requests", "Prefill calls by outcome", ["outcome"], registry=registry)
         self.prefill = Histogram("disagg_prefill_seconds", "Queue plus compute time of a prefill, to its first token", buckets=SLOW, registry=registry)
         self.queued = Gauge("disagg_prefill_queued_requests", "Prefills submitted and not finished", registry=registry)
-        self.kv_seconds = Histogram("disagg_prefill_kv_transfer_seconds", "KV hand-off, first piece sent to acknowledgement", buckets=SLOW, registry=registry)
-        self.kv_bytes = Counter("disagg_prefill_kv_transfer_bytes", "KV bytes acknowledged by decode workers", registry=registry)
-        self.kv_failures = Counter("disagg_prefill_kv_transfer_failures", "KV hand-offs that failed", registry=registry)
+        self.kv_seconds = Histogram("disagg_prefill_kv_transfer_seconds", "KV hand-off, first byte sent (or staged) to acknowledgement, by transport", ["transport"], buckets=SLOW, registry=registry)
+        self.kv_bytes = Counter("disagg_prefill_kv_transfer_bytes", "KV bytes acknowledged by decode workers, by transport", ["transport"], registry=registry)
+        self.kv_failures = Counter("disagg_prefill_kv_transfer_failures", "KV hand-offs that failed, by transport", ["transport"], registry=registry)
 
 
 class DecodeMetrics:
@@ -43,8 +43,9 @@ class DecodeMetrics:
         self.step = Histogram("disagg_decode_step_seconds", "Device time of one decode step", buckets=FAST, registry=registry)
         self.host_gap = Histogram("disagg_decode_host_gap_seconds", "Device idle time between consecutive steps of a busy batch", buckets=FAST, registry=registry)
         self.tokens = Counter("disagg_decode_tokens", "Tokens produced by decode steps (dropped async extras excluded)", registry=registry)
-        self.kv_bytes = Counter("disagg_decode_kv_received_bytes", "KV bytes received into slots", registry=registry)
-        self.kv_failures = Counter("disagg_decode_kv_receive_failures", "KV transfers refused or broken", registry=registry)
+        self.kv_bytes = Counter("disagg_decode_kv_received_bytes", "KV bytes received into slots, by transport", ["transport"], registry=registry)
+        self.kv_seconds = Histogram("disagg_decode_kv_receive_seconds", "A transfer into a slot, first byte to commit, by transport", ["transport"], buckets=SLOW, registry=registry)
+        self.kv_failures = Counter("disagg_decode_kv_receive_failures", "KV transfers refused or broken, by transport", ["transport"], registry=registry)
 
 
 def serve_metrics(port: int, host: str, metrics_class):

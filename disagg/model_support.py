@@ -152,7 +152,7 @@ def backend_logits(model, rows: list[list[int]]) -> list[list[torch.Tensor]]:
     """The torch backend: each prompt prefilled into its slot, then all rows decoded together."""
     from disagg.engine.backends.base import StepInputs
     from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
-    from disagg.engine.kv_wire import KvKind
+    from disagg.kv.codec import KvKind
 
     backend = TorchBackend(TorchBackendConfig(model="sweep", dtype="float32", max_seq_len=64), model=model)
     backend.allocate_slots(3)

@@ -11,16 +11,17 @@ from typing import AsyncIterator
 
 import grpc
 
-from disagg import wire
 from disagg.engine.backends import Backend
-from disagg.engine.kv_wire import KvCommit, KvKind, encode
+from disagg import wire
 from disagg.engine.requests import Sampling, TokenLogprobs
 from disagg.flags import pin_this_thread
+from disagg.kv.codec import KvCommit, KvKind, encode
+from disagg.kv import open_fallible
+from disagg.kv.pull import NixlPullSender, PeerHasNoNixl
+from disagg.kv.push import GrpcPushSender
 from disagg.metrics import PrefillMetrics, outcome_label
 from disagg.rpc import RequestError
 from disagg.security import open_channel
-from disagg.v1 import worker_pb2 as wpb
-from disagg.v1 import worker_pb2_grpc as wgrpc
 
 from .config import PrefillWorkerConfig
 
@@ -56,12 +57,9 @@ class PrefillWorker:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.pending = 0  # prefills submitted and not finished (running one included)
         self.inflight_transfers = 0
-        self.nixl = open_nixl_source(backend.info, config.kv_staging_buffers) if config.kv_transport == "nixl" else None
-        self._push_only: set[str] = set()  # decode workers that answered they have no NIXL transport
-        # Free staging buffers; taken and given back on the event loop, so a cancelled request cannot lose one.
-        self._staging: asyncio.Queue = asyncio.Queue()
-        for buffer in self.nixl.buffers if self.nixl else ():
-            self._staging.put_nowait(buffer)
+        # How KV moves (disagg.kv): pushed as a gRPC stream, or staged for the decode worker to pull through NIXL.
+        self.push = GrpcPushSender(self._channel, metrics, config.kv_send_timeout)
+        self.pull = open_fallible(lambda: NixlPullSender.open(backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout), config) if config.kv_transport == "nixl" else None
         metrics.queued.set_function(lambda: self.pending)
 
     async def stop(self) -> None:
@@ -92,10 +90,10 @@ class PrefillWorker:
             # Device thread: cut this layer while the next one computes.
             loop.call_soon_threadsafe(outbox.put_nowait, self._pieces(layer, keys, values))
 
-        pull = target is not None and self.nixl is not None and target.address not in self._push_only
+        pull = target is not None and self.pull is not None and self.pull.serves(target.address)
         sender = None
         if target is not None and not pull and self.config.streams_kv_during_prefill:
-            sender = asyncio.create_task(self._send_kv(target, outbox, timeout))
+            sender = asyncio.create_task(self._push(target, outbox, timeout))
         started = time.perf_counter()
         self.pending += 1
         outcome = "cancelled"
@@ -106,14 +104,14 @@ class PrefillWorker:
             if pull:
                 sent_at = time.perf_counter()
                 try:
-                    yield KvSent(await self._pull_kv(target, result, len(token_ids), timeout), time.perf_counter() - sent_at)
+                    yield KvSent(await self._pull(target, result, timeout), time.perf_counter() - sent_at)
                     outcome = "ok"
                     return
-                except _PushInstead:
+                except PeerHasNoNixl:
                     for layer, (keys, values) in enumerate(result.layers):
                         outbox.put_nowait(self._pieces(layer, keys, values))
             if target is not None and sender is None:
-                sender = asyncio.create_task(self._send_kv(target, outbox, timeout))
+                sender = asyncio.create_task(self._push(target, outbox, timeout))
             if sender is not None:
                 outbox.put_nowait(KvCommit(result.first_token, len(token_ids), self.info.num_layers))
                 sent_at = time.perf_counter()
@@ -131,76 +129,19 @@ class PrefillWorker:
     def _pieces(self, layer: int, keys, values) -> list:
         return encode(layer, KvKind.KEY, keys, self.config.kv_piece_bytes) + encode(layer, KvKind.VALUE, values, self.config.kv_piece_bytes)
 
-    async def _send_kv(self, target: KvTarget, outbox: asyncio.Queue, timeout: float | None) -> int:
-        push_kv = wire.push_kv_call(self._channel(target.address))
-
-        async def chunks():
-            first = True
-            while True:
-                item = await outbox.get()
-                if isinstance(item, KvCommit):
-                    yield wire.commit_bytes(item, target.reservation_id)
-                    return
-                for piece in item:
-                    yield wire.piece_bytes(piece, target.reservation_id if first else "")
-                    first = False
-
+    async def _push(self, target: KvTarget, outbox: asyncio.Queue, timeout: float | None) -> int:
         self.inflight_transfers += 1
         try:
-            limit = self.config.kv_send_timeout if timeout is None else min(timeout, self.config.kv_send_timeout)
-            started = time.perf_counter()
-            ack = await push_kv(chunks(), timeout=limit)
-            self.metrics.kv_seconds.observe(time.perf_counter() - started)
-            self.metrics.kv_bytes.inc(ack.bytes_received)
-            return ack.bytes_received
-        except grpc.aio.AioRpcError as exc:
-            self.metrics.kv_failures.inc()
-            # ABORTED tells the router this worker is fine: the hand-off failed
-            # (the decode worker refused it or went away), so it re-plans the decode side.
-            # The pieces not sent are dropped with the outbox.
-            raise RequestError(f"KV transfer to {target.address} failed: {exc.code().name}: {exc.details()}", grpc.StatusCode.ABORTED) from exc
+            return await self.push.send(target.address, target.reservation_id, outbox, timeout)
         finally:
-            self.inflight_transfers -= 1
+            self.inflight_transfers -= 1  # the pieces not sent are dropped with the outbox
 
-    async def _pull_kv(self, target: KvTarget, result, prompt_len: int, timeout: float | None) -> int:
-        """NIXL: stages the KV in a registered buffer and asks the decode worker to read it."""
-        loop = asyncio.get_running_loop()
-        limit = self.config.kv_send_timeout if timeout is None else min(timeout, self.config.kv_send_timeout)
-        buffer = await asyncio.wait_for(self._staging.get(), limit)
-        log.debug("staging buffer %x for %s", buffer.address, target.reservation_id)
+    async def _pull(self, target: KvTarget, result, timeout: float | None) -> int:
         self.inflight_transfers += 1
         try:
-            await loop.run_in_executor(self._device, self._stage, buffer, result.layers)
-            request = wpb.PullKvRequest(
-                reservation_id=target.reservation_id,
-                agent_name=self.nixl.name,
-                agent_metadata=self.nixl.metadata,
-                address=buffer.address,
-                prompt_len=prompt_len,
-                num_layers=self.info.num_layers,
-                first_token=result.first_token,
-            )
-            started = time.perf_counter()
-            ack = await wgrpc.DecodeServiceStub(self._channel(target.address)).PullKv(request, timeout=limit)
-            self.metrics.kv_seconds.observe(time.perf_counter() - started)
-            self.metrics.kv_bytes.inc(ack.bytes_received)
-            return ack.bytes_received
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                log.info("decode worker %s has no NIXL transport: pushing KV over gRPC to it", target.address)
-                self._push_only.add(target.address)
-                raise _PushInstead from exc
-            self.metrics.kv_failures.inc()
-            log.warning("KV pull of %s by %s failed: %s: %s", target.reservation_id, target.address, exc.code().name, exc.details())
-            raise RequestError(f"KV pull by {target.address} failed: {exc.code().name}: {exc.details()}", grpc.StatusCode.ABORTED) from exc
+            return await self.pull.send(target.address, target.reservation_id, result.layers, result.first_token, self._device, timeout)
         finally:
             self.inflight_transfers -= 1
-            log.debug("staging buffer %x free after %s", buffer.address, target.reservation_id)
-            self._staging.put_nowait(buffer)  # the decode side reads before it answers: the buffer is free again
-
-    def _stage(self, buffer, layers) -> None:
-        for layer, (keys, values) in enumerate(layers):
-            self.nixl.stage_layer(buffer, layer, keys, values)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -212,20 +153,3 @@ class PrefillWorker:
 
     def load(self) -> dict:
         return {"capacity": 1, "queued": self.pending, "inflight_transfers": self.inflight_transfers}
-
-
-class _PushInstead(Exception):
-    """The decode worker has no NIXL transport: send this request's KV over gRPC."""
-
-
-def open_nixl_source(info, buffers: int):
-    import torch
-
-    from disagg.kv.layout import KvGeometry
-    from disagg.kv.nixl_transport import NixlSource
-
-    itemsize = torch.empty(0, dtype=getattr(torch, info.dtype)).element_size()
-    geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, itemsize, info.max_seq_len)
-    source = NixlSource(geometry, max_tokens=info.max_seq_len, buffers=buffers)
-    log.info("KV transport: NIXL agent %s, %d staging buffers of %.1f MiB", source.name, buffers, geometry.prompt_bytes(info.max_seq_len) / 2**20)
-    return source

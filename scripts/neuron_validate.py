@@ -29,7 +29,7 @@ from decode_worker.batcher import Batcher, Sequence
 from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
 from disagg.engine.backends.neuron.config import prefill_line
-from disagg.engine.kv_wire import KvKind
+from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling, Stopping
 from disagg.engine.sampler import params_tensor
 

@@ -8,9 +8,12 @@ import pathlib
 
 import pytest
 
+from disagg.kv import TRANSPORTS, resolve
 from disagg.tinymodel import TinyModelSpec, cache_dir, ensure_tiny_model
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
+# What a worker started without --kv-transport uses here (NIXL where it is installed).
+DEFAULT_TRANSPORT = resolve("auto")
 
 # Test checkpoints by name: the plain ones by model type, plus sliding-window
 # models whose 16-token window the tests' prompts run well past.
@@ -69,10 +72,13 @@ def llama_ref() -> Reference:
     return reference("llama")
 
 
-def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, decode: int = 1, **spec):
+def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, decode: int = 1, transport: str | None = None, **spec):
+    """A router and its workers as processes; transport: --kv-transport on every worker (None: the default)."""
     from disagg.launcher import ClusterSpec, LocalCluster
 
-    name = f"{architecture}-{prefill}p{decode}d"
+    name = f"{architecture}-{prefill}p{decode}d" + (f"-{transport}" if transport else "")
+    if transport:
+        spec["worker_args"] = [*spec.get("worker_args", ()), "--kv-transport", transport]
     cluster = LocalCluster(ClusterSpec(model=tiny_model(architecture), prefill_workers=prefill, decode_workers=decode, dtype="float32", log_dir=str(tmp_root / name), **spec))
     try:
         return cluster.start()
@@ -96,6 +102,12 @@ def llama_cluster(cluster_logs):
     cluster.stop()
 
 
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def transport(request) -> str:
+    """Each KV transport in turn, for the modules that run end to end over both."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def lone_decode_worker(cluster_logs):
     """One decode worker process alone (no router), with a 1 s lease, for the internal API."""
@@ -114,3 +126,19 @@ def assert_nothing_held(cluster, within: float = 2.0) -> None:
     """Every live worker holds no slot, reservation, running row, transfer or queued prefill."""
     held = cluster.wait_until_idle(within)
     assert held and all(v == [0, 0, 0, 0, 0] for v in held.values()), held
+
+
+def kv_bytes_received(cluster, transport: str) -> float:
+    """KV bytes the cluster's decode workers took in through `transport`, from their metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for process in cluster.processes:
+        if not process.name.startswith("decode"):
+            continue
+        text = urllib.request.urlopen(f"http://{process.metrics_address}/metrics", timeout=5).read().decode()
+        for family in text_string_to_metric_families(text):
+            total += sum(s.value for s in family.samples if s.name == "disagg_decode_kv_received_bytes_total" and s.labels.get("transport") == transport)
+    return total

@@ -7,7 +7,7 @@ import pytest
 from conftest import ARCHITECTURES, reference, tiny_model
 from decode_worker.batcher import Batcher, Sequence
 from disagg.engine.backends import load_backend
-from disagg.engine.kv_wire import KvKind
+from disagg.kv.codec import KvKind
 from disagg.engine.requests import FinishReason, Sampling, Stopping
 
 PROMPTS = ["The baker opens", "Our café on the corner serves", "Snow fell", "A river runs through the old town. Seven bridges"]

@@ -1,5 +1,8 @@
 """End to end: router, prefill and decode workers as real processes, real gRPC,
-real KV transfer between processes, against transformers generate()."""
+real KV transfer between processes, against transformers generate().
+
+Every test that moves KV runs once per KV transport (the `transport` fixture):
+the gRPC stream and NIXL."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import ARCHITECTURES, assert_nothing_held, reference, start_cluster
+from conftest import ARCHITECTURES, DEFAULT_TRANSPORT, assert_nothing_held, kv_bytes_received, reference, start_cluster
 from disagg.client import AsyncClient, Client
 
 PROMPTS = [
@@ -22,12 +25,23 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def arch_cluster(request, cluster_logs, llama_cluster):
-    if request.param == "llama":
-        yield "llama", llama_cluster
+@pytest.fixture(scope="module")
+def e2e_cluster(transport, cluster_logs, llama_cluster):
+    """A llama cluster on this run's transport: the shared one where that is the default."""
+    if transport == DEFAULT_TRANSPORT:
+        yield llama_cluster
         return
-    cluster = start_cluster(cluster_logs, request.param)
+    cluster = start_cluster(cluster_logs, "llama", transport=transport)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_cluster(request, transport, cluster_logs, e2e_cluster):
+    if request.param == "llama":
+        yield "llama", e2e_cluster
+        return
+    cluster = start_cluster(cluster_logs, request.param, transport=transport)
     yield request.param, cluster
     cluster.stop()
 
@@ -43,9 +57,9 @@ def test_greedy_equals_generate_for_each_architecture(arch_cluster):
 
 
 @pytest.fixture(scope="module")
-def two_by_two(cluster_logs):
-    # --stream-kv: this cluster sends KV layer by layer during prefill (the CPU default sends after).
-    cluster = start_cluster(cluster_logs, "llama", prefill=2, decode=2, batch_size=4, prefill_args=["--stream-kv"])
+def two_by_two(transport, cluster_logs):
+    # --stream-kv: on gRPC this cluster sends KV layer by layer during prefill (the CPU default sends after).
+    cluster = start_cluster(cluster_logs, "llama", prefill=2, decode=2, batch_size=4, prefill_args=["--stream-kv"], transport=transport)
     yield cluster
     cluster.stop()
 
@@ -64,15 +78,16 @@ def test_two_prefill_and_two_decode_workers_give_generate_output_and_share_load(
     assert_nothing_held(two_by_two)
 
 
-def test_sixteen_concurrent_requests_each_equal_their_solo_generate(llama_cluster, llama_ref):
+def test_sixteen_concurrent_requests_each_equal_their_solo_generate(e2e_cluster, transport, llama_ref):
     from disagg.tinymodel import paragraphs
 
+    before = kv_bytes_received(e2e_cluster, transport)
     texts = paragraphs()
     # Different prompt lengths (3 to ~40 words) and different max_new_tokens.
     cases = [(" ".join(texts[i % len(texts)].split()[: 3 + (i * 5) % 37]), 4 + (i * 7) % 40) for i in range(16)]
 
     async def run():
-        async with AsyncClient(llama_cluster.router_address, timeout=120) as client:
+        async with AsyncClient(e2e_cluster.router_address, timeout=120) as client:
             return await asyncio.gather(*(client.complete(p, max_new_tokens=n) for p, n in cases))
 
     for (prompt, n), result in zip(cases, asyncio.run(run())):
@@ -80,12 +95,13 @@ def test_sixteen_concurrent_requests_each_equal_their_solo_generate(llama_cluste
         assert result.token_ids == expected, prompt
         assert result.completion_tokens == len(expected)
         assert result.prompt_tokens == len(llama_ref.ids(prompt))
-    assert_nothing_held(llama_cluster)
+    assert_nothing_held(e2e_cluster)
+    assert kv_bytes_received(e2e_cluster, transport) > before, f"the KV did not move through {transport}"
 
 
-def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama_cluster, llama_ref):
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(e2e_cluster, llama_ref):
     prompt, params = "The old map shows", dict(max_new_tokens=30, temperature=1.5, top_p=0.95, seed=1234, ignore_eos=True)
-    with Client(llama_cluster.router_address, timeout=60) as client:
+    with Client(e2e_cluster.router_address, timeout=60) as client:
         alone = client.complete(prompt, **params).token_ids
         other_seed = client.complete(prompt, **{**params, "seed": 99}).token_ids
         top_k_one = client.complete(prompt, max_new_tokens=30, temperature=1.5, top_k=1, seed=5, ignore_eos=True).token_ids
@@ -95,7 +111,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama_cluster, llama_r
     assert top_k_one == greedy
 
     async def crowd():
-        async with AsyncClient(llama_cluster.router_address, timeout=120) as client:
+        async with AsyncClient(e2e_cluster.router_address, timeout=120) as client:
             others = [client.complete(p, max_new_tokens=30, temperature=1.0, seed=i) for i, p in enumerate(PROMPTS[:4] * 2)]
             return await asyncio.gather(client.complete(prompt, **params), *others)
 
@@ -103,13 +119,13 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama_cluster, llama_r
     assert in_batch == alone
 
 
-def test_finish_reasons_and_usage(llama_cluster, llama_ref):
+def test_finish_reasons_and_usage(e2e_cluster, llama_ref):
     eos_prompt = "The farmer counted his sheep at sunset: one, two, three, four, five, six, seven, eight, nine, ten. All of them"
     eos_ref = llama_ref.greedy(eos_prompt, 40)
     assert eos_ref[-1] == llama_ref.eos and len(eos_ref) < 40
     plain = "The baker opens his shop"
     plain_ref = llama_ref.greedy(plain, 30)
-    with Client(llama_cluster.router_address, timeout=60) as client:
+    with Client(e2e_cluster.router_address, timeout=60) as client:
         length = client.complete(plain, max_new_tokens=7)
         assert (length.finish_reason, length.completion_tokens, length.token_ids) == ("length", 7, plain_ref[:7])
         assert length.prompt_tokens == len(llama_ref.ids(plain))
@@ -136,12 +152,12 @@ def test_finish_reasons_and_usage(llama_cluster, llama_ref):
 
         ignore = client.complete(eos_prompt, max_new_tokens=len(eos_ref) + 3, ignore_eos=True)
         assert ignore.finish_reason == "length" and ignore.token_ids[: len(eos_ref)] == eos_ref
-    assert_nothing_held(llama_cluster)
+    assert_nothing_held(e2e_cluster)
 
 
-def test_streamed_text_equals_decode_of_all_ids_with_multibyte_characters(llama_cluster, llama_ref):
+def test_streamed_text_equals_decode_of_all_ids_with_multibyte_characters(e2e_cluster, llama_ref):
     prompt = "Our café on the corner serves coffee, tea and a"
-    with Client(llama_cluster.router_address, timeout=60) as client:
+    with Client(e2e_cluster.router_address, timeout=60) as client:
         chunks = list(client.generate(prompt, max_new_tokens=60))
     ids = [t for c in chunks for t in c.token_ids]
     text = "".join(c.text for c in chunks)
@@ -152,13 +168,13 @@ def test_streamed_text_equals_decode_of_all_ids_with_multibyte_characters(llama_
     assert chunks[-1].finish_reason is not None and all(c.finish_reason is None for c in chunks[:-1])
 
 
-def test_a_client_that_stops_reading_still_gets_every_token_in_order(llama_cluster, llama_ref):
+def test_a_client_that_stops_reading_still_gets_every_token_in_order(e2e_cluster, llama_ref):
     prompt = "The lighthouse keeper climbed"
-    with Client(llama_cluster.router_address, timeout=60) as client:
+    with Client(e2e_cluster.router_address, timeout=60) as client:
         stream = client.generate(prompt, max_new_tokens=80, ignore_eos=True)
         chunks = [next(stream)]
         # The decode worker finishes all 80 tokens while this client reads nothing.
-        assert llama_cluster.wait_until_idle(within=30) == {name: [0] * 5 for name in llama_cluster.held()}
+        assert e2e_cluster.wait_until_idle(within=30) == {name: [0] * 5 for name in e2e_cluster.held()}
         chunks += list(stream)
     ids = [t for c in chunks for t in c.token_ids]
     assert ids == llama_ref.greedy(prompt, 80, ignore_eos=True)
@@ -166,9 +182,9 @@ def test_a_client_that_stops_reading_still_gets_every_token_in_order(llama_clust
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 80
 
 
-def test_prompt_token_ids_tokenize_and_model_info(llama_cluster, llama_ref):
+def test_prompt_token_ids_tokenize_and_model_info(e2e_cluster, llama_ref):
     prompt = "The clock tower"
-    with Client(llama_cluster.router_address, timeout=60) as client:
+    with Client(e2e_cluster.router_address, timeout=60) as client:
         ids = client.tokenize(prompt)
         assert ids == llama_ref.ids(prompt)
         by_ids = client.complete(prompt_token_ids=ids, max_new_tokens=10)
@@ -181,8 +197,8 @@ def test_prompt_token_ids_tokenize_and_model_info(llama_cluster, llama_ref):
     assert (info.prefill_workers, info.decode_workers) == (1, 1)
 
 
-def test_every_server_reports_serving(llama_cluster):
-    for process in llama_cluster.processes:
+def test_every_server_reports_serving(e2e_cluster):
+    for process in e2e_cluster.processes:
         with grpc.insecure_channel(process.address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.SERVING, process.name

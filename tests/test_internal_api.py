@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import reference
-from disagg.engine.kv_wire import KvKind, encode
+from disagg.kv.codec import KvKind, encode
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 

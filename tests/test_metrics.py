@@ -7,6 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import DEFAULT_TRANSPORT
 from disagg.client import Client
 
 PROMPTS = ["The cat slept", "The market is busy on Saturdays", "A clock tower stands"]
@@ -48,8 +49,11 @@ def test_counts_after_a_few_requests(llama_cluster, llama_ref):
     kv_bytes = sum(len(llama_ref.ids(p)) for p in PROMPTS) * kv_bytes_per_token
     assert delta("prefill-0", "disagg_prefill_requests_total", outcome="ok") == n
     assert delta("prefill-0", "disagg_prefill_seconds_count") == n
-    assert delta("prefill-0", "disagg_prefill_kv_transfer_bytes_total") == kv_bytes
-    assert delta("decode-0", "disagg_decode_kv_received_bytes_total") == kv_bytes
+    by_transport = {"transport": DEFAULT_TRANSPORT}
+    assert delta("prefill-0", "disagg_prefill_kv_transfer_bytes_total", **by_transport) == kv_bytes
+    assert delta("prefill-0", "disagg_prefill_kv_transfer_seconds_count", **by_transport) == n
+    assert delta("decode-0", "disagg_decode_kv_received_bytes_total", **by_transport) == kv_bytes
+    assert delta("decode-0", "disagg_decode_kv_receive_seconds_count", **by_transport) == n
     assert delta("decode-0", "disagg_decode_tokens_total") == tokens - n  # the first tokens came from prefill
     assert delta("decode-0", "disagg_decode_step_seconds_count") >= NEW_TOKENS - 1
     assert value(after["decode-0"], "disagg_decode_slots_in_use") == 0

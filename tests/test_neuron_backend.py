@@ -21,7 +21,7 @@ from disagg.engine.backends.neuron.config import NeuronOptions, compiled_path, n
 from disagg.engine.backends.neuron.layout import KvLayout, Sharding, UnsupportedLayout, sort_rows
 from disagg.engine.backends.neuron.packages import INSTALL, NeuronPackagesMissing, import_nxdi
 from disagg.engine.backends.neuron.settings import read_serving_properties, read_worker_config
-from disagg.engine.kv_wire import KvKind
+from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling
 
 STANDIN = str(pathlib.Path(__file__).parent / "nxdi_standin")

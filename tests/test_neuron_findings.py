@@ -16,7 +16,7 @@ from conftest import reference, tiny_model
 from disagg.engine.backends.base import PrefillResult, StepInputs
 from disagg.engine.backends.neuron.config import NeuronOptions, neuron_config_kwargs
 from disagg.engine.backends.neuron.layout import UnsupportedLayout
-from disagg.engine.kv_wire import KvKind
+from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling
 from disagg.engine.sampler import params_tensor
 from test_neuron_backend import standin  # noqa: F401  (fixture)

@@ -10,11 +10,19 @@ side could land late in a slot that already belongs to someone else.
 
 Layouts (host memory, the UCX backend; on AWS the same calls with LIBFABRIC
 and Neuron memory registered as VRAM, see docs/neuron.md):
-- staging (prefill): [layer][K, V][kv_heads][prompt_len][head_dim], compact;
+- staging (prefill): a 64-byte header whose first 8 bytes are the buffer's
+  generation, then [layer][K, V][kv_heads][prompt_len][head_dim], compact;
 - slot cache (decode): per layer and kind [slots, kv_heads, max_seq_len,
   head_dim]; a slot's prompt is kv_heads runs of prompt_len * head_dim, one
   strided descriptor per layer and kind.
 Control (metadata, the staging address, commit, cancel) travels on gRPC.
+
+A staging buffer goes back to the pool when the PullKv call ends, and a call
+can end (deadline, cancel) while the reader is still reading. So the buffer's
+generation is bumped before each reuse, before any new byte is staged, and the
+reader reads the generation after the KV: unchanged, nothing was overwritten
+during the read (a seqlock); changed, the transfer fails instead of committing
+another prompt's bytes.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch
 from .layout import KvGeometry
 
 MEMORY = "DRAM"
+HEADER_BYTES = 64  # the generation, padded to a cache line so the KV stays aligned
 
 
 class NixlUnavailable(RuntimeError):
@@ -72,11 +81,18 @@ def new_agent(role: str, progress_thread: bool):
 
 @dataclasses.dataclass
 class StagingBuffer:
-    tensor: torch.Tensor  # uint8, [capacity bytes]
+    tensor: torch.Tensor  # uint8, [HEADER_BYTES + capacity]
+    generation: int = 0
 
     @property
     def address(self) -> int:
         return self.tensor.data_ptr()
+
+    def next_generation(self) -> int:
+        """Marks the buffer as being rewritten: call before staging anything new into it."""
+        self.generation += 1
+        self.tensor[:8].view(torch.int64)[0] = self.generation
+        return self.generation
 
 
 class NixlSource:
@@ -85,7 +101,7 @@ class NixlSource:
     def __init__(self, geometry: KvGeometry, max_tokens: int, buffers: int):
         self.agent = new_agent("prefill", progress_thread=True)
         self.geometry = geometry
-        self.buffers = [StagingBuffer(torch.empty(geometry.prompt_bytes(max_tokens), dtype=torch.uint8)) for _ in range(buffers)]
+        self.buffers = [StagingBuffer(torch.zeros(HEADER_BYTES + geometry.prompt_bytes(max_tokens), dtype=torch.uint8)) for _ in range(buffers)]
         self._registered = self.agent.register_memory([b.tensor for b in self.buffers], MEMORY)
         self.metadata = self.agent.get_agent_metadata()
 
@@ -97,7 +113,7 @@ class NixlSource:
         """Copies one layer's K and V ([kv_heads, tokens, head_dim]) into the buffer's layout."""
         tokens = keys.shape[1]
         for kind, tensor in enumerate((keys, values)):
-            start = self.geometry.staging_offset(layer, kind, tokens)
+            start = HEADER_BYTES + self.geometry.staging_offset(layer, kind, tokens)
             span = buffer.tensor[start : start + self.geometry.layer_kind_bytes(tokens)]
             span.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
@@ -109,7 +125,8 @@ class NixlSink:
         self.agent = new_agent("decode", progress_thread=False)
         self.geometry = geometry
         self._caches = [(k, v) for k, v in zip(keys, values)]
-        self._registered = self.agent.register_memory([t for pair in self._caches for t in pair], MEMORY)
+        self._generation = torch.zeros(1, dtype=torch.int64)  # where the staged generation is read back to
+        self._registered = self.agent.register_memory([t for pair in self._caches for t in pair] + [self._generation], MEMORY)
         self._peers: dict[str, str] = {}
         self.poll_seconds = poll_seconds
 
@@ -120,34 +137,66 @@ class NixlSink:
             self._peers[agent_name] = peer
         return self._peers[agent_name]
 
-    def read_into_slot(self, slot: int, agent_name: str, metadata: bytes, address: int, prompt_len: int, deadline: float) -> int:
+    def _forget(self, agent_name: str) -> None:
+        """Drops a peer after a failed read: a prefill worker that restarts comes back as a new agent."""
+        peer = self._peers.pop(agent_name, None)
+        if peer is not None:
+            try:
+                self.agent.remove_remote_agent(peer)
+            except Exception:  # already torn down on NIXL's side
+                pass
+
+    def read_into_slot(self, slot: int, agent_name: str, metadata: bytes, address: int, prompt_len: int, generation: int, deadline: float) -> int:
         """Reads every layer's K and V of a staged prompt into the slot; returns the bytes read.
         Blocks until the read is done: call it on the thread that orders cache writes."""
-        peer = self._peer(agent_name, metadata)
-        local, remote = self._descriptors(slot, address, prompt_len)
-        local_list = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, MEMORY)
-        remote_list = self.agent.prep_xfer_dlist(peer, remote, MEMORY)
-        # Each strided row expands to kv_heads descriptors; take them all, in order.
-        indices = list(range(len(local) * self.geometry.kv_heads))
-        handle = self.agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
         try:
-            state = self.agent.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise NixlTransferError(f"KV read from {agent_name} did not finish in time")
-                time.sleep(self.poll_seconds)
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise NixlTransferError(f"KV read from {agent_name} failed ({state})")
-        finally:
-            # Releasing a handle still in flight cancels it before the next write into the cache.
-            self.agent.release_xfer_handle(handle)
-            self.agent.release_dlist_handle(local_list)
-            self.agent.release_dlist_handle(remote_list)
+            peer = self._peer(agent_name, metadata)
+            local, remote = self._descriptors(slot, address + HEADER_BYTES, prompt_len)
+            # Each strided row expands to kv_heads descriptors; take them all, in order.
+            self._read(peer, agent_name, local, remote, len(local) * self.geometry.kv_heads, deadline)
+            # The generation after the KV (the seqlock's second read): see the module's docstring.
+            tag = np.array([(self._generation.data_ptr(), 8, 0)], dtype=np.uint64), np.array([(address, 8, 0)], dtype=np.uint64)
+            self._read(peer, agent_name, *tag, 1, deadline)
+        except NixlTransferError:
+            self._forget(agent_name)
+            raise
+        except Exception as exc:  # NIXL's own errors (nixlBackendError, ...): the peer is gone or refused
+            self._forget(agent_name)
+            raise NixlTransferError(f"KV read from {agent_name} failed: {type(exc).__name__}: {exc}") from exc
+        if int(self._generation[0]) != generation:
+            raise NixlTransferError(f"the staging buffer of {agent_name} was reused during the read (generation {generation} -> {int(self._generation[0])})")
         return self.geometry.prompt_bytes(prompt_len)
 
+    def _read(self, peer: str, agent_name: str, local: np.ndarray, remote: np.ndarray, count: int, deadline: float) -> None:
+        local_list = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, MEMORY)
+        try:
+            remote_list = self.agent.prep_xfer_dlist(peer, remote, MEMORY)
+            try:
+                indices = list(range(count))
+                handle = self.agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
+                try:
+                    self._wait(handle, agent_name, deadline)
+                finally:
+                    # Releasing a handle still in flight cancels it before the next write into the cache.
+                    self.agent.release_xfer_handle(handle)
+            finally:
+                self.agent.release_dlist_handle(remote_list)
+        finally:
+            self.agent.release_dlist_handle(local_list)
+
+    def _wait(self, handle, agent_name: str, deadline: float) -> None:
+        state = self.agent.transfer(handle)
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise NixlTransferError(f"KV read from {agent_name} did not finish in time")
+            time.sleep(self.poll_seconds)
+            state = self.agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise NixlTransferError(f"KV read from {agent_name} failed ({state})")
+
     def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Strided (address, length, device, stride, count) rows, one per layer and kind."""
+        """Strided (address, length, device, stride, count) rows, one per layer and kind;
+        address: the staged KV's first byte."""
         g = self.geometry
         run = g.run_bytes(prompt_len)
         local, remote = [], []

@@ -68,7 +68,7 @@ class WorkerStopping(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("reservation_id", "agent_name", "agent_metadata", "address", "prompt_len", "num_layers", "first_token")
+    __slots__ = ("reservation_id", "agent_name", "agent_metadata", "address", "prompt_len", "num_layers", "first_token", "generation")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class PullKvRequest(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     agent_name: str
     agent_metadata: bytes
@@ -83,7 +84,8 @@ class PullKvRequest(_message.Message):
     prompt_len: int
     num_layers: int
     first_token: int
-    def __init__(self, reservation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, reservation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_len", "sampling", "stopping", "first_step", "context_token_ids")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_wire import KvKind
+from disagg.kv.codec import KvKind
+
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput
 from .slot_cache import LayerKvCallback

@@ -24,7 +24,7 @@ import pathlib
 
 import torch
 
-from ...kv_wire import KvKind
+from disagg.kv.codec import KvKind
 from ...model_files import eos_token_ids
 from ...requests import Sampling
 from ...sampler import SampleOutput, params_tensor

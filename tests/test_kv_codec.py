@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from decode_worker.server import parse_kv_chunk
-from disagg import wire
-from disagg.engine.kv_wire import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode, encode
+from disagg.kv import push as wire
+from disagg.kv.codec import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode, encode
 from disagg.rpc import UnparsableMessage
 from disagg.v1 import worker_pb2 as wpb
 

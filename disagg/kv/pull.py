@@ -1,0 +1,106 @@
+"""The NIXL KV transport's control on gRPC (pull): the prefill worker stages a
+prompt's KV in registered memory and calls the decode worker's PullKv, which
+reads it straight into the reserved slot and then answers.
+
+The bytes move through NIXL (`nixl_transport`); the reservation, the staging
+address, the peer's agent metadata, the commit and the acknowledgement travel
+on gRPC, so leases, cancellation and deadlines work as for the push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from disagg.rpc import RequestError
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
+from .layout import KvGeometry
+
+log = logging.getLogger(__name__)
+
+TRANSPORT = "nixl"
+
+
+class PeerHasNoNixl(Exception):
+    """The decode worker answered FAILED_PRECONDITION: it runs --kv-transport grpc."""
+
+
+class NixlPullSender:
+    """Prefill side: a pool of registered staging buffers, each lent to one prompt
+    from staging until the decode worker has read it."""
+
+    def __init__(self, source, channel_for, metrics, send_timeout: float):
+        self.source = source  # nixl_transport.NixlSource
+        self._channel_for = channel_for
+        self.metrics = metrics
+        self.send_timeout = send_timeout
+        self.no_nixl: set[str] = set()  # decode workers that answered they have no NIXL transport
+        # Free buffers, taken and given back on the event loop, so a cancelled request cannot lose one.
+        self._free: asyncio.Queue = asyncio.Queue()
+        for buffer in source.buffers:
+            self._free.put_nowait(buffer)
+
+    @classmethod
+    def open(cls, info, buffers: int, channel_for, metrics, send_timeout: float) -> NixlPullSender:
+        import torch
+
+        from .nixl_transport import NixlSource
+
+        itemsize = torch.empty(0, dtype=getattr(torch, info.dtype)).element_size()
+        geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, itemsize, info.max_seq_len)
+        source = NixlSource(geometry, max_tokens=info.max_seq_len, buffers=buffers)
+        log.info("KV transport: NIXL agent %s, %d staging buffers of %.1f MiB", source.name, buffers, geometry.prompt_bytes(info.max_seq_len) / 2**20)
+        return cls(source, channel_for, metrics, send_timeout)
+
+    def serves(self, address: str) -> bool:
+        return address not in self.no_nixl
+
+    def limit(self, timeout: float | None) -> float:
+        return self.send_timeout if timeout is None else min(timeout, self.send_timeout)
+
+    async def send(self, address: str, reservation_id: str, layers, first_token: int, stage_on, timeout: float | None) -> int:
+        """Stages `layers` ([(keys, values)] per layer) with `stage_on` (the device
+        executor), asks the decode worker to read them, and returns the bytes it read."""
+        limit = self.limit(timeout)
+        buffer = await asyncio.wait_for(self._free.get(), limit)
+        try:
+            generation = await asyncio.get_running_loop().run_in_executor(stage_on, self._stage, buffer, layers)
+            request = wpb.PullKvRequest(
+                reservation_id=reservation_id,
+                agent_name=self.source.name,
+                agent_metadata=self.source.metadata,
+                address=buffer.address,
+                prompt_len=layers[0][0].shape[1],
+                num_layers=len(layers),
+                first_token=first_token,
+                generation=generation,
+            )
+            started = time.perf_counter()
+            ack = await wgrpc.DecodeServiceStub(self._channel_for(address)).PullKv(request, timeout=limit)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                log.info("decode worker %s has no NIXL transport: pushing KV over gRPC to it", address)
+                self.no_nixl.add(address)
+                raise PeerHasNoNixl from exc
+            self.metrics.kv_failures.labels(TRANSPORT).inc()
+            log.warning("KV pull of %s by %s failed: %s: %s", reservation_id, address, exc.code().name, exc.details())
+            # ABORTED: this worker is fine, the hand-off failed; the router re-plans the decode side.
+            raise RequestError(f"KV pull by {address} failed: {exc.code().name}: {exc.details()}", grpc.StatusCode.ABORTED) from exc
+        finally:
+            # The decode worker reads before it answers, and a read still in flight when its
+            # call is cancelled is released (cancelled) before that worker writes the slot again.
+            self._free.put_nowait(buffer)
+        self.metrics.kv_seconds.labels(TRANSPORT).observe(time.perf_counter() - started)
+        self.metrics.kv_bytes.labels(TRANSPORT).inc(ack.bytes_received)
+        return ack.bytes_received
+
+    def _stage(self, buffer, layers) -> int:
+        generation = buffer.next_generation()  # before any byte of this prompt: see nixl_transport
+        for layer, (keys, values) in enumerate(layers):
+            self.source.stage_layer(buffer, layer, keys, values)
+        return generation
