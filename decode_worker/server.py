@@ -14,7 +14,7 @@ from disagg.engine.backends import load_backend
 from disagg.kv.codec import KvWireError
 from disagg.kv.push import PULL_KV, PUSH_KV, chunk_from_pb, split_kv_chunk
 from disagg.metrics import DecodeMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, RequestError, UnparsableMessage, lenient_parser, announce_ports, check_parsed, serve_until_signal, start_server
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, stop_on_failure, RequestError, UnparsableMessage, lenient_parser, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
 from .colocated import ColocatedPrefillServicer
@@ -136,7 +136,7 @@ async def serve(config: DecodeWorkerConfig) -> None:
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **backend_options(config)))
     config = size_slots(config, backend.info)
     worker = DecodeWorker(backend, config, metrics)
-    await worker.start()
+    await stop_on_failure(server, worker.start)
     servicer.worker = worker
     await server.set_serving(True)
     log.info("decode worker serving on port %d (%s, %d slots, async=%s)", server.port, backend.info.dtype, config.batch_size, config.async_mode)

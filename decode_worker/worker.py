@@ -85,7 +85,7 @@ class DecodeWorker:
         cache_bytes = await self._loop.run_in_executor(None, self.backend.allocate_slots, self.config.batch_size)
         log.info("slot cache: %d slots x %d positions, %.1f MiB", self.config.batch_size, self.info.max_seq_len, cache_bytes / 2**20)
         if self.config.kv_transport == "nixl":
-            self.nixl = open_fallible(lambda: open_nixl_sink(self.backend), self.config)
+            self.nixl = open_fallible(lambda: open_nixl_sink(self.backend, self.config.nixl_backend), self.config)
         log.info("KV transport: %s", f"NIXL agent {self.nixl.agent.name}, slot cache registered" if self.nixl else "gRPC stream")
         self.batcher.start()
         self._reaper = asyncio.create_task(self._reap_expired_leases())
@@ -353,13 +353,19 @@ class KvPull:
     generation: int
 
 
-def open_nixl_sink(backend: Backend):
-    from disagg.kv.layout import KvGeometry
-    from disagg.kv.nixl_transport import NixlSink
+def open_nixl_sink(backend: Backend, nixl_backend: str = "UCX"):
+    """The slot cache registered with NIXL where it is host memory; otherwise one
+    registered host buffer the KV lands in first (Neuron, CUDA: see docs/neuron.md)."""
+    import torch
 
-    cache = getattr(backend, "cache", None)
-    if cache is None:
-        raise RuntimeError("--kv-transport nixl needs a slot cache in host memory (the torch backend); on Neuron see docs/neuron.md")
+    from disagg.kv.layout import KvGeometry
+    from disagg.kv.nixl_transport import NixlHostStagingSink, NixlSink
+
     info = backend.info
-    geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, cache.keys[0].element_size(), info.max_seq_len)
-    return NixlSink(geometry, cache.keys, cache.values)
+    dtype = getattr(torch, info.dtype)
+    geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, dtype.itemsize, info.max_seq_len)
+    cache = getattr(backend, "cache", None)
+    if cache is not None and cache.keys[0].device.type == "cpu":
+        return NixlSink(geometry, cache.keys, cache.values, backend=nixl_backend)
+    log.info("KV transport: the slot cache is not in host memory; NIXL reads into a host staging buffer first")
+    return NixlHostStagingSink(geometry, dtype, backend.write_kv, backend=nixl_backend)

@@ -42,6 +42,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "gRPC and KV receive stay on the process's other CPUs, as host work does beside an accelerator",
     )
     parser.add_argument("--kv-transport", default="auto", choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
+    parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"), help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
     neuron.add_argument("--context-buckets", default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
@@ -140,6 +141,7 @@ def worker_fields(args) -> tuple[dict, dict]:
         neuron=neuron,
         kv_transport=kv_transport(args.kv_transport),
         kv_transport_fallback=args.kv_transport == "auto",
+        nixl_backend=args.nixl_backend,
     )
     return fields, settings
 

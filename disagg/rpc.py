@@ -287,6 +287,19 @@ async def load_while_not_serving(server: RunningServer, load):
         raise
 
 
+async def stop_on_failure(server: RunningServer, step):
+    """Runs step() (plain or async) on the event loop; if it fails (a transport
+    refused at start-up), the server stops before the error goes on."""
+    import inspect
+
+    try:
+        result = step()
+        return await result if inspect.isawaitable(result) else result
+    except BaseException:
+        await server.server.stop(0)
+        raise
+
+
 def announce_ports(port_file: str | None, port: int, metrics_port: int, http_port: int | None = None) -> None:
     """Writes the bound ports for whoever started this process with --port 0."""
     if port_file:

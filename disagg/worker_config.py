@@ -28,3 +28,4 @@ class WorkerConfig:
     tls: TlsFiles | None = None  # mutual TLS between the router and the workers
     kv_transport: str = "grpc"  # how KV moves between the workers: grpc (push stream) or nixl (pull into the slot)
     kv_transport_fallback: bool = False  # --kv-transport auto: a NIXL that does not load falls back to grpc
+    nixl_backend: str = "UCX"  # NIXL's transfer backend: UCX, or LIBFABRIC (EFA)

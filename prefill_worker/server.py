@@ -9,7 +9,7 @@ import grpc
 from disagg import wire
 from disagg.engine.backends import load_backend
 from disagg.metrics import PrefillMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, RequestError, announce_ports, check_parsed, serve_until_signal, start_server
+from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, stop_on_failure, RequestError, announce_ports, check_parsed, serve_until_signal, start_server
 from disagg.v1 import worker_pb2 as wpb
 
 from .config import PrefillWorkerConfig
@@ -57,7 +57,7 @@ async def serve(config: PrefillWorkerConfig) -> None:
     log.info("prefill worker on port %d: loading %s", server.port, config.model)
     options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1, neuron=config.neuron)
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **options))
-    servicer.worker = PrefillWorker(backend, config, metrics)
+    servicer.worker = await stop_on_failure(server, lambda: PrefillWorker(backend, config, metrics))
     await server.set_serving(True)
     log.info("prefill worker serving on port %d (%s)", server.port, backend.info.dtype)
     await serve_until_signal(server, config.grace_seconds, busy=servicer.worker.busy)

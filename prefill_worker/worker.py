@@ -59,7 +59,7 @@ class PrefillWorker:
         self.inflight_transfers = 0
         # How KV moves (disagg.kv): pushed as a gRPC stream, or staged for the decode worker to pull through NIXL.
         self.push = GrpcPushSender(self._channel, metrics, config.kv_send_timeout)
-        self.pull = open_fallible(lambda: NixlPullSender.open(backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout), config) if config.kv_transport == "nixl" else None
+        self.pull = open_fallible(lambda: NixlPullSender.open(backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout, config.nixl_backend), config) if config.kv_transport == "nixl" else None
         metrics.queued.set_function(lambda: self.pending)
 
     async def stop(self) -> None:

@@ -10,9 +10,9 @@ from conftest import reference
 
 from decode_worker.batcher import TokenEvent
 from decode_worker.worker import _first_merged
-from disagg.engine.requests import FinishReason, Sampling, Stopping
+from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs
 from disagg.rpc import RequestError
-from router.coalesce import coalesced, merge
+from router.coalesce import coalesced, merge, merge_per_choice
 from router.lifecycle import Chunk, TextAssembler
 from router.validation import GenerationRequest
 
@@ -115,7 +115,16 @@ def test_a_stop_sequence_inside_a_merged_run_cuts_the_tokens_after_it():
         if expected.finish is FinishReason.STOP_SEQUENCE:
             cut = i + 1
             break
-    merged = TextAssembler(ref.tokenizer, request).add(tokens, FinishReason.NONE)
+    logprobs = [TokenLogprobs(t, -0.5 * i) for i, t in enumerate(tokens)]
+    merged = TextAssembler(ref.tokenizer, request).add(tokens, FinishReason.NONE, logprobs)
     assert merged.finish is FinishReason.STOP_SEQUENCE and merged.matched_stop == stop
     assert merged.token_ids == tokens[:cut] and cut < len(tokens)
     assert merged.text == full[: full.index(stop)]
+    assert merged.logprobs == logprobs[:cut]  # the cut tokens' logprobs go with them
+
+
+def test_a_slow_clients_chunks_merge_per_choice_keeping_each_choices_order():
+    chunks = [Chunk([1], "a", index=0), Chunk([7], "x", index=1), Chunk([2], "b", index=0), Chunk([8], "y", FinishReason.LENGTH, index=1, completion_tokens=2)]
+    merged = merge_per_choice(chunks)
+    assert [(c.index, c.token_ids, c.text, c.finish) for c in merged] == [(0, [1, 2], "ab", FinishReason.NONE), (1, [7, 8], "xy", FinishReason.LENGTH)]
+    assert merged[1].completion_tokens == 2

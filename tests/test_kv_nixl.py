@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from conftest import assert_nothing_held, kv_bytes_received, reference, start_cluster
+from conftest import assert_nothing_held, kv_bytes_received, reference, start_cluster, tiny_model
 from disagg.client import AsyncClient
 from disagg.kv import nixl_transport
 from disagg.tinymodel import paragraphs
@@ -75,3 +75,21 @@ def test_cancelled_requests_during_nixl_transfers_leave_nothing_held(nixl_cluste
     for (prompt, n), result in list(zip(work, results))[1::2]:
         assert result.token_ids == ref.greedy(prompt, n), prompt
     assert_nothing_held(nixl_cluster, within=10)
+
+
+def test_a_nixl_backend_that_does_not_load_stops_the_worker_in_one_line_or_falls_back_under_auto(cluster_logs):
+    from disagg.launcher import ClusterSpec, LocalCluster
+
+    # PyPI's NIXL ships a LIBFABRIC plugin that cannot load without libfabric >= 1.21 and CUDA.
+    logs = cluster_logs / "nixl-libfabric"
+    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", log_dir=str(logs)))
+    try:
+        strict = cluster.add_worker("prefill", ["--kv-transport", "nixl", "--nixl-backend", "LIBFABRIC"])
+        lenient = cluster.add_worker("decode", ["--nixl-backend", "LIBFABRIC"])  # --kv-transport auto
+        assert strict.popen.wait(120) == 2
+        last_line = (logs / f"{strict.name}.log").read_text().strip().splitlines()[-1]
+        assert last_line == "prefill_worker: --kv-transport nixl: NIXL's LIBFABRIC backend did not load"
+        cluster.wait_serving(120, lenient.address)
+        assert "KV transport: gRPC stream" in (logs / f"{lenient.name}.log").read_text()
+    finally:
+        cluster.stop()

@@ -148,6 +148,7 @@ def test_a_staging_side_that_died_fails_the_read_and_a_retry_from_another_is_exa
     with grpc.insecure_channel(decode_address) as channel:
         decode = wgrpc.DecodeServiceStub(channel)
         dead, live = Stager(tmp_path, tiny_model("llama"), ids), Stager(tmp_path, tiny_model("llama"), ids)
+        assert dead.staged and live.staged  # both ready before the lease starts
         call, reservation = reserve(decode, len(ids))
         request = dead.pull_request(reservation)
         dead.kill()  # its registered memory is gone before the read
@@ -170,6 +171,7 @@ def test_a_staging_buffer_reused_during_the_read_is_refused_by_its_generation(ni
     with grpc.insecure_channel(decode_address) as channel:
         decode = wgrpc.DecodeServiceStub(channel)
         stager = Stager(tmp_path, tiny_model("llama"), ids)
+        assert stager.staged  # ready before the lease starts
         call, reservation = reserve(decode, len(ids))
         try:
             staged_under = stager.staged["generation"]

@@ -41,7 +41,7 @@ HEADER_BYTES = 64  # the generation, padded to a cache line so the KV stays alig
 
 
 class NixlUnavailable(RuntimeError):
-    """NIXL is not installed or its UCX backend does not load."""
+    """NIXL is not installed or the backend asked for does not load."""
 
 
 class NixlTransferError(RuntimeError):
@@ -68,14 +68,19 @@ def available() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu12"))
 
 
-def new_agent(role: str, progress_thread: bool):
+def new_agent(role: str, progress_thread: bool, backend: str = "UCX"):
+    """backend: UCX (host memory, shared memory or TCP here) or LIBFABRIC (EFA on AWS;
+    needs a NIXL built against libfabric >= 1.21, see docs/neuron.md)."""
     nixl = import_nixl()
-    # The side that is only read from needs UCX progressed without a caller:
+    # The side that is only read from needs its backend progressed without a caller:
     # its progress thread does that. The reading side polls its own transfers.
-    config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-    agent = nixl.nixl_agent(f"disagg-{role}-{uuid.uuid4().hex[:12]}", config)
-    if "UCX" not in agent.backends:
-        raise NixlUnavailable("NIXL's UCX backend did not load")
+    config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend])
+    try:
+        agent = nixl.nixl_agent(f"disagg-{role}-{uuid.uuid4().hex[:12]}", config)
+    except Exception as exc:  # nixlNotFoundError: the backend's plugin is missing or cannot load
+        raise NixlUnavailable(f"NIXL's {backend} backend did not load") from exc
+    if backend not in agent.backends:
+        raise NixlUnavailable(f"NIXL's {backend} backend did not load")
     return agent
 
 
@@ -98,8 +103,8 @@ class StagingBuffer:
 class NixlSource:
     """Prefill side: a pool of registered staging buffers the decode side reads from."""
 
-    def __init__(self, geometry: KvGeometry, max_tokens: int, buffers: int):
-        self.agent = new_agent("prefill", progress_thread=True)
+    def __init__(self, geometry: KvGeometry, max_tokens: int, buffers: int, backend: str = "UCX"):
+        self.agent = new_agent("prefill", progress_thread=True, backend=backend)
         self.geometry = geometry
         self.buffers = [StagingBuffer(torch.zeros(HEADER_BYTES + geometry.prompt_bytes(max_tokens), dtype=torch.uint8)) for _ in range(buffers)]
         self._registered = self.agent.register_memory([b.tensor for b in self.buffers], MEMORY)
@@ -118,15 +123,14 @@ class NixlSource:
             span.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
-class NixlSink:
-    """Decode side: the slot cache registered once; reads a staged prompt into a slot."""
+class _Reader:
+    """Decode side, what both landings share: the agent, its peers, the read and the generation check."""
 
-    def __init__(self, geometry: KvGeometry, keys: list[torch.Tensor], values: list[torch.Tensor], poll_seconds: float = 0.0005):
-        self.agent = new_agent("decode", progress_thread=False)
+    def __init__(self, geometry: KvGeometry, regions: list[torch.Tensor], poll_seconds: float, backend: str):
+        self.agent = new_agent("decode", progress_thread=False, backend=backend)
         self.geometry = geometry
-        self._caches = [(k, v) for k, v in zip(keys, values)]
         self._generation = torch.zeros(1, dtype=torch.int64)  # where the staged generation is read back to
-        self._registered = self.agent.register_memory([t for pair in self._caches for t in pair] + [self._generation], MEMORY)
+        self._registered = self.agent.register_memory([*regions, self._generation], MEMORY)
         self._peers: dict[str, str] = {}
         self.poll_seconds = poll_seconds
 
@@ -151,9 +155,8 @@ class NixlSink:
         Blocks until the read is done: call it on the thread that orders cache writes."""
         try:
             peer = self._peer(agent_name, metadata)
-            local, remote = self._descriptors(slot, address + HEADER_BYTES, prompt_len)
-            # Each strided row expands to kv_heads descriptors; take them all, in order.
-            self._read(peer, agent_name, local, remote, len(local) * self.geometry.kv_heads, deadline)
+            local, remote, count = self._descriptors(slot, address + HEADER_BYTES, prompt_len)
+            self._read(peer, agent_name, local, remote, count, deadline)
             # The generation after the KV (the seqlock's second read): see the module's docstring.
             tag = np.array([(self._generation.data_ptr(), 8, 0)], dtype=np.uint64), np.array([(address, 8, 0)], dtype=np.uint64)
             self._read(peer, agent_name, *tag, 1, deadline)
@@ -165,7 +168,14 @@ class NixlSink:
             raise NixlTransferError(f"KV read from {agent_name} failed: {type(exc).__name__}: {exc}") from exc
         if int(self._generation[0]) != generation:
             raise NixlTransferError(f"the staging buffer of {agent_name} was reused during the read (generation {generation} -> {int(self._generation[0])})")
+        self._land(slot, prompt_len)
         return self.geometry.prompt_bytes(prompt_len)
+
+    def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+        raise NotImplementedError
+
+    def _land(self, slot: int, prompt_len: int) -> None:
+        """After a checked read: whatever must still happen for the KV to be in the slot."""
 
     def _read(self, peer: str, agent_name: str, local: np.ndarray, remote: np.ndarray, count: int, deadline: float) -> None:
         local_list = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, MEMORY)
@@ -194,9 +204,19 @@ class NixlSink:
         if state != "DONE":
             raise NixlTransferError(f"KV read from {agent_name} failed ({state})")
 
-    def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Strided (address, length, device, stride, count) rows, one per layer and kind;
-        address: the staged KV's first byte."""
+
+
+class NixlSink(_Reader):
+    """Decode side, the slot cache in host memory (the torch backend): registered once;
+    the KV lands straight in the slot, no copy on this side."""
+
+    def __init__(self, geometry: KvGeometry, keys: list[torch.Tensor], values: list[torch.Tensor], poll_seconds: float = 0.0005, backend: str = "UCX"):
+        self._caches = [(k, v) for k, v in zip(keys, values)]
+        super().__init__(geometry, [t for pair in self._caches for t in pair], poll_seconds, backend)
+
+    def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Strided (address, length, device, stride, count) rows, one per layer and kind
+        (address: the staged KV's first byte); each expands to kv_heads descriptors."""
         g = self.geometry
         run = g.run_bytes(prompt_len)
         local, remote = [], []
@@ -204,4 +224,35 @@ class NixlSink:
             for kind, cache in enumerate(pair):
                 local.append((g.slot_address(cache.data_ptr(), slot), run, 0, g.slot_head_stride, g.kv_heads))
                 remote.append((address + g.staging_offset(layer, kind, prompt_len), run, 0, run, g.kv_heads))
-        return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+        return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64), len(local) * g.kv_heads
+
+
+class NixlHostStagingSink(_Reader):
+    """Decode side, a slot cache NIXL cannot reach (Neuron device memory where NIXL
+    has no device path for it): the KV is read into one registered host buffer, then
+    each layer's K and V go to `write(slot, layer, kind, tensor)`, the backend's own
+    KV write. One buffer is enough: reads and writes run on the one KV writer thread.
+    vLLM's NIXL connector does the same for accelerators NIXL cannot register
+    (kv_buffer_device "cpu")."""
+
+    def __init__(self, geometry: KvGeometry, dtype: torch.dtype, write, poll_seconds: float = 0.0005, backend: str = "UCX"):
+        self._buffer = torch.empty(geometry.prompt_bytes(geometry.max_seq_len), dtype=torch.uint8)
+        self._dtype = dtype
+        self._write = write
+        super().__init__(geometry, [self._buffer], poll_seconds, backend)
+
+    def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """One region: the staging layout is compact on both sides."""
+        size = self.geometry.prompt_bytes(prompt_len)
+        return np.array([(self._buffer.data_ptr(), size, 0)], dtype=np.uint64), np.array([(address, size, 0)], dtype=np.uint64), 1
+
+    def _land(self, slot: int, prompt_len: int) -> None:
+        from .codec import KvKind
+
+        g = self.geometry
+        shape = (g.kv_heads, prompt_len, g.head_dim)
+        for layer in range(g.num_layers):
+            for kind in KvKind:
+                start = g.staging_offset(layer, kind - 1, prompt_len)
+                tensor = self._buffer[start : start + g.layer_kind_bytes(prompt_len)].view(self._dtype).view(shape)
+                self._write(slot, layer, kind, 0, tensor)

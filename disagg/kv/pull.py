@@ -46,15 +46,15 @@ class NixlPullSender:
             self._free.put_nowait(buffer)
 
     @classmethod
-    def open(cls, info, buffers: int, channel_for, metrics, send_timeout: float) -> NixlPullSender:
+    def open(cls, info, buffers: int, channel_for, metrics, send_timeout: float, backend: str = "UCX") -> NixlPullSender:
         import torch
 
         from .nixl_transport import NixlSource
 
         itemsize = torch.empty(0, dtype=getattr(torch, info.dtype)).element_size()
         geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, itemsize, info.max_seq_len)
-        source = NixlSource(geometry, max_tokens=info.max_seq_len, buffers=buffers)
-        log.info("KV transport: NIXL agent %s, %d staging buffers of %.1f MiB", source.name, buffers, geometry.prompt_bytes(info.max_seq_len) / 2**20)
+        source = NixlSource(geometry, max_tokens=info.max_seq_len, buffers=buffers, backend=backend)
+        log.info("KV transport: NIXL agent %s (%s), %d staging buffers of %.1f MiB", source.name, backend, buffers, geometry.prompt_bytes(info.max_seq_len) / 2**20)
         return cls(source, channel_for, metrics, send_timeout)
 
     def serves(self, address: str) -> bool:
