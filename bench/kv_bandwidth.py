@@ -234,7 +234,9 @@ def handoff_gap(args) -> None:
     prompt = list(range(100, 100 + args.tokens))
     gaps = {}
     for transport in ("grpc", "nixl"):
-        spec = ClusterSpec(model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype="bfloat16", log_dir=f"/tmp/disagg-kvbw-{transport}", worker_args=["--kv-transport", transport, "--max-seq-len", str(args.tokens + 16)], batch_size=1)
+        # float32: this host has no fast bf16 matmul (AVX2 only), and a 2k-token bf16 prefill here can outlast a lease.
+        worker_args = ["--kv-transport", transport, "--max-seq-len", str(args.tokens + 16)]
+        spec = ClusterSpec(model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype="float32", log_dir=f"/tmp/disagg-kvbw-{transport}", worker_args=worker_args, decode_args=["--lease-seconds", "300"], batch_size=1)
         cluster = LocalCluster(spec).start()
         try:
             times = []
