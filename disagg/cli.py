@@ -11,6 +11,20 @@ import time
 from disagg.kv import CHOICES as KV_CHOICES
 
 
+def free_or_any(port: int) -> int:
+    """port if it can be bound on 127.0.0.1, else 0 (any free port): a taken
+    default HTTP port does not stop the demo; the banner prints the one used."""
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            print(f"HTTP port {port} is in use: the HTTP API takes a free port instead (printed below)", flush=True)
+            return 0
+    return port
+
+
 def cmd_serve(args) -> int:
     from disagg.launcher import ClusterSpec, LocalCluster
     from disagg.tinymodel import ensure_tiny_model
@@ -18,16 +32,22 @@ def cmd_serve(args) -> int:
     if args.model is None:
         print("Using the built-in tiny model (made on first use, ~20 s) ...", flush=True)
     model = args.model or str(ensure_tiny_model())
-    spec = ClusterSpec(model=model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, dtype=args.dtype, batch_size=args.batch_size, worker_args=["--kv-transport", args.kv_transport])
+    http_port = None if args.http_port < 0 else free_or_any(args.http_port) if args.http_port else 0
+    spec = ClusterSpec(model=model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, http_port=http_port, dtype=args.dtype, batch_size=args.batch_size, worker_args=["--kv-transport", args.kv_transport])
     cluster = LocalCluster(spec)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
         cluster.start()
         print(f"\ndisagg is serving {model}\n  router (GenerationService): {cluster.router_address}")
+        if cluster.http_url:
+            print(f"  OpenAI-compatible HTTP API: {cluster.http_url}/v1")
         for p in cluster.processes[:-1]:
             print(f"  {p.name}: {p.address}")
-        print(f"\nTry:  disagg generate --address {cluster.router_address} \"The lighthouse keeper\"\nCtrl-C stops everything.", flush=True)
+        print(f"\nTry:  disagg generate --address {cluster.router_address} \"The lighthouse keeper\"")
+        if cluster.http_url:
+            print(f"      curl {cluster.http_url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The lighthouse keeper\", \"max_tokens\": 16}}'")
+        print("Ctrl-C stops everything.", flush=True)
         while not stop["now"]:
             time.sleep(0.5)
             cluster.check_alive()
@@ -68,8 +88,8 @@ def cmd_bench(args) -> int:
 
     from disagg.loadgen import BenchConfig, plot, run_bench, table
 
-    if args.api == "openai" and (args.url is None or args.start_cluster):
-        print("disagg bench: --api openai needs --url (the server's base URL) and cannot --start-cluster", file=sys.stderr)
+    if args.api == "openai" and (args.url is None) == (not args.start_cluster):
+        print("disagg bench: --api openai needs either --url (the server's base URL) or --start-cluster (ours, over HTTP)", file=sys.stderr)
         return 2
     config = BenchConfig(
         address=args.url if args.api == "openai" else args.address,
@@ -93,8 +113,9 @@ def cmd_bench(args) -> int:
         from disagg.launcher import ClusterSpec, LocalCluster
         from disagg.tinymodel import ensure_tiny_model
 
-        cluster = LocalCluster(ClusterSpec(model=args.model or str(ensure_tiny_model()), log_dir=args.log_dir)).start()
-        config.address = cluster.router_address
+        http_port = 0 if args.api == "openai" else None
+        cluster = LocalCluster(ClusterSpec(model=args.model or str(ensure_tiny_model()), log_dir=args.log_dir, http_port=http_port)).start()
+        config.address = cluster.http_url if args.api == "openai" else cluster.router_address
     try:
         runs = asyncio.run(run_bench(config))
     finally:
@@ -125,6 +146,7 @@ def main(argv=None) -> int:
     serve = sub.add_parser("serve", help="start a router, a prefill worker and a decode worker locally")
     serve.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the built-in tiny model)")
     serve.add_argument("--port", type=int, default=int(os.environ.get("DISAGG_PORT", 50050)), help="router port")
+    serve.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", 8000)), help="the router's OpenAI-compatible HTTP API (default 8000, or a free port when 8000 is taken; 0: a free port; -1: off)")
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
     serve.add_argument("--batch-size", type=int, default=0, help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
@@ -148,7 +170,7 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="load-test the public API and report latency, throughput and goodput")
     bench.add_argument("--address", default="127.0.0.1:50050", help="our gRPC API (--api grpc)")
-    bench.add_argument("--api", default="grpc", choices=["grpc", "openai"], help="openai: stream /v1/completions of any OpenAI-compatible server (vLLM, ...); needs pip install 'disagg[bench]'")
+    bench.add_argument("--api", default="grpc", choices=["grpc", "openai"], help="openai: stream /v1/completions of any OpenAI-compatible server (ours with --http-port, vLLM, ...); needs pip install 'disagg[bench]'")
     bench.add_argument("--url", default=None, help="base URL of the OpenAI API (--api openai), e.g. http://127.0.0.1:8000")
     bench.add_argument("--start-cluster", action="store_true", help="start a local cluster on --model (or the default model) to test")
     bench.add_argument("--model", default=None)

@@ -29,6 +29,7 @@ class ClusterSpec:
     prefill_workers: int = 1
     decode_workers: int = 1
     router_port: int = 0  # 0: a free port
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP API; None: off, 0: a free port
     dtype: str = "bfloat16"
     batch_size: int = 8
     threads_per_worker: int = 0  # 0: split the machine's cores between the workers
@@ -50,6 +51,7 @@ class Process:
     popen: subprocess.Popen
     command: list[str]
     metrics_address: str
+    http_port: int | None = None  # the router's, when it serves HTTP
 
 
 class LocalCluster:
@@ -57,6 +59,7 @@ class LocalCluster:
         self.spec = spec
         self.processes: list[Process] = []
         self.router_address: str | None = None  # known once the router has bound its port
+        self.http_url: str | None = None  # the router's HTTP API, e.g. http://127.0.0.1:8000 (spec.http_port set)
         self._port_dir = tempfile.mkdtemp(prefix="disagg-ports-")
 
     # -- start ----------------------------------------------------------------
@@ -69,9 +72,14 @@ class LocalCluster:
         decode = [self._spawn(f"decode-{i}", "decode_worker", decode_args) for i in range(spec.decode_workers)]
         prefill = decode if spec.colocated else [self._spawn(f"prefill-{i}", "prefill_worker", common + spec.prefill_args) for i in range(spec.prefill_workers)]
         router_args = ["--model", spec.model, *spec.router_args]
+        if spec.http_port is not None:
+            router_args += ["--http-port", str(spec.http_port)]
         router_args += [a for p in prefill for a in ("--prefill", p.address)]
         router_args += [a for d in decode for a in ("--decode", d.address)]
-        self.router_address = self._spawn("router", "router", router_args, port=spec.router_port).address
+        router = self._spawn("router", "router", router_args, port=spec.router_port)
+        self.router_address = router.address
+        if router.http_port is not None:
+            self.http_url = f"{'https' if spec.public_tls_ca else 'http'}://127.0.0.1:{router.http_port}"
         self._wait_serving(self.router_address, timeout, watch=None)  # any part dying now fails the start
         return self
 
@@ -99,7 +107,9 @@ class LocalCluster:
         # A restart reuses the same ports, so peers find the process where it was.
         command[command.index("--port") + 1] = str(ports["port"])
         command[command.index("--metrics-port") + 1] = str(ports["metrics_port"])
-        process = Process(name, f"127.0.0.1:{ports['port']}", popen, command, f"127.0.0.1:{ports['metrics_port']}")
+        if "http_port" in ports:
+            command[command.index("--http-port") + 1] = str(ports["http_port"])
+        process = Process(name, f"127.0.0.1:{ports['port']}", popen, command, f"127.0.0.1:{ports['metrics_port']}", ports.get("http_port"))
         self.processes.append(process)
         return process
 

@@ -1,6 +1,6 @@
 """A small client for the OpenAI HTTP API, so `disagg bench --api openai` drives
-other servers (vLLM, SGLang, ...) with the same load generator and report as our
-gRPC API.
+any OpenAI-compatible server (our router's --http-port, vLLM, SGLang, ...) with
+the same load generator and report as our gRPC API.
 
 It offers the two calls the load generator makes on `disagg.client.AsyncClient`:
 `generate` streams `/v1/completions` (server-sent events) and yields chunks with

@@ -300,15 +300,16 @@ async def stop_on_failure(server: RunningServer, step):
         raise
 
 
-def announce_ports(port_file: str | None, port: int, metrics_port: int) -> None:
+def announce_ports(port_file: str | None, port: int, metrics_port: int, http_port: int | None = None) -> None:
     """Writes the bound ports for whoever started this process with --port 0."""
     if port_file:
         import json
         import os
 
+        ports = {"port": port, "metrics_port": metrics_port, **({"http_port": http_port} if http_port is not None else {})}
         tmp = f"{port_file}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"port": port, "metrics_port": metrics_port}, f)
+            json.dump(ports, f)
         os.replace(tmp, port_file)
 
 

@@ -25,6 +25,7 @@ def parse_config(argv=None) -> RouterConfig:
     parser.add_argument("--public-tls-cert", help="TLS certificate (PEM) for the public port")
     parser.add_argument("--public-tls-key", help="its private key (PEM)")
     parser.add_argument("--auth-token", default=os.environ.get("DISAGG_AUTH_TOKEN"), help="require 'authorization: Bearer <token>' on the public API (default: $DISAGG_AUTH_TOKEN)")
+    parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port, same host, TLS and token as the gRPC API (default: off; 0 picks a free port)")
     args = parser.parse_args(argv)
     setup_process(args)
     return RouterConfig(
@@ -40,6 +41,7 @@ def parse_config(argv=None) -> RouterConfig:
         tls=internal_tls(args),
         public_tls=tls_from_flags(args.public_tls_cert, args.public_tls_key, None, "--public-tls-cert/--public-tls-key"),
         auth_token=args.auth_token or None,
+        http_port=args.http_port,
     )
 
 

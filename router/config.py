@@ -32,6 +32,7 @@ class RouterConfig:
     tls: TlsFiles | None = None  # mutual TLS to the workers
     public_tls: TlsFiles | None = None  # TLS on the public port
     auth_token: str | None = None  # bearer token required on the public API (health stays open)
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (router/http/); None: off
 
     def __post_init__(self):
         if not self.prefill_workers:

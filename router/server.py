@@ -19,6 +19,7 @@ from .choices import choice_requests, merged_choices
 from .coalesce import coalesced
 from .config import RouterConfig
 from .grpc_edge import chunk_to_pb, params_from_pb
+from .http import start_http_front
 from .lifecycle import Lifecycle
 from .params import GenerateParams
 from .prompts import prompt_ids
@@ -143,8 +144,9 @@ async def serve(config: RouterConfig) -> None:
     credentials = config.public_tls.server_credentials(require_client_cert=False) if config.public_tls else None
     interceptors = (BearerTokenInterceptor(config.auth_token),) if config.auth_token else ()
     server = await start_server(config.address, [(servicer, SERVICE)], PUBLIC_MESSAGE_BYTES, credentials, interceptors)
+    http = await start_http_front(config, lambda: servicer.router, lambda: server.drain.draining)
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], RouterMetrics)
-    announce_ports(config.port_file, server.port, metrics_port)
+    announce_ports(config.port_file, server.port, metrics_port, http_port=http.port if http else None)
     log.info("router on port %d: waiting for workers", server.port)
     tokenizer = await asyncio.get_running_loop().run_in_executor(None, AutoTokenizer.from_pretrained, config.model)
     pool = WorkerPool.connect(config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls)
@@ -154,4 +156,6 @@ async def serve(config: RouterConfig) -> None:
     await server.set_serving(True)
     log.info("router serving on port %d", server.port)
     await serve_until_signal(server, config.grace_seconds, busy=lambda: bool(servicer.router.in_flight))
+    if http:
+        await http.stop()
     await pool.close()

@@ -96,7 +96,8 @@ def cluster_logs(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def llama_cluster(cluster_logs):
-    cluster = start_cluster(cluster_logs, "llama")
+    # It serves the OpenAI-compatible HTTP API too (cluster.http_url), for tests/test_http_api.py.
+    cluster = start_cluster(cluster_logs, "llama", http_port=0)
     yield cluster
     cluster.stop()
 

@@ -78,7 +78,7 @@ def test_waiters_get_unavailable_when_the_last_decode_worker_goes():
 @pytest.fixture(scope="module")
 def small_cluster(cluster_logs):
     # 2 decode slots, room for 18 more in the router's queue.
-    cluster = start_cluster(cluster_logs, "llama", batch_size=2, router_args=["--max-queue", "18"])
+    cluster = start_cluster(cluster_logs, "llama", batch_size=2, router_args=["--max-queue", "18"], http_port=0)
     yield cluster
     cluster.stop()
 
@@ -114,5 +114,31 @@ def test_past_the_queue_bound_requests_are_refused_at_once_and_the_rest_complete
     for prompt, result in zip(prompts, results):
         if not isinstance(result, grpc.aio.AioRpcError):
             assert result.token_ids == llama_ref.greedy(prompt, 40, ignore_eos=True)
+    assert len(results) - len(refused) >= 20  # 2 running + 18 queued at least
+    assert_nothing_held(small_cluster)
+
+
+def test_past_the_queue_bound_the_http_api_answers_429_and_the_rest_complete(small_cluster, llama_ref):
+    import openai
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(30)]
+
+    async def one(client, prompt):
+        try:
+            stream = await client.completions.create(model=None, prompt=prompt, max_tokens=20, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+        except openai.RateLimitError as exc:
+            return exc
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{small_cluster.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(run())
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert refused and all(r.status_code == 429 and "waiting for a decode slot" in r.message for r in refused)
+    for prompt, result in zip(prompts, results):
+        if isinstance(result, str):
+            assert result == llama_ref.tokenizer.decode(llama_ref.greedy(prompt, 20, ignore_eos=True))
     assert len(results) - len(refused) >= 20  # 2 running + 18 queued at least
     assert_nothing_held(small_cluster)

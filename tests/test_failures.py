@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -19,7 +20,7 @@ LONG_PROMPT = "The ship's captain looked at the stars"
 
 @pytest.fixture
 def cluster(cluster_logs, request):
-    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4)
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4, http_port=0)
     yield cluster
     cluster.stop()
 
@@ -109,17 +110,28 @@ def test_sigterm_on_a_decode_worker_drains_it_and_new_requests_go_elsewhere(clus
 
 
 def test_sigterm_on_the_router_finishes_streams_refuses_new_calls_and_exits_zero(cluster, llama_ref):
+    import httpx
+
     expected = llama_ref.greedy(LONG_PROMPT, 300, ignore_eos=True)
-    with Client(cluster.router_address, timeout=120) as client:
+    body = {"prompt": LONG_PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    with Client(cluster.router_address, timeout=120) as client, httpx.Client(base_url=cluster.http_url, timeout=120) as http:
         stream = client.generate(LONG_PROMPT, max_new_tokens=300, ignore_eos=True)
         received = [t for _, chunk in zip(range(5), stream) for t in chunk.token_ids]
-        cluster.signal("router", signal.SIGTERM)
-        time.sleep(0.2)
-        with Client(cluster.router_address, timeout=10) as late, pytest.raises(grpc.RpcError) as error:
-            late.complete("The cat", max_new_tokens=3)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        tokens = received + [t for chunk in stream for t in chunk.token_ids]
+        with http.stream("POST", "/v1/completions", json=body) as http_stream:  # the same over HTTP
+            events = http_stream.iter_lines()
+            assert next(events).startswith("data: {")
+            cluster.signal("router", signal.SIGTERM)
+            time.sleep(0.2)
+            with Client(cluster.router_address, timeout=10) as late, pytest.raises(grpc.RpcError) as error:
+                late.complete("The cat", max_new_tokens=3)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            refused = http.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 3})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            tokens = received + [t for chunk in stream for t in chunk.token_ids]
+            payloads = [line[len("data: "):] for line in events if line.startswith("data: ")]
+        http_tokens = [t for p in payloads[:-1] for t in json.loads(p)["choices"][0]["token_ids"]]
     assert tokens == expected
+    assert payloads[-1] == "[DONE]" and http_tokens == expected[-len(http_tokens):] and len(http_tokens) >= 299
     assert cluster.process("router").popen.wait(timeout=30) == 0
     codes = cluster.stop()
     assert all(code == 0 for code in codes.values()), codes

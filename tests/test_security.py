@@ -36,6 +36,7 @@ def secure_cluster(cluster_logs, pki):
         worker_args=internal,
         router_args=[*internal, "--public-tls-cert", public_cert, "--public-tls-key", public_key, "--auth-token", TOKEN],
         public_tls_ca=pki["ca"],
+        http_port=0,  # the HTTP API: the same TLS certificate and token
     )
     yield cluster
     cluster.stop()
@@ -61,6 +62,30 @@ def test_health_stays_open_without_a_token(secure_cluster, pki):
     with grpc.secure_channel(secure_cluster.router_address, credentials) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
     assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_http_api_over_tls_takes_the_same_token_and_answers_401_without_it(secure_cluster, pki, llama_ref):
+    import ssl
+
+    import httpx
+    import openai
+
+    url = secure_cluster.http_url
+    assert url.startswith("https://")
+    tls = ssl.create_default_context(cafile=pki["ca"])
+    with httpx.Client(base_url=url, verify=tls, timeout=30) as http:
+        assert http.get("/health").status_code == 200  # open, as the gRPC health check
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            for method, path, body in (("POST", "/v1/completions", {"prompt": "The cat", "max_tokens": 2}), ("GET", "/v1/models", None)):
+                response = http.request(method, path, json=body, headers=headers)
+                assert response.status_code == 401, (headers, path)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+    with httpx.Client(verify=tls) as http_client:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, http_client=http_client, max_retries=0)
+        out = client.completions.create(prompt="The cat slept", max_tokens=12, temperature=0, model=client.models.list().data[0].id)
+        assert out.choices[0].text == llama_ref.tokenizer.decode(llama_ref.greedy("The cat slept", 12), skip_special_tokens=True)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", http_client=http_client, max_retries=0).models.list()
 
 
 def test_plaintext_to_the_tls_port_fails(secure_cluster):

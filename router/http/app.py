@@ -1,0 +1,310 @@
+"""The OpenAI-compatible routes: a thin edge like the gRPC servicer.
+
+Each request converts to GenerateParams (convert.py), goes through the same
+Router.prepare (validation, tokenization, chat template) and Router.generate
+as a gRPC call, and converts back to OpenAI's shapes (responses.py). Nothing
+is generated here and nothing blocks the event loop the gRPC server shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from disagg.rpc import RequestError
+
+from . import errors
+from .convert import chat_params, completion_params, echo_text, openai_param, split_prompts
+from .responses import Choice, Envelope, TokenText, chat_logprobs, completion_logprobs, finish_reason, gather, total_usage, usage
+from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest, TokenizeRequest
+from .streams import MergedGenerations
+from .token_bytes import TokenBytes
+
+
+@dataclass
+class FrontState:
+    """What the routes need from the router process."""
+
+    router: Callable[[], object]  # the Router, or None while it waits for its workers
+    draining: Callable[[], bool]  # true once SIGTERM started the drain
+    auth_token: str | None
+    model_path: str  # the --model the router was given: accepted as a name too (as vLLM serves it)
+    started: int = 0
+    _token_bytes: TokenBytes | None = None
+
+    def token_bytes(self, router) -> TokenBytes:
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(router.tokenizer)
+        return self._token_bytes
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response was ready."""
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always runs on_close once the response ends, however
+    it ends: Starlette cancels the sending task when the client disconnects and
+    leaves the body iterator as it was, not closed."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read: the next message the server gives is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, awaitable):
+    """awaitable's result; cancelled (and ClientGone raised) if the client leaves first."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientGone()
+    return work.result()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def create_app(state: FrontState) -> FastAPI:
+    app = FastAPI(title="disagg OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    state.started = state.started or int(time.time())
+
+    @app.exception_handler(errors.HttpError)
+    async def _http_error(_, exc: errors.HttpError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(_, exc: RequestValidationError):
+        return errors.validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_, exc: ClientGone):
+        return JSONResponse({}, status_code=499)  # no one reads it: the generation was cancelled
+
+    @app.exception_handler(HTTPException)
+    async def _starlette_error(_, exc: HTTPException):
+        return errors.HttpError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+
+    async def authorized(request: Request) -> None:  # async: FastAPI runs a sync dependency in a thread
+        if state.auth_token is None:
+            return
+        given = request.headers.get("authorization")
+        if given is None:
+            raise errors.unauthorized("missing authorization header: send 'Authorization: Bearer <token>'")
+        if not hmac.compare_digest(given.encode(), f"Bearer {state.auth_token}".encode()):
+            raise errors.unauthorized("the API key (bearer token) is not valid")
+
+    def serving():
+        router = state.router()
+        if router is None:
+            raise errors.unavailable("the router is waiting for its workers")
+        if state.draining():
+            raise errors.unavailable("server is shutting down")
+        return router
+
+    def model_names(router) -> set[str]:
+        return {router.facts.name, state.model_path}
+
+    def check_model(router, body) -> None:
+        if body.model is not None and body.model not in model_names(router):
+            raise errors.model_not_found(body.model)
+
+    async def prepare(router, make_params, body: CommonRequest):
+        """make_params() -> the GenerateParams list, validated and tokenized; a refusal is a 400 naming its parameter."""
+        try:
+            return [await router.prepare(p) for p in make_params()]
+        except RequestError as exc:
+            raise errors.HttpError.from_status(exc.code, str(exc), openai_param(exc.field, body), exc.field) from exc
+
+    async def started(request: Request, router, prepared, n: int) -> MergedGenerations:
+        merged = MergedGenerations(router, [(r, i * n) for i, r in enumerate(prepared)])
+        try:
+            await unless_disconnected(request, merged.start())
+        except RequestError as exc:
+            await merged.aclose()
+            raise errors.HttpError.from_status(exc.code, str(exc)) from exc
+        except BaseException:
+            await merged.aclose()
+            raise
+        return merged
+
+    async def collected(request: Request, merged: MergedGenerations) -> dict[int, Choice]:
+        async def collect():
+            choices: dict[int, Choice] = {}
+            async for tagged in merged:
+                gather(choices, tagged)
+            return choices
+
+        try:
+            return await unless_disconnected(request, collect())
+        except RequestError as exc:
+            raise errors.HttpError.from_status(exc.code, str(exc)) from exc
+        finally:
+            await merged.aclose()
+
+    def check_stream_options(body: CommonRequest) -> bool:
+        if body.stream_options is not None and not body.stream:
+            raise errors.bad_request("stream_options is only allowed when stream is true", "stream_options")
+        return bool(body.stream_options and body.stream_options.include_usage)
+
+    @app.get("/health")
+    async def health():
+        serving()
+        return JSONResponse({})
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        router = serving()
+        card = {"id": router.facts.name, "object": "model", "created": state.started, "owned_by": "disagg", "max_model_len": router.facts.max_seq_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest):
+        router = serving()
+        check_model(router, body)
+        ids = await router.tokenize(body.prompt, body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": router.facts.max_seq_len}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        router = serving()
+        check_model(router, body)
+        include_usage = check_stream_options(body)
+        if body.echo and body.logprobs is not None:
+            raise errors.bad_request("echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
+        envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", router.facts.name, chat=False)
+        prepared = await prepare(router, lambda: completion_params(body, envelope.id), body)
+        text_of = router.token_text
+        echoes = [echo_text(router.tokenizer, p) if body.echo else "" for p in split_prompts(body.prompt)]
+        merged = await started(request, router, prepared, body.n)
+        if body.stream:
+            events = completion_events(merged, envelope, body, text_of, echoes, include_usage)
+            return ClosingStreamingResponse(events, merged.aclose, media_type="text/event-stream")
+        choices = await collected(request, merged)
+        out = []
+        for index, choice in sorted(choices.items()):
+            echo = echoes[index // body.n]
+            item = {"index": index, "text": echo + choice.text, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
+            if body.logprobs is not None:
+                item["logprobs"] = completion_logprobs(choice.logprobs, text_of, 0)
+            if body.return_token_ids:
+                item["token_ids"] = choice.token_ids
+            out.append(item)
+        return {**envelope.head(streamed=False), "choices": out, "usage": total_usage(choices, body.n)}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        router = serving()
+        check_model(router, body)
+        include_usage = check_stream_options(body)
+        envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", router.facts.name, chat=True)
+        prepared = await prepare(router, lambda: [chat_params(body, envelope.id)], body)
+        text_of = router.token_text
+        merged = await started(request, router, prepared, body.n)
+        if body.stream:
+            events = chat_events(merged, envelope, body, text_of, state.token_bytes(router), include_usage)
+            return ClosingStreamingResponse(events, merged.aclose, media_type="text/event-stream")
+        choices = await collected(request, merged)
+        out = []
+        for index, choice in sorted(choices.items()):
+            item = {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
+            if body.logprobs:
+                item["logprobs"] = chat_logprobs(choice.logprobs, text_of, state.token_bytes(router))
+            out.append(item)
+        return {**envelope.head(streamed=False), "choices": out, "usage": total_usage(choices, body.n)}
+
+    return app
+
+
+class StreamUsage:
+    """Counts for the final usage chunk of a stream."""
+
+    def __init__(self, n: int):
+        self.n, self.prompt, self.completion = n, 0, 0
+
+    def add(self, index: int, chunk) -> None:
+        if chunk.finish:
+            self.prompt += chunk.prompt_tokens if index % self.n == 0 else 0
+            self.completion += chunk.completion_tokens
+
+
+def _error_event(exc: RequestError) -> str:
+    return sse(errors.HttpError.from_status(exc.code, str(exc)).body())
+
+
+async def completion_events(merged, envelope: Envelope, body: CompletionRequest, text_of: TokenText, echoes: list[str], include_usage: bool):
+    counts, offsets = StreamUsage(body.n), {}
+    try:
+        async for tagged in merged:
+            chunk, index = tagged.chunk, tagged.index
+            text = chunk.text
+            if index not in offsets:  # the choice's first chunk
+                text = echoes[index // body.n] + text
+                offsets[index] = 0
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(chunk.finish)}
+            if body.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(chunk.logprobs or [], text_of, offsets[index])
+            if body.return_token_ids:
+                choice["token_ids"] = chunk.token_ids
+            offsets[index] += len(text)
+            counts.add(index, chunk)
+            yield sse({**envelope.head(streamed=True), "choices": [choice], **({"usage": None} if include_usage else {})})
+        if include_usage:
+            yield sse({**envelope.head(streamed=True), "choices": [], "usage": usage(counts.prompt, counts.completion)})
+    except RequestError as exc:
+        yield _error_event(exc)
+    yield SSE_DONE
+
+
+async def chat_events(merged, envelope: Envelope, body: ChatCompletionRequest, text_of: TokenText, bytes_of: TokenBytes, include_usage: bool):
+    counts = StreamUsage(body.n)
+    extra = {"usage": None} if include_usage else {}
+    head = envelope.head(streamed=True)
+    for index in range(body.n):  # OpenAI opens each choice with its role
+        yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
+    try:
+        async for tagged in merged:
+            chunk, index = tagged.chunk, tagged.index
+            delta = {"content": chunk.text} if chunk.text or not chunk.finish else {}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(chunk.finish)}
+            if body.logprobs:
+                choice["logprobs"] = chat_logprobs(chunk.logprobs or [], text_of, bytes_of)
+            counts.add(index, chunk)
+            yield sse({**head, "choices": [choice], **extra})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(counts.prompt, counts.completion)})
+    except RequestError as exc:
+        yield _error_event(exc)
+    yield SSE_DONE

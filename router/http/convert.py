@@ -1,0 +1,103 @@
+"""OpenAI request bodies -> GenerateParams, and refused fields back to OpenAI's names.
+
+The conversion only renames: every rule about the values lives in
+router/validation.py, shared with the gRPC edge. A refusal names the gRPC
+field (RequestError.field, e.g. "stopping.max_new_tokens"); `openai_param`
+turns it into the parameter the HTTP caller sent (`max_tokens`).
+"""
+
+from __future__ import annotations
+
+from disagg.rpc import RequestError
+from router.params import GenerateParams
+
+from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest
+
+# gRPC field -> OpenAI parameter, where the names differ beyond the prefix.
+_RENAMED = {
+    "prompt_token_ids": "prompt",
+    "stopping.max_new_tokens": "max_tokens",
+}
+
+
+def openai_param(field: str | None, request: CommonRequest) -> str | None:
+    """The OpenAI parameter a refusal of the gRPC `field` is about."""
+    if field is None:
+        return None
+    name = _RENAMED.get(field) or field.split(".", 1)[-1]
+    if isinstance(request, ChatCompletionRequest):
+        if name == "prompt":
+            return "messages"
+        if name == "max_tokens" and request.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    elif name == "top_logprobs":
+        return "logprobs"  # completions name the number of alternatives `logprobs`
+    return name
+
+
+def _common(request: CommonRequest) -> dict:
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    top_k = request.top_k or 0
+    return dict(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=0 if top_k == -1 else top_k,  # vLLM's "off"
+        min_p=request.min_p or 0.0,
+        seed=request.seed,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty,
+        stop=tuple(stop),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        n=request.n,
+    )
+
+
+# Prompts in one completions request: each is a generation (n of them) at once,
+# so a batch is bounded like the choices of one prompt are, times the queue's room.
+MAX_BATCH_PROMPTS = 256
+
+
+def split_prompts(prompt) -> list[str | list[int]]:
+    """OpenAI's prompt forms -> one entry per completion: a string or token ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise RequestError(f"prompt is a batch of {len(prompt)} prompts; at most {MAX_BATCH_PROMPTS} are allowed", field="prompt")
+    return list(prompt)  # a list of strings or of token-id lists (or an empty list)
+
+
+def echo_text(tokenizer, prompt: str | list[int]) -> str:
+    """The prompt as `echo` returns it: a string as sent, token ids decoded."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=True)
+
+
+def completion_params(request: CompletionRequest, request_id: str) -> list[GenerateParams]:
+    common = _common(request)
+    logprobs = request.logprobs is not None
+    prompts = split_prompts(request.prompt) or [""]  # [] reaches validation as an empty prompt
+    return [
+        GenerateParams(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=None if isinstance(prompt, str) else tuple(prompt),
+            max_new_tokens=request.max_tokens,
+            logprobs=logprobs,
+            top_logprobs=request.logprobs if logprobs else 0,
+            **common,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def chat_params(request: ChatCompletionRequest, request_id: str) -> GenerateParams:
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    return GenerateParams(
+        request_id=request_id,
+        messages=tuple((m.role, m.text()) for m in request.messages),
+        max_new_tokens=max_tokens,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs or 0,
+        **_common(request),
+    )

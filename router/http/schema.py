@@ -1,0 +1,101 @@
+"""OpenAI's request bodies as pydantic models: the HTTP edge's wire types.
+
+Field names, types and defaults are OpenAI's (completions: `max_tokens`
+defaults to 16, as OpenAI's legacy endpoint and vLLM; both: `temperature`
+defaults to 1.0), plus vLLM's sampling extensions (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`).
+Unknown fields are refused (400 naming them), as OpenAI refuses them: a
+parameter we do not implement is never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+
+def _prompt_form(value):
+    """A prompt as OpenAI's completions endpoint takes it: a string, token ids, or a
+    list of either (a batch: one completion, n choices each, per prompt)."""
+    def is_ids(x):
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str) or is_ids(value):
+        return value
+    if isinstance(value, list) and (all(isinstance(x, str) for x in value) or all(is_ids(x) for x in value)):
+        return value
+    raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists")
+
+
+Prompt = Annotated[object, AfterValidator(_prompt_form)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class CommonRequest(BaseModel):
+    """The parameters both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: the one model served (as vLLM)
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: StrictInt | None = None  # vLLM: -1 or 0 turns it off
+    min_p: float | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    n: StrictInt = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused (OpenAI's abuse-monitoring tag)
+
+
+class CompletionRequest(CommonRequest):
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None  # the sampled token's plus this many alternatives
+    echo: StrictBool = False
+    return_token_ids: StrictBool = False  # vLLM: each choice names its token ids
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's and SGLang's /tokenize (not OpenAI's): `disagg bench --api openai` uses it."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None  # deprecated by OpenAI for max_completion_tokens; both work
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
