@@ -77,6 +77,7 @@ class DecodeWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics, device_cpus=config.device_cpus)
         metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
+        metrics.slots.set_function(lambda: self.slots.num_slots)
         self._reaper: asyncio.Task | None = None
         self.nixl = None  # the NIXL sink, with --kv-transport nixl
 

@@ -6,6 +6,7 @@ Each entry point parses its flags once into its role's config dataclass.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 
@@ -24,6 +25,7 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default
     tls.add_argument("--tls-cert", help="this process's certificate (PEM); serves and connects with it")
     tls.add_argument("--tls-key", help="its private key (PEM)")
     tls.add_argument("--tls-ca", help="CA (PEM) that peers' certificates must be signed by")
+    tls.add_argument("--tls-server-name", help="name the peers' certificates must carry, whatever address is dialled (workers found by IP through DNS)")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +85,10 @@ def internal_tls(args):
     tls = tls_from_flags(args.tls_cert, args.tls_key, args.tls_ca, "--tls-cert/--tls-key/--tls-ca")
     if tls is not None and not tls.ca:
         raise SystemExit("--tls-ca is required with --tls-cert: internal links use mutual TLS")
-    return tls
+    server_name = getattr(args, "tls_server_name", None)
+    if server_name and tls is None:
+        raise SystemExit("--tls-server-name needs --tls-cert/--tls-key/--tls-ca")
+    return dataclasses.replace(tls, server_name=server_name) if server_name else tls
 
 
 def neuron_settings(args) -> tuple[dict, dict]:

@@ -31,6 +31,8 @@ class PrefillMetrics:
         self.requests = Counter("disagg_prefill_requests", "Prefill calls by outcome", ["outcome"], registry=registry)
         self.prefill = Histogram("disagg_prefill_seconds", "Queue plus compute time of a prefill, to its first token", buckets=SLOW, registry=registry)
         self.queued = Gauge("disagg_prefill_queued_requests", "Prefills submitted and not finished", registry=registry)
+        # What the prefill pool's autoscaler watches: work waiting, in tokens (prompts differ in cost).
+        self.queued_tokens = Gauge("disagg_prefill_queued_prompt_tokens", "Prompt tokens of the prefills submitted and not finished", registry=registry)
         self.kv_seconds = Histogram("disagg_prefill_kv_transfer_seconds", "KV hand-off, first byte sent (or staged) to acknowledgement, by transport", ["transport"], buckets=SLOW, registry=registry)
         self.kv_bytes = Counter("disagg_prefill_kv_transfer_bytes", "KV bytes acknowledged by decode workers, by transport", ["transport"], registry=registry)
         self.kv_failures = Counter("disagg_prefill_kv_transfer_failures", "KV hand-offs that failed, by transport", ["transport"], registry=registry)
@@ -39,6 +41,8 @@ class PrefillMetrics:
 class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.slots_in_use = Gauge("disagg_decode_slots_in_use", "Slots reserved or running", registry=registry)
+        # With slots_in_use, the decode pool's autoscaling signal: the share of slots taken.
+        self.slots = Gauge("disagg_decode_slots", "Slots this worker has (its decode batch size)", registry=registry)
         self.batch_size = Gauge("disagg_decode_running_batch_size", "Rows in the last decode step", registry=registry)
         self.step = Histogram("disagg_decode_step_seconds", "Device time of one decode step", buckets=FAST, registry=registry)
         self.host_gap = Histogram("disagg_decode_host_gap_seconds", "Device idle time between consecutive steps of a busy batch", buckets=FAST, registry=registry)

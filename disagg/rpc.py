@@ -18,6 +18,11 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# A health service name that says SERVING for as long as the server runs (model
+# loading and draining included): what a liveness probe asks, where "" (ready
+# for work) is what a readiness probe asks.
+LIVENESS_SERVICE = "liveness"
+
 # Internal links carry KV pieces; the public API carries small requests.
 INTERNAL_MESSAGE_BYTES = 64 * 1024 * 1024
 PUBLIC_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -258,6 +263,7 @@ async def start_server(
     await server.start()
     running = RunningServer(server, port, health_servicer, drain)
     await running.set_serving(False)
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     return running
 
 

@@ -26,6 +26,9 @@ class TlsFiles:
     cert: str
     key: str
     ca: str | None = None  # verifies the peer; for a server, required for mutual TLS
+    # Check peers' certificates against this name rather than the host dialled:
+    # pods are dialled by IP (from DNS) and share one certificate for a name.
+    server_name: str | None = None
 
     def __post_init__(self):
         for name in ("cert", "key", "ca"):
@@ -63,6 +66,8 @@ def open_channel(address: str, tls: TlsFiles | None, max_message_bytes: int | No
     options = channel_options(max_message_bytes) if max_message_bytes else channel_options()
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 

@@ -56,11 +56,13 @@ class PrefillWorker:
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(config.device_cpus,))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.pending = 0  # prefills submitted and not finished (running one included)
+        self.pending_tokens = 0  # their prompt tokens
         self.inflight_transfers = 0
         # How KV moves (disagg.kv): pushed as a gRPC stream, or staged for the decode worker to pull through NIXL.
         self.push = GrpcPushSender(self._channel, metrics, config.kv_send_timeout)
         self.pull = open_fallible(lambda: NixlPullSender.open(backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout, config.nixl_backend), config) if config.kv_transport == "nixl" else None
         metrics.queued.set_function(lambda: self.pending)
+        metrics.queued_tokens.set_function(lambda: self.pending_tokens)
 
     async def stop(self) -> None:
         for channel in self._channels.values():
@@ -96,6 +98,7 @@ class PrefillWorker:
             sender = asyncio.create_task(self._push(target, outbox, timeout))
         started = time.perf_counter()
         self.pending += 1
+        self.pending_tokens += len(token_ids)
         outcome = "cancelled"
         try:
             result = await loop.run_in_executor(self._device, self.backend.prefill, token_ids, sampling, on_layer if target and not pull else None, first_step)
@@ -123,6 +126,7 @@ class PrefillWorker:
         finally:
             self.metrics.requests.labels(outcome).inc()
             self.pending -= 1
+            self.pending_tokens -= len(token_ids)
             if sender is not None and not sender.done():
                 sender.cancel()  # the decode worker sees the broken transfer and frees the slot
 

@@ -17,8 +17,10 @@ def parse_config(argv=None) -> RouterConfig:
     parser = argparse.ArgumentParser(prog="router", description=__doc__)
     add_server_flags(parser, default_port=50050, default_metrics_port=9400)
     parser.add_argument("--model", default=None, help="checkpoint whose tokenizer and EOS ids to use (default: the built-in tiny model)")
-    parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeat for several)")
-    parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeat for several)")
+    target_help = "; or dns:///NAME:PORT for every address NAME resolves to, resolved again every --resolve-seconds (dns://DNS_SERVER/NAME:PORT asks that server). Repeat for several; both kinds mix"
+    parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker at HOST:PORT" + target_help)
+    parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker at HOST:PORT" + target_help)
+    parser.add_argument("--resolve-seconds", type=float, default=5.0, help="how often dns: worker targets are resolved again (default 5, CoreDNS's TTL for Services)")
     parser.add_argument("--default-max-new-tokens", type=int, default=Limits.default_max_new_tokens)
     parser.add_argument("--max-new-tokens-cap", type=int, default=Limits.max_new_tokens_cap)
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a decode slot")
@@ -28,6 +30,13 @@ def parse_config(argv=None) -> RouterConfig:
     parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port, same host, TLS and token as the gRPC API (default: off; 0 picks a free port)")
     args = parser.parse_args(argv)
     setup_process(args)
+    try:
+        return _config(args)
+    except ValueError as exc:  # one line naming the flag, not a traceback
+        parser.error(str(exc))
+
+
+def _config(args) -> RouterConfig:
     return RouterConfig(
         model=resolve_model(args.model),
         prefill_workers=tuple(args.prefill),
@@ -35,6 +44,7 @@ def parse_config(argv=None) -> RouterConfig:
         address=address(args),
         limits=Limits(default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_cap=args.max_new_tokens_cap),
         max_queue=args.max_queue,
+        resolve_seconds=args.resolve_seconds,
         grace_seconds=args.grace_seconds,
         metrics_port=args.metrics_port,
         port_file=args.port_file,

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 from disagg.security import TlsFiles
 
+from .discovery import parse_target
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -20,12 +22,13 @@ class Limits:
 @dataclass(frozen=True)
 class RouterConfig:
     model: str  # used for the tokenizer and the model's EOS ids
-    prefill_workers: tuple[str, ...]
+    prefill_workers: tuple[str, ...]  # targets: HOST:PORT or dns:[//DNS_SERVER/]NAME:PORT
     decode_workers: tuple[str, ...]
     address: str = "127.0.0.1:50050"
     limits: Limits = Limits()
     max_queue: int = 256  # requests waiting for a decode slot before RESOURCE_EXHAUSTED
     load_poll_seconds: float = 1.0
+    resolve_seconds: float = 5.0  # how often DNS targets are resolved again
     grace_seconds: float = 30.0
     metrics_port: int = 0
     port_file: str | None = None  # where to announce the bound ports
@@ -39,3 +42,8 @@ class RouterConfig:
             raise ValueError("--prefill needs at least one prefill worker address")
         if not self.decode_workers:
             raise ValueError("--decode needs at least one decode worker address")
+        for flag, targets in (("--prefill", self.prefill_workers), ("--decode", self.decode_workers)):
+            for target in targets:
+                parse_target(target, flag)
+        if not self.resolve_seconds > 0:
+            raise ValueError(f"--resolve-seconds must be positive, not {self.resolve_seconds}")

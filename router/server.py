@@ -149,7 +149,7 @@ async def serve(config: RouterConfig) -> None:
     announce_ports(config.port_file, server.port, metrics_port, http_port=http.port if http else None)
     log.info("router on port %d: waiting for workers", server.port)
     tokenizer = await asyncio.get_running_loop().run_in_executor(None, AutoTokenizer.from_pretrained, config.model)
-    pool = WorkerPool.connect(config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls)
+    pool = WorkerPool.connect(config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls, config.resolve_seconds, config.grace_seconds)
     await pool.start()
     await pool.wait_ready()
     servicer.router = Router(config, tokenizer, model_facts(config, pool), pool, metrics)

@@ -1,8 +1,15 @@
-"""The router's view of its workers: reachability, load, and the decode admission queue.
+"""The router's view of its workers: membership, reachability, load, and the decode admission queue.
 
 Decode capacity is admitted first-come first-served: a request takes a slot on
 the decode worker with the most free slots, or waits in a bounded FIFO queue;
 past the bound it is refused with RESOURCE_EXHAUSTED at once.
+
+Membership: fixed addresses stay; DNS targets (router/discovery.py) are
+resolved again every `resolve_seconds`. A worker that appears is connected and
+used once its health says SERVING; one that disappears is retired: it gets no
+new requests, the calls it has run to the end, and its channel is closed once
+the router holds no request on it (close waits up to `drain_seconds` for calls
+still open, such as a KV hand-off).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,6 +27,8 @@ from disagg.rpc import RequestError
 from disagg.security import TlsFiles, open_channel
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
+
+from .discovery import LookupFailed, Resolver, Target, parse_target, resolve
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +44,7 @@ class Worker:
     missed_polls: int = 0  # consecutive polls without an answer
     load: wpb.WorkerLoad | None = None
     outstanding: int = 0  # this router's requests on it now
+    closing: asyncio.Task | None = None  # retired: the channel is closing
 
     @property
     def free_slots(self) -> int:
@@ -52,25 +63,53 @@ class WorkerPool:
     decode: list[Worker]
     max_queue: int
     poll_seconds: float
+    targets: dict[str, tuple[Target, ...]] = field(default_factory=dict)  # role -> where to find its workers
+    resolve_seconds: float = 5.0
+    drain_seconds: float = 30.0
+    tls: TlsFiles | None = None
+    resolver: Resolver = resolve
+    retired: list[Worker] = field(default_factory=list)  # gone from DNS, finishing their calls
+    _answers: dict[Target, frozenset[str]] = field(default_factory=dict)  # last good answer per DNS target
     _waiters: collections.deque = field(default_factory=collections.deque)
-    _poller: asyncio.Task | None = None
+    _tasks: list[asyncio.Task] = field(default_factory=list)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
-    def connect(cls, prefill: tuple[str, ...], decode: tuple[str, ...], max_queue: int, poll_seconds: float, tls: TlsFiles | None = None) -> "WorkerPool":
-        return cls([_connect(a, "prefill", tls) for a in prefill], [_connect(a, "decode", tls) for a in decode], max_queue, poll_seconds)
+    def connect(
+        cls,
+        prefill: Iterable[str],
+        decode: Iterable[str],
+        max_queue: int,
+        poll_seconds: float,
+        tls: TlsFiles | None = None,
+        resolve_seconds: float = 5.0,
+        drain_seconds: float = 30.0,
+        resolver: Resolver = resolve,
+    ) -> WorkerPool:
+        """A pool over targets (HOST:PORT or dns:...); start() resolves the DNS ones."""
+        targets = {"prefill": tuple(parse_target(t, "--prefill") for t in prefill), "decode": tuple(parse_target(t, "--decode") for t in decode)}
+        pool = cls([], [], max_queue, poll_seconds, targets, resolve_seconds, drain_seconds, tls, resolver)
+        for role, role_targets in targets.items():
+            pool._apply(role, {t.address for t in role_targets if not t.dns})
+        return pool
 
     @property
     def workers(self) -> list[Worker]:
         return self.prefill + self.decode
 
+    def _role(self, role: str) -> list[Worker]:
+        return self.prefill if role == "prefill" else self.decode
+
     async def start(self) -> None:
-        self._poller = asyncio.create_task(self._poll_forever())
+        if any(t.dns for targets in self.targets.values() for t in targets):
+            await self.discover()
+            self._tasks.append(asyncio.create_task(self._discover_forever()))
+        self._tasks.append(asyncio.create_task(self._poll_forever()))
 
     async def close(self) -> None:
-        if self._poller:
-            self._poller.cancel()
-        for worker in self.workers:
+        for task in self._tasks:
+            task.cancel()
+        for worker in self.workers + self.retired:
             await worker.channel.close()
 
     async def wait_ready(self) -> None:
@@ -79,6 +118,58 @@ class WorkerPool:
             self._changed.clear()
             await self._changed.wait()
 
+    # -- membership -----------------------------------------------------------
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.resolve_seconds)
+            await self.discover()
+
+    async def discover(self) -> None:
+        """Resolves every DNS target again and adds or retires workers to match."""
+        for role, targets in self.targets.items():
+            addresses: set[str] = set()
+            for target in targets:
+                addresses |= await self._lookup(target)
+            self._apply(role, addresses)
+        self._changed.set()
+
+    async def _lookup(self, target: Target) -> frozenset[str]:
+        if not target.dns:
+            return frozenset({target.address})
+        try:
+            found = await self.resolver(target)
+        except LookupFailed as exc:
+            log.warning("resolving %s failed (%s); keeping its last %d addresses", target.text, exc, len(self._answers.get(target, ())))
+            return self._answers.get(target, frozenset())
+        if found != self._answers.get(target):
+            log.info("%s -> %s", target.text, ", ".join(sorted(found)) or "no addresses")
+        self._answers[target] = found
+        return found
+
+    def _apply(self, role: str, addresses: set[str]) -> None:
+        workers = self._role(role)
+        present = {w.address for w in workers}
+        for address in sorted(addresses - present):
+            log.info("%s worker %s added", role, address)
+            workers.append(_connect(address, role, self.tls))
+        for worker in [w for w in workers if w.address not in addresses]:
+            log.info("%s worker %s removed: draining (%d requests on it)", role, worker.address, worker.outstanding)
+            workers.remove(worker)
+            self.retired.append(worker)
+        self._close_idle_retired()
+        self._fail_waiters_if_no_decode()
+
+    def _close_idle_retired(self) -> None:
+        for worker in self.retired:
+            if worker.outstanding == 0 and worker.closing is None:
+                worker.closing = asyncio.create_task(self._close_retired(worker))
+
+    async def _close_retired(self, worker: Worker) -> None:
+        # close(grace) lets calls still open (a prefill's KV hand-off) end first.
+        await worker.channel.close(grace=self.drain_seconds)
+        self.retired.remove(worker)
+        log.info("%s worker %s drained and disconnected", worker.role, worker.address)
+
     # -- load polling --------------------------------------------------------
     async def _poll_forever(self) -> None:
         while True:
@@ -86,6 +177,7 @@ class WorkerPool:
             self._changed.set()
             self._admit_waiters()
             self._fail_waiters_if_no_decode()
+            self._close_idle_retired()
             await asyncio.sleep(self.poll_seconds)
 
     async def _poll(self, worker: Worker) -> None:
@@ -165,6 +257,8 @@ class WorkerPool:
 
     def release_decode(self, worker: Worker) -> None:
         worker.outstanding -= 1
+        if worker.outstanding == 0 and worker in self.retired:
+            self._close_idle_retired()
         self._admit_waiters()
 
     def _admit_waiters(self) -> None:
