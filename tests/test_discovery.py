@@ -1,0 +1,307 @@
+"""Worker discovery by DNS (router/discovery.py, router/workers.py).
+
+Unit tests on WorkerPool with an injected resolver; the resolver itself
+against a stub DNS server on loopback; then real processes, each started from
+the Helm chart's rendered Deployment exactly as the image runs it (its
+ENTRYPOINT, args and env), with the router asking the stub DNS server for the
+pools' headless Service names while the test changes the answers under
+running streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from dnslib import QTYPE, RCODE, RR, A
+from dnslib.server import DNSLogger, DNSServer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from disagg.client import Client
+from disagg.rpc import RequestError
+from disagg.v1 import worker_pb2 as wpb
+from helm_chart import container, render, run_container
+from router.discovery import LookupFailed, parse_target, resolve
+from router.workers import WorkerPool
+
+
+class StubDns:
+    """A DNS server on 127.0.0.1 answering A queries from a table the test changes:
+    name -> IPv4 addresses; a name not in the table is NXDOMAIN; None is SERVFAIL."""
+
+    def __init__(self):
+        self.answers: dict[str, list[str] | None] = {}
+        self._lock = threading.Lock()
+        self.server = DNSServer(self, port=0, address="127.0.0.1", logger=DNSLogger(logf=lambda _: None))
+        self.server.start_thread()
+        self.port = self.server.server.server_address[1]
+
+    def set(self, name: str, addresses: list[str] | None) -> None:
+        with self._lock:
+            self.answers[name] = addresses
+
+    def resolve(self, request, handler):
+        reply = request.reply()
+        name = str(request.q.qname).rstrip(".")
+        with self._lock:
+            known, addresses = name in self.answers, self.answers.get(name)
+        if not known:
+            reply.header.rcode = RCODE.NXDOMAIN
+        elif addresses is None:
+            reply.header.rcode = RCODE.SERVFAIL
+        elif request.q.qtype == QTYPE.A:
+            for address in addresses:
+                reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(address), ttl=5))
+        return reply
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+# -- targets -----------------------------------------------------------------------
+
+
+def test_targets_parse_as_grpc_dns_names_and_bad_ones_name_the_flag():
+    assert parse_target("10.0.0.1:50051").address == "10.0.0.1:50051"
+    assert parse_target("[::1]:7").address == "[::1]:7"
+    pool = parse_target("dns:///prefill.llm.svc.cluster.local:50051")
+    assert (pool.dns, pool.host, pool.port, pool.dns_server) == (True, "prefill.llm.svc.cluster.local", 50051, None)
+    assert parse_target("dns://10.96.0.10/p.test:1").dns_server == ("10.96.0.10", 53)
+    assert parse_target("dns://127.0.0.1:5353/p.test:1").dns_server == ("127.0.0.1", 5353)
+    for bad in ("prefill", "dns:///prefill", "dns://10.0.0.1:53", "h:0", "h:70000"):
+        with pytest.raises(ValueError, match="--decode"):
+            parse_target(bad, "--decode")
+
+
+def test_the_resolver_reads_a_dns_server_and_tells_empty_from_failed():
+    dns = StubDns()
+    try:
+        dns.set("p.test", ["127.0.0.2", "127.0.0.3"])
+        dns.set("broken.test", None)
+
+        def lookup(name):
+            return asyncio.run(resolve(parse_target(f"dns://127.0.0.1:{dns.port}/{name}:50051")))
+
+        assert lookup("p.test") == {"127.0.0.2:50051", "127.0.0.3:50051"}
+        assert lookup("gone.test") == frozenset()  # NXDOMAIN: no workers
+        with pytest.raises(LookupFailed, match="SERVFAIL"):
+            lookup("broken.test")
+        # Without a server named, the system resolver (/etc/hosts here).
+        assert asyncio.run(resolve(parse_target("dns:///localhost:9"))) >= {"127.0.0.1:9"}
+    finally:
+        dns.stop()
+
+
+# -- the pool's membership ---------------------------------------------------------
+
+
+def test_the_pool_adds_retires_and_drains_workers_as_the_answers_change():
+    answers = {"p.test": {"10.0.0.1:1"}, "d.test": {"10.0.1.1:2", "10.0.1.2:2"}}
+
+    async def resolver(target):
+        found = answers[target.host]
+        if found is None:
+            raise LookupFailed("timed out")
+        return frozenset(found)
+
+    async def run():
+        pool = WorkerPool.connect(["dns:///p.test:1", "10.9.9.9:1"], ["dns:///d.test:2"], max_queue=4, poll_seconds=60, resolver=resolver, drain_seconds=0.1)
+        await pool.discover()
+        assert sorted(w.address for w in pool.prefill) == ["10.0.0.1:1", "10.9.9.9:1"]  # DNS and fixed, mixed
+        assert sorted(w.address for w in pool.decode) == ["10.0.1.1:2", "10.0.1.2:2"]
+        for worker in pool.workers:
+            worker.healthy, worker.load = True, wpb.WorkerLoad(capacity=8)
+        busy = await pool.acquire_decode()  # a request running on one decode worker
+        other = next(w for w in pool.decode if w is not busy)
+
+        answers["d.test"] = {other.address, "10.0.1.3:2"}
+        answers["p.test"] = None  # a failed lookup keeps the last answer
+        await pool.discover()
+        pool.decode[-1].healthy, pool.decode[-1].load = True, wpb.WorkerLoad(capacity=8)
+        assert sorted(w.address for w in pool.prefill) == ["10.0.0.1:1", "10.9.9.9:1"]
+        assert {w.address for w in pool.decode} == {other.address, "10.0.1.3:2"}
+        assert pool.decode[0] is other  # the same worker: its health and load are kept
+        assert pool.retired == [busy] and busy.closing is None  # draining: its request runs on
+        for _ in range(4):  # and it gets no new ones
+            assert (await pool.acquire_decode()) is not busy
+        assert busy.outstanding == 1
+        pool.release_decode(busy)  # its last request ends: the channel closes
+        await busy.closing
+        assert pool.retired == []
+
+        answers["d.test"] = set()  # the name is gone: no decode workers
+        await pool.discover()
+        assert pool.decode == []
+        with pytest.raises(RequestError, match="no decode worker"):
+            await pool.acquire_decode()
+        answers["d.test"] = {busy.address}  # back again: a new connection
+        await pool.discover()
+        assert [w.address for w in pool.decode] == [busy.address] and pool.decode[0] is not busy
+        await pool.close()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
+# -- real processes, started as the images start them ---------------------------------
+
+
+def free_port(hosts: list[str]) -> int:
+    """A port free on every one of hosts (pods share a port on different IPs)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind((hosts[0], 0))
+            port = probe.getsockname()[1]
+        try:
+            for host in hosts[1:]:
+                with socket.socket() as probe:
+                    probe.bind((host, port))
+            return port
+        except OSError:
+            continue
+
+
+def serving(address: str, timeout: float, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            assert process.poll() is None, f"{address} exited with {process.returncode}"
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, f"{address} did not report SERVING"
+            time.sleep(0.2)
+
+
+def metric(address: str, name: str, **labels) -> float:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+def wait_for_counts(client: Client, prefill: int, decode: int, within: float = 30.0) -> None:
+    """Until the router has this many healthy workers in each pool (GetModelInfo)."""
+    deadline = time.monotonic() + within
+    while (info := client.model_info()).prefill_workers != prefill or info.decode_workers != decode:
+        assert time.monotonic() < deadline, f"the router still has {info.prefill_workers} prefill and {info.decode_workers} decode workers"
+        time.sleep(0.05)
+
+
+class Stream(threading.Thread):
+    """One long greedy generation read on its own thread."""
+
+    def __init__(self, address: str, prompt: str, max_new_tokens: int):
+        super().__init__(daemon=True)
+        self.address, self.prompt, self.max_new_tokens = address, prompt, max_new_tokens
+        self.tokens: list[int] = []
+        self.decoding = threading.Event()  # a token has come from the decode worker
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with Client(self.address, timeout=120) as client:
+                for chunk in client.generate(self.prompt, max_new_tokens=self.max_new_tokens, ignore_eos=True):
+                    self.tokens += chunk.token_ids
+                    if len(self.tokens) >= 2:
+                        self.decoding.set()
+        except Exception as exc:  # reported by the test
+            self.error = exc
+            self.decoding.set()
+
+
+LONG = 300  # tokens: a stream that is still running when its worker is frozen
+
+
+def test_the_router_follows_the_pools_dns_names_with_streams_running(tmp_path, llama_path, llama_ref):
+    """Pods A (prefill, decode) serve three long streams; the decode pod is frozen
+    mid-stream, B pods are added to DNS and the frozen one removed: new requests go
+    to B only, the frozen pod's streams finish exactly once it resumes, then A's
+    prefill pod is removed too and gets nothing more; SIGTERM drains both A pods."""
+    ips = {"prefill-a": "127.0.0.11", "decode-a": "127.0.0.12", "prefill-b": "127.0.0.13", "decode-b": "127.0.0.14"}
+    hosts = list(ips.values())
+    dns = StubDns()
+    values = {
+        "clusterDomain": "test",
+        "model": {"path": llama_path},
+        "graceSeconds": 20,
+        "router": {"port": free_port(["127.0.0.1"]), "metricsPort": free_port(["127.0.0.1"]), "dnsServer": f"127.0.0.1:{dns.port}", "resolveSeconds": 0.2},
+        "prefill": {"port": free_port(hosts), "metricsPort": free_port(hosts), "extraArgs": ["--dtype", "float32", "--threads", "1"]},
+        "decode": {"port": free_port(hosts), "metricsPort": free_port(hosts), "extraArgs": ["--dtype", "float32", "--threads", "1", "--batch-size", "4"]},
+    }
+    objects = render(values)
+    names = {role: f"demo-disagg-{role}.llm.svc.test" for role in ("prefill", "decode")}
+    dns.set(names["prefill"], [ips["prefill-a"]])
+    dns.set(names["decode"], [ips["decode-a"]])
+    grpc_at = {pod: f"{ip}:{values[pod.split('-')[0]]['port']}" for pod, ip in ips.items()}
+    metrics_at = {pod: f"{ip}:{values[pod.split('-')[0]]['metricsPort']}" for pod, ip in ips.items()}
+    router_address = f"127.0.0.1:{values['router']['port']}"
+    pods = {pod: run_container(container(objects, pod.split("-")[0]), {"DISAGG_HOST": ip}, tmp_path / f"{pod}.log") for pod, ip in ips.items()}
+    pods["router"] = run_container(container(objects, "router"), {"DISAGG_HOST": "127.0.0.1"}, tmp_path / "router.log")
+    try:
+        for pod in ips:
+            serving(grpc_at[pod], 180, pods[pod])
+        serving(router_address, 60, pods["router"])
+        prompts = ["The lighthouse keeper", "A quiet morning in the harbour", "The lighthouse keeper"]
+        with Client(router_address, timeout=60) as client:
+            wait_for_counts(client, 1, 1)  # only the A pods: the B pods run but DNS does not name them
+
+            streams = [Stream(router_address, p, LONG) for p in prompts]
+            for stream in streams:
+                stream.start()
+            for stream in streams:
+                assert stream.decoding.wait(60) and stream.error is None, stream.error
+            pods["decode-a"].send_signal(signal.SIGSTOP)  # its three streams stop mid-way
+            assert all(len(s.tokens) < LONG for s in streams)
+
+            # B pods appear, decode A disappears (prefill A stays for now).
+            dns.set(names["prefill"], [ips["prefill-a"], ips["prefill-b"]])
+            dns.set(names["decode"], [ips["decode-b"]])
+            wait_for_counts(client, 2, 1)
+            short = [client.complete(p, max_new_tokens=8, ignore_eos=True) for p in prompts + prompts]
+            assert [r.token_ids for r in short] == [llama_ref.greedy(p, 8, ignore_eos=True) for p in prompts + prompts]
+            assert metric(metrics_at["decode-b"], "disagg_decode_tokens_total") == len(short) * 7  # every new request ran on B
+
+            pods["decode-a"].send_signal(signal.SIGCONT)  # the removed worker finishes its streams
+            for stream in streams:
+                stream.join(60)
+                assert stream.error is None and stream.tokens == llama_ref.greedy(stream.prompt, LONG, ignore_eos=True)
+            assert metric(metrics_at["decode-a"], "disagg_decode_tokens_total") == len(streams) * (LONG - 1)  # and nothing else
+            assert metric(metrics_at["decode-a"], "disagg_decode_slots_in_use") == 0
+
+            # Prefill A disappears: everything goes to prefill B.
+            dns.set(names["prefill"], [ips["prefill-b"]])
+            wait_for_counts(client, 1, 1)
+            before = {pod: metric(metrics_at[pod], "disagg_prefill_requests_total", outcome="ok") for pod in ("prefill-a", "prefill-b")}
+            more = [client.complete(p, max_new_tokens=4, ignore_eos=True) for p in prompts]
+            assert [r.token_ids for r in more] == [llama_ref.greedy(p, 4, ignore_eos=True) for p in prompts]
+            assert metric(metrics_at["prefill-a"], "disagg_prefill_requests_total", outcome="ok") == before["prefill-a"]
+            assert metric(metrics_at["prefill-b"], "disagg_prefill_requests_total", outcome="ok") == before["prefill-b"] + len(prompts)
+
+        # What the kubelet does next (after the preStop sleep): SIGTERM, and the pods drain and exit 0.
+        for pod in ("prefill-a", "decode-a"):
+            pods[pod].send_signal(signal.SIGTERM)
+        assert [pods[pod].wait(30) for pod in ("prefill-a", "decode-a")] == [0, 0]
+    finally:
+        for process in pods.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.send_signal(signal.SIGTERM)
+        for pod, process in pods.items():
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        dns.stop()
