@@ -118,5 +118,5 @@ def run_container(spec: dict, extra_env: dict[str, str], log_path: pathlib.Path)
         assert "value" in variable, f"{variable['name']} comes from the cluster ({variable}); give it in extra_env"
         env[variable["name"]] = variable["value"]
     env.update(extra_env)
-    log = open(log_path, "ab")
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -10,10 +10,21 @@ import re
 
 import pytest
 import yaml
+from helm_chart import (
+    CHART,
+    IMAGES,
+    KUBERNETES,
+    ROOT,
+    container,
+    entrypoint_in_images,
+    find,
+    local_path,
+    render,
+    validate,
+)
 from prometheus_client import CollectorRegistry
 
 from disagg.metrics import DecodeMetrics, PrefillMetrics, RouterMetrics
-from helm_chart import CHART, IMAGES, KUBERNETES, ROOT, container, entrypoint_in_images, find, local_path, render, validate
 
 NEURON_VALUES = CHART / "values-neuron.yaml"
 EVERYTHING_ON = {
