@@ -297,11 +297,13 @@ def test_the_router_follows_the_pools_dns_names_with_streams_running(tmp_path, l
             # Prefill A disappears: everything goes to prefill B.
             dns.set(names["prefill"], [ips["prefill-b"]])
             wait_for_counts(client, 1, 1)
-            before = {pod: metric(metrics_at[pod], "disagg_prefill_requests_total", outcome="ok") for pod in ("prefill-a", "prefill-b")}
+            time.sleep(5 * values["router"]["resolveSeconds"])  # 2 -> 1 could also be a health blip: let a few lookups pass
+            # Prefills computed (observed at the first token, whatever ends the call later).
+            before = {pod: metric(metrics_at[pod], "disagg_prefill_seconds_count") for pod in ("prefill-a", "prefill-b")}
             more = [client.complete(p, max_new_tokens=4, ignore_eos=True) for p in prompts]
             assert [r.token_ids for r in more] == [expected[p, 4] for p in prompts]
-            assert metric(metrics_at["prefill-a"], "disagg_prefill_requests_total", outcome="ok") == before["prefill-a"]
-            assert metric(metrics_at["prefill-b"], "disagg_prefill_requests_total", outcome="ok") == before["prefill-b"] + len(prompts)
+            assert metric(metrics_at["prefill-a"], "disagg_prefill_seconds_count") == before["prefill-a"]
+            assert metric(metrics_at["prefill-b"], "disagg_prefill_seconds_count") == before["prefill-b"] + len(prompts)
 
         # What the kubelet does next (after the preStop sleep): SIGTERM, and the pods drain and exit 0.
         for pod in ("prefill-a", "decode-a"):
