@@ -41,8 +41,8 @@ class CertificateAuthority:
         )
         self.cert_path, _ = _write(directory, name, self.key, self.cert)
 
-    def issue(self, stem: str) -> tuple[str, str]:
-        """A certificate for localhost / 127.0.0.1, usable by servers and clients."""
+    def issue(self, stem: str, dns_names: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)) -> tuple[str, str]:
+        """A certificate for localhost / 127.0.0.1 (or the names given), usable by servers and clients."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         cert = (
@@ -53,7 +53,7 @@ class CertificateAuthority:
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([*map(x509.DNSName, dns_names), *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips)]), critical=False)
             .sign(self.key, hashes.SHA256())
         )
         return _write(self.directory, stem, key, cert)

@@ -201,3 +201,65 @@ def test_images_copy_what_exists_and_share_one_entrypoint():
             assert source not in ignored
     assert "torch==${TORCH_VERSION}" in (IMAGES / "Containerfile.cpu").read_text()
     assert "pip.repos.neuron.amazonaws.com" in (IMAGES / "Containerfile.neuron").read_text()
+
+
+def test_the_tls_probe_runs_as_the_chart_runs_it_against_a_pod_dialled_by_ip(tmp_path):
+    """The exec probe of a worker with mutual TLS, as rendered, against a server whose
+    certificate names only tls.serverName (no IP): SERVING -> 0, NOT_SERVING -> 1,
+    and the same certificate check fails without the name (what --tls-server-name fixes)."""
+    import asyncio
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from concurrent import futures
+
+    import grpc
+    from certs import CertificateAuthority
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from disagg.security import TlsFiles, open_channel
+
+    ca = CertificateAuthority(tmp_path, "ca")
+    secret = tmp_path / "secret"  # what cert-manager writes into the Secret
+    secret.mkdir()
+    cert, key = ca.issue("pod", dns_names=("disagg-internal",), ips=())
+    for name, path in (("tls.crt", cert), ("tls.key", key), ("ca.crt", ca.cert_path)):
+        shutil.copy(path, secret / name)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    statuses = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(statuses, server)
+    credentials = grpc.ssl_server_credentials([((secret / "tls.key").read_bytes(), (secret / "tls.crt").read_bytes())], (secret / "ca.crt").read_bytes(), require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        spec = container(render(EVERYTHING_ON), "decode")
+        env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+        env.update({e["name"]: e["value"] for e in spec["env"]})
+        env.update({"DISAGG_TLS_DIR": str(secret), "DISAGG_PORT": str(port)})  # the Secret's mount; the pod's port
+
+        def probe(kind: str) -> int:
+            command = [str(local_path(spec[kind]["exec"]["command"][0])), *spec[kind]["exec"]["command"][1:]]
+            return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, timeout=60, check=False).returncode
+
+        statuses.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        statuses.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        assert (probe("readinessProbe"), probe("livenessProbe")) == (1, 0)
+        statuses.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert probe("readinessProbe") == 0
+        env.pop("DISAGG_TLS_SERVER_NAME")  # the certificate does not name 127.0.0.1
+        assert probe("readinessProbe") == 1
+
+        # The router's and the prefill worker's channels (disagg.security.open_channel) check the same way.
+        async def check(server_name):
+            files = TlsFiles(str(secret / "tls.crt"), str(secret / "tls.key"), str(secret / "ca.crt"), server_name=server_name)
+            async with open_channel(f"127.0.0.1:{port}", files) as channel:
+                return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)).status
+
+        assert asyncio.run(check("disagg-internal")) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(check(None))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0)
