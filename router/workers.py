@@ -122,7 +122,10 @@ class WorkerPool:
     async def _discover_forever(self) -> None:
         while True:
             await asyncio.sleep(self.resolve_seconds)
-            await self.discover()
+            try:
+                await self.discover()
+            except Exception:  # membership must keep following DNS: the next round retries
+                log.exception("worker discovery failed; trying again in %.1fs", self.resolve_seconds)
 
     async def discover(self) -> None:
         """Resolves every DNS target again and adds or retires workers to match."""
