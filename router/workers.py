@@ -90,7 +90,7 @@ class WorkerPool:
         targets = {"prefill": tuple(parse_target(t, "--prefill") for t in prefill), "decode": tuple(parse_target(t, "--decode") for t in decode)}
         pool = cls([], [], max_queue, poll_seconds, targets, resolve_seconds, drain_seconds, tls, resolver)
         for role, role_targets in targets.items():
-            pool._apply(role, {t.address for t in role_targets if not t.dns})
+            pool._apply(role, [t.address for t in role_targets if not t.dns])
         return pool
 
     @property
@@ -130,9 +130,9 @@ class WorkerPool:
     async def discover(self) -> None:
         """Resolves every DNS target again and adds or retires workers to match."""
         for role, targets in self.targets.items():
-            addresses: set[str] = set()
+            addresses: list[str] = []
             for target in targets:
-                addresses |= await self._lookup(target)
+                addresses += sorted(await self._lookup(target))
             self._apply(role, addresses)
         self._changed.set()
 
@@ -149,13 +149,15 @@ class WorkerPool:
         self._answers[target] = found
         return found
 
-    def _apply(self, role: str, addresses: set[str]) -> None:
-        workers = self._role(role)
+    def _apply(self, role: str, addresses: list[str]) -> None:
+        """Makes the role's workers these addresses; new ones join in the order given
+        (the targets' order, as on the command line: ties in load go to the first)."""
+        workers, wanted = self._role(role), set(addresses)
         present = {w.address for w in workers}
-        for address in sorted(addresses - present):
+        for address in dict.fromkeys(a for a in addresses if a not in present):
             log.info("%s worker %s added", role, address)
             workers.append(_connect(address, role, self.tls))
-        for worker in [w for w in workers if w.address not in addresses]:
+        for worker in [w for w in workers if w.address not in wanted]:
             log.info("%s worker %s removed: draining (%d requests on it)", role, worker.address, worker.outstanding)
             workers.remove(worker)
             self.retired.append(worker)
