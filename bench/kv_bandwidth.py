@@ -135,7 +135,7 @@ def main() -> None:
 RAW_READER = """
 import sys, time
 import torch
-from disagg.kv.nixl_transport import MEMORY, new_agent
+from disagg.kv.nixl_transport import MEMORY, POLL_SECONDS, new_agent
 metadata_file, address, nbytes, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 agent = new_agent("raw-reader", progress_thread=False)
 buffer = torch.empty(nbytes, dtype=torch.uint8)
@@ -149,7 +149,7 @@ for _ in range(repeats + 1):  # the first read warms the connection up
     started = time.perf_counter()
     state = agent.transfer(handle)
     while state == "PROC":
-        time.sleep(0.0005)  # polls as the decode worker's reader does (NixlSink.poll_seconds)
+        time.sleep(POLL_SECONDS)  # polls as the decode worker's reader does
         state = agent.check_xfer_state(handle)
     elapsed = time.perf_counter() - started
     assert state == "DONE", state

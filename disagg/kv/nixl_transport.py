@@ -38,6 +38,9 @@ from .layout import KvGeometry
 
 MEMORY = "DRAM"
 HEADER_BYTES = 64  # the generation, padded to a cache line so the KV stays aligned
+# How often the reader checks a transfer: each read's end is seen this late at
+# worst, on a thread that only waits (the KV writer).
+POLL_SECONDS = 0.0001
 
 
 class NixlUnavailable(RuntimeError):
@@ -210,7 +213,7 @@ class NixlSink(_Reader):
     """Decode side, the slot cache in host memory (the torch backend): registered once;
     the KV lands straight in the slot, no copy on this side."""
 
-    def __init__(self, geometry: KvGeometry, keys: list[torch.Tensor], values: list[torch.Tensor], poll_seconds: float = 0.0005, backend: str = "UCX"):
+    def __init__(self, geometry: KvGeometry, keys: list[torch.Tensor], values: list[torch.Tensor], poll_seconds: float = POLL_SECONDS, backend: str = "UCX"):
         self._caches = [(k, v) for k, v in zip(keys, values)]
         super().__init__(geometry, [t for pair in self._caches for t in pair], poll_seconds, backend)
 
@@ -235,7 +238,7 @@ class NixlHostStagingSink(_Reader):
     vLLM's NIXL connector does the same for accelerators NIXL cannot register
     (kv_buffer_device "cpu")."""
 
-    def __init__(self, geometry: KvGeometry, dtype: torch.dtype, write, poll_seconds: float = 0.0005, backend: str = "UCX"):
+    def __init__(self, geometry: KvGeometry, dtype: torch.dtype, write, poll_seconds: float = POLL_SECONDS, backend: str = "UCX"):
         self._buffer = torch.empty(geometry.prompt_bytes(geometry.max_seq_len), dtype=torch.uint8)
         self._dtype = dtype
         self._write = write
