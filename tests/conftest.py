@@ -142,3 +142,18 @@ def kv_bytes_received(cluster, transport: str) -> float:
         for family in text_string_to_metric_families(text):
             total += sum(s.value for s in family.samples if s.name == "disagg_decode_kv_received_bytes_total" and s.labels.get("transport") == transport)
     return total
+
+
+class PresenceFrequencyPenalty:
+    """OpenAI's presence and frequency penalties as a transformers logits processor,
+    over the tokens generated after the prompt: the reference the engine must match."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        generated = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import PresenceFrequencyPenalty
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -73,18 +74,6 @@ def test_sampling_follows_the_distribution():
 
 
 # -- penalties, min-p and logprobs, against transformers' processors -----------------
-
-class PresenceFrequencyPenalty:
-    """OpenAI's presence and frequency penalties as a transformers logits processor,
-    over the tokens after the prompt (the reference the engine must match)."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float):
-        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        generated = input_ids[:, self.prompt_len :]
-        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
-        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 def penalized_reference(scores, prompt, generated, repetition=1.0, presence=0.0, frequency=0.0):

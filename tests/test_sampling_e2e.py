@@ -8,26 +8,13 @@ import asyncio
 import grpc
 import pytest
 import torch
-from conftest import assert_nothing_held
+from conftest import PresenceFrequencyPenalty, assert_nothing_held
 from transformers import LogitsProcessorList
 
 from disagg.client import AsyncClient, Client
 
 PROMPT = "The market is busy on Saturdays. People buy apples, cheese, fish,"
 NEW = 24
-
-
-class PresenceFrequencyPenalty:
-    """OpenAI's presence and frequency penalties, as a transformers logits processor,
-    over the tokens generated after the prompt."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float):
-        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        generated = input_ids[:, self.prompt_len :]
-        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
-        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 def reference_run(ref, prompt_ids: list[int], repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0, max_new_tokens: int = NEW):
