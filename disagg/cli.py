@@ -9,6 +9,7 @@ import sys
 import time
 
 from disagg.kv import CHOICES as KV_CHOICES
+from disagg.kv import DEFAULT as KV_DEFAULT
 
 
 def free_or_any(port: int) -> int:
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     serve.add_argument("--decode-workers", type=int, default=1)
     serve.add_argument("--batch-size", type=int, default=0, help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
     serve.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    serve.add_argument("--kv-transport", default="auto", choices=KV_CHOICES, help="how KV moves from prefill to decode (nixl: read straight into the slot, needs nixl-cu12; auto: NIXL where it is installed, else the gRPC stream)")
+    serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves from prefill to decode (nixl: read straight into the slot, needs nixl-cu12; auto: NIXL where it is installed, else the gRPC stream)")
     serve.set_defaults(run=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a generation to the terminal")

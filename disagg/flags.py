@@ -11,6 +11,7 @@ import logging
 import os
 
 from disagg.kv import CHOICES as KV_CHOICES
+from disagg.kv import DEFAULT as KV_DEFAULT
 
 
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
@@ -43,7 +44,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="pin the thread that runs the model (and torch's compute threads) to these CPUs, e.g. 1 or 2-3; "
         "gRPC and KV receive stay on the process's other CPUs, as host work does beside an accelerator",
     )
-    parser.add_argument("--kv-transport", default="auto", choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
+    parser.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
     parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"), help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")

@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from conftest import DEFAULT_TRANSPORT, kv_bytes_received, reference, start_cluster, tiny_model
+from conftest import kv_bytes_received, reference, start_cluster, tiny_model
+from disagg.kv import resolve
 from disagg.client import Client
 from disagg.engine.backends.neuron.config import NeuronOptions, compiled_path, neuron_config_kwargs
 from disagg.engine.backends.neuron.layout import KvLayout, Sharding, UnsupportedLayout, sort_rows
@@ -25,6 +26,7 @@ from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling
 
 STANDIN = str(pathlib.Path(__file__).parent / "nxdi_standin")
+NEURON_TRANSPORT = resolve("auto")  # NIXL where installed: the host-staging landing for a device slot cache
 
 
 # -- the NxDI config we build ------------------------------------------------------
@@ -198,7 +200,7 @@ def neuron_cluster(cluster_logs, tmp_path_factory):
     try:
         # Different tensor-parallel layouts on the two sides: KV heads sharded (tp 2) and replicated (tp 4).
         cluster = start_cluster(cluster_logs, "llama", batch_size=4, worker_args=["--backend", "neuron", "--max-seq-len", "512", "--neuron-compiled-path", str(compiled)],
-                                prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "4"])
+                                prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "4"], transport=NEURON_TRANSPORT)
     finally:
         os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
     yield cluster
@@ -206,8 +208,8 @@ def neuron_cluster(cluster_logs, tmp_path_factory):
 
 
 def test_the_grpc_path_with_backend_neuron_gives_the_torch_backends_tokens(neuron_cluster, llama_cluster):
-    # With NIXL installed the KV goes through it, into the decode worker's host staging buffer
-    # (NixlHostStagingSink) and from there through the neuron backend's write_kv.
+    # On NIXL (where installed) the KV lands in the decode worker's host staging buffer
+    # (NixlHostStagingSink) and from there goes through the neuron backend's write_kv.
     prompts = ["The lighthouse keeper climbed", "Snow fell on the hills", "Our café on the corner"]
     with Client(neuron_cluster.router_address, timeout=120) as neuron_client, Client(llama_cluster.router_address, timeout=120) as torch_client:
         assert neuron_client.model_info().backend == "neuron"
@@ -217,7 +219,7 @@ def test_the_grpc_path_with_backend_neuron_gives_the_torch_backends_tokens(neuro
         for prompt in prompts[:2]:  # seeded sampling where NxDI's sampler is deterministic: top_k 1
             sampled = neuron_client.complete(prompt, max_new_tokens=8, temperature=0.8, top_k=1, seed=7).token_ids
             assert sampled == torch_client.complete(prompt, max_new_tokens=8, temperature=0.8, top_k=1, seed=7).token_ids == reference("llama").greedy(prompt, 8)
-    assert kv_bytes_received(neuron_cluster, DEFAULT_TRANSPORT) > 0
+    assert kv_bytes_received(neuron_cluster, NEURON_TRANSPORT) > 0
 
 
 NXDI_CANNOT = [(dict(min_p=0.1), "sampling.min_p"), (dict(presence_penalty=0.5), "sampling.presence_penalty"), (dict(frequency_penalty=0.5), "sampling.frequency_penalty"),
