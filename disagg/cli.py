@@ -37,7 +37,10 @@ def cmd_serve(args) -> int:
     spec = ClusterSpec(model=model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, http_port=http_port, dtype=args.dtype, batch_size=args.batch_size, worker_args=["--kv-transport", args.kv_transport])
     cluster = LocalCluster(spec)
     stop = {"now": False}
+    # Both set explicitly: a shell's background job inherits SIGINT ignored, and Ctrl-C
+    # (or a supervisor's SIGINT) must still stop everything.
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     try:
         cluster.start()
         print(f"\ndisagg is serving {model}\n  router (GenerationService): {cluster.router_address}")
