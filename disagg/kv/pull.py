@@ -67,7 +67,11 @@ class NixlPullSender:
         """Stages `layers` ([(keys, values)] per layer) with `stage_on` (the device
         executor), asks the decode worker to read them, and returns the bytes it read."""
         limit = self.limit(timeout)
-        buffer = await asyncio.wait_for(self._free.get(), limit)
+        try:
+            buffer = await asyncio.wait_for(self._free.get(), limit)
+        except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+            # Every buffer stayed lent for the whole deadline: a clear status, not an UNKNOWN.
+            raise RequestError(f"no KV staging buffer came free within {limit:.1f}s", grpc.StatusCode.RESOURCE_EXHAUSTED) from None
         try:
             generation = await asyncio.get_running_loop().run_in_executor(stage_on, self._stage, buffer, layers)
             request = wpb.PullKvRequest(
