@@ -137,7 +137,7 @@ import sys, time
 import torch
 from disagg.kv.nixl_transport import MEMORY, POLL_SECONDS, new_agent
 metadata_file, address, nbytes, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-agent = new_agent("raw-reader", progress_thread=False)
+agent = new_agent("raw-reader")
 buffer = torch.empty(nbytes, dtype=torch.uint8)
 agent.register_memory([buffer], MEMORY)
 peer = agent.add_remote_agent(open(metadata_file, "rb").read())
@@ -172,7 +172,8 @@ async def pull_kv(address: str, source, buffer, generation: int, tokens: int) ->
         reservation = (await call.read()).reserved.reservation_id
         request = wpb.PullKvRequest(reservation_id=reservation, agent_name=source.name, agent_metadata=source.metadata, address=buffer.address, prompt_len=tokens, num_layers=SMOLLM_135M_SHAPE.num_layers, first_token=5, generation=generation)
         started = time.perf_counter()
-        ack = await stub.PullKv(request)
+        with source.reading():  # as the prefill worker's NixlPullSender does
+            ack = await stub.PullKv(request)
         elapsed = time.perf_counter() - started
         assert ack.bytes_received == source.geometry.prompt_bytes(tokens), ack
         call.cancel()
@@ -203,7 +204,7 @@ def nixl_bandwidth(args) -> None:
         worker = cluster.add_worker("decode", ["--batch-size", "1", "--max-seq-len", str(args.tokens + 16), "--kv-transport", "nixl"])
         cluster.wait_serving(300, worker.address)
         asyncio.run(pull_kv(worker.address, source, buffer, generation, args.tokens))  # connects the agents
-        with tempfile.NamedTemporaryFile(suffix=".md") as metadata:
+        with tempfile.NamedTemporaryFile(suffix=".md") as metadata, source.reading():  # the raw read is progressed as a pull is
             metadata.write(source.metadata)
             metadata.flush()
             command = [sys.executable, "-c", RAW_READER, metadata.name, str(buffer.address), str(total), str(args.repeats)]

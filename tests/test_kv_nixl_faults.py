@@ -51,11 +51,12 @@ for layer, (keys, values) in enumerate(result.layers):
     source.stage_layer(buffer, layer, keys, values)
 open(metadata_file, "wb").write(source.metadata)
 print(json.dumps({"agent_name": source.name, "address": buffer.address, "generation": generation, "first_token": result.first_token, "num_layers": info.num_layers}), flush=True)
-for line in sys.stdin:
-    if line.strip() == "reuse":
-        generation = buffer.next_generation()
-        buffer.tensor[HEADER_BYTES:].fill_(0x7F)
-        print(json.dumps({"generation": generation}), flush=True)
+with source.reading():  # the test's reads may come at any time
+    for line in sys.stdin:
+        if line.strip() == "reuse":
+            generation = buffer.next_generation()
+            buffer.tensor[HEADER_BYTES:].fill_(0x7F)
+            print(json.dumps({"generation": generation}), flush=True)
 """
 
 

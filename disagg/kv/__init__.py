@@ -10,16 +10,14 @@
 Control (reservations, commit, acknowledgement, leases, cancellation) is gRPC
 in both. `--kv-transport auto` takes NIXL where it is installed and loads.
 
-The default is still the gRPC stream: the prefill side's NIXL agent runs
-NIXL's progress thread, which spins a whole core for as long as the worker
-lives (measured: the test suite ran 3x slower with NIXL the default on 2
-cores). NIXL becomes the default once the passive side is progressed only
-while a read is in flight.
+The default is `auto`: NIXL where it loads. Neither side runs NIXL's own
+progress thread (it spins a core for the agent's life); the side read from is
+progressed only while a read may be running (`nixl_transport.PassiveProgress`).
 """
 
 TRANSPORTS = ("grpc", "nixl")
 CHOICES = ("auto", *TRANSPORTS)
-DEFAULT = "grpc"
+DEFAULT = "auto"
 
 
 def resolve(choice: str) -> str:

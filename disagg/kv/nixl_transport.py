@@ -27,7 +27,9 @@ another prompt's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 import uuid
 
@@ -71,13 +73,14 @@ def available() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu12"))
 
 
-def new_agent(role: str, progress_thread: bool, backend: str = "UCX"):
+def new_agent(role: str, backend: str = "UCX"):
     """backend: UCX (host memory, shared memory or TCP here) or LIBFABRIC (EFA on AWS;
     needs a NIXL built against libfabric >= 1.21, see docs/neuron.md)."""
     nixl = import_nixl()
-    # The side that is only read from needs its backend progressed without a caller:
-    # its progress thread does that. The reading side polls its own transfers.
-    config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend])
+    # NIXL's own progress thread polls with no pause for the agent's whole life (a core
+    # spent even when idle), so neither side uses it: the reader polls its own
+    # transfers, and the side read from is progressed by PassiveProgress while a read runs.
+    config = nixl.nixl_agent_config(enable_prog_thread=False, backends=[backend])
     try:
         agent = nixl.nixl_agent(f"disagg-{role}-{uuid.uuid4().hex[:12]}", config)
     except Exception as exc:  # nixlNotFoundError: the backend's plugin is missing or cannot load
@@ -103,15 +106,58 @@ class StagingBuffer:
         return self.generation
 
 
+class PassiveProgress:
+    """Progresses the agent that is read from, but only while some read may be running.
+
+    A read completes only when both UCX workers progress (seen here: over shared
+    memory and TCP alike, a read from an agent nobody progresses never finishes,
+    even once its bytes have arrived). `reading()` marks a span in which a peer
+    may read (from asking it to until its answer); outside those spans the thread
+    sleeps, so an idle prefill worker spends no CPU on NIXL. Only this thread calls
+    the agent once serving starts, as the agent is not thread-safe (sync mode NONE).
+    """
+
+    def __init__(self, agent, poll_seconds: float = POLL_SECONDS):
+        self.agent = agent
+        self.poll_seconds = poll_seconds
+        self._readers = 0
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def reading(self):
+        with self._changed:
+            self._readers += 1
+            self._changed.notify()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._readers -= 1
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._readers > 0)
+            self.agent.get_new_notifs()  # progresses every backend of the agent
+            time.sleep(self.poll_seconds)
+
+
 class NixlSource:
     """Prefill side: a pool of registered staging buffers the decode side reads from."""
 
     def __init__(self, geometry: KvGeometry, max_tokens: int, buffers: int, backend: str = "UCX"):
-        self.agent = new_agent("prefill", progress_thread=True, backend=backend)
+        self.agent = new_agent("prefill", backend=backend)
         self.geometry = geometry
         self.buffers = [StagingBuffer(torch.zeros(HEADER_BYTES + geometry.prompt_bytes(max_tokens), dtype=torch.uint8)) for _ in range(buffers)]
         self._registered = self.agent.register_memory([b.tensor for b in self.buffers], MEMORY)
         self.metadata = self.agent.get_agent_metadata()
+        self.progress = PassiveProgress(self.agent)
+
+    def reading(self):
+        """Context manager: a peer may be reading a staging buffer while it is open."""
+        return self.progress.reading()
 
     @property
     def name(self) -> str:
@@ -130,7 +176,7 @@ class _Reader:
     """Decode side, what both landings share: the agent, its peers, the read and the generation check."""
 
     def __init__(self, geometry: KvGeometry, regions: list[torch.Tensor], poll_seconds: float, backend: str):
-        self.agent = new_agent("decode", progress_thread=False, backend=backend)
+        self.agent = new_agent("decode", backend=backend)
         self.geometry = geometry
         self._generation = torch.zeros(1, dtype=torch.int64)  # where the staged generation is read back to
         self._registered = self.agent.register_memory([*regions, self._generation], MEMORY)

@@ -85,7 +85,8 @@ class NixlPullSender:
                 generation=generation,
             )
             started = time.perf_counter()
-            ack = await wgrpc.DecodeServiceStub(self._channel_for(address)).PullKv(request, timeout=limit)
+            with self.source.reading():
+                ack = await wgrpc.DecodeServiceStub(self._channel_for(address)).PullKv(request, timeout=limit)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 log.info("decode worker %s has no NIXL transport: pushing KV over gRPC to it", address)
