@@ -46,14 +46,25 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
     parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"), help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")
+    parser.add_argument("--token-buckets", type=bucket_list, default=None, help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
+    compiled = parser.add_argument_group("torch backend")
+    compiled.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="run the decode step as one compiled graph over buckets (torch.compile; CUDA graphs on CUDA), compiled at start-up and cached on disk; --no-compile runs it eagerly, for debugging")
+    compiled.add_argument("--batch-buckets", type=bucket_list, default=None, help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
     neuron.add_argument("--context-buckets", default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
-    neuron.add_argument("--token-buckets", default=None, help="token-generation buckets")
     neuron.add_argument("--neuron-compiled-path", default=None, help="root directory for compiled artifacts (one subdirectory per configuration)")
     neuron.add_argument("--k-cache-transposed", action="store_true", default=None)
     neuron.add_argument("--worker-config", default=None, help="JSON worker settings (our names or transformers-neuronx's: tp_degree, n_positions, batch_size, amp, context_length_estimate)")
     neuron.add_argument("--serving-properties", default=None, help="an LMI serving.properties to take settings from")
+
+
+def bucket_list(text: str) -> tuple[int, ...]:
+    """'128,512,2048' -> (128, 512, 2048)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of sizes such as 128,512,2048") from None
 
 
 def cpu_list(text: str) -> frozenset[int]:
@@ -110,7 +121,7 @@ def neuron_settings(args) -> tuple[dict, dict]:
     flags = {
         "tp_degree": args.tp_degree,
         "context_buckets": buckets(args.context_buckets) if args.context_buckets else None,
-        "token_buckets": buckets(args.token_buckets) if args.token_buckets else None,
+        "token_buckets": args.token_buckets,
         "compiled_root": args.neuron_compiled_path,
         "k_cache_transposed": args.k_cache_transposed,
     }
@@ -148,6 +159,9 @@ def worker_fields(args) -> tuple[dict, dict]:
         kv_transport=kv_transport(args.kv_transport),
         kv_transport_fallback=args.kv_transport == "auto",
         nixl_backend=args.nixl_backend,
+        compile=args.compile,
+        batch_buckets=args.batch_buckets or (),
+        token_buckets=args.token_buckets or (),
     )
     return fields, settings
 

@@ -72,14 +72,17 @@ def llama_ref() -> Reference:
     return reference("llama")
 
 
-def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, decode: int = 1, transport: str | None = None, **spec):
-    """A router and its workers as processes; transport: --kv-transport on every worker (None: the default)."""
+def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, decode: int = 1, transport: str | None = None, compile: bool = False, **spec):
+    """A router and its workers as processes; transport: --kv-transport on every worker (None: the default).
+
+    compile: the decode workers compile their step, as they do by default; the
+    exactness tests run compiled, the rest eager to keep CI short."""
     from disagg.launcher import ClusterSpec, LocalCluster
 
     name = f"{architecture}-{prefill}p{decode}d" + (f"-{transport}" if transport else "")
     if transport:
         spec["worker_args"] = [*spec.get("worker_args", ()), "--kv-transport", transport]
-    cluster = LocalCluster(ClusterSpec(model=tiny_model(architecture), prefill_workers=prefill, decode_workers=decode, dtype="float32", log_dir=str(tmp_root / name), **spec))
+    cluster = LocalCluster(ClusterSpec(model=tiny_model(architecture), prefill_workers=prefill, decode_workers=decode, dtype="float32", log_dir=str(tmp_root / name), compile=compile, **spec))
     try:
         return cluster.start()
     except Exception:
@@ -97,7 +100,7 @@ def cluster_logs(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def llama_cluster(cluster_logs):
     # It serves the OpenAI-compatible HTTP API too (cluster.http_url), for tests/test_http_api.py.
-    cluster = start_cluster(cluster_logs, "llama", http_port=0)
+    cluster = start_cluster(cluster_logs, "llama", http_port=0, compile=True)
     yield cluster
     cluster.stop()
 
@@ -115,7 +118,7 @@ def lone_decode_worker(cluster_logs):
     """One decode worker process alone (no router), with a 1 s lease, for the internal API."""
     from disagg.launcher import ClusterSpec, LocalCluster
 
-    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", log_dir=str(cluster_logs / "lone-decode")))
+    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "lone-decode")))
     worker = cluster.add_worker("decode", ["--lease-seconds", "1", "--batch-size", "2"])
     try:
         cluster.wait_serving(120, worker.address)

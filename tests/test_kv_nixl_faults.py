@@ -110,7 +110,7 @@ def nixl_workers(cluster_logs):
     """A NIXL prefill worker and two NIXL decode workers, no router (the test plays it)."""
     from disagg.launcher import ClusterSpec, LocalCluster
 
-    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", log_dir=str(cluster_logs / "nixl-faults"), worker_args=["--kv-transport", "nixl"]))
+    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "nixl-faults"), worker_args=["--kv-transport", "nixl"]))
     try:
         prefill = cluster.add_worker("prefill")
         decode = cluster.add_worker("decode", ["--lease-seconds", "30", "--batch-size", "2"])

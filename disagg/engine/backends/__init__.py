@@ -7,13 +7,14 @@ from .base import Backend, ModelInfo, PrefillResult, StepInputs
 BACKENDS = ("torch", "neuron")
 
 
-def load_backend(name: str, batch_size: int = 1, neuron: dict | None = None, **options) -> Backend:
+def load_backend(name: str, batch_size: int = 1, neuron: dict | None = None, torch: dict | None = None, **options) -> Backend:
     """options: model, dtype, device, max_seq_len, global_topk; batch_size and the
-    neuron options only matter to the neuron backend, which compiles for them."""
+    neuron options only matter to the neuron backend, which compiles for them;
+    the torch options (compile, buckets) only to the torch backend."""
     if name == "torch":
         from .torch_backend import TorchBackend, TorchBackendConfig
 
-        return TorchBackend(TorchBackendConfig(**options))
+        return TorchBackend(TorchBackendConfig(**options, **(torch or {})))
     if name == "neuron":
         from .neuron import load_neuron_backend
 

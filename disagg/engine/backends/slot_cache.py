@@ -170,3 +170,51 @@ class DecodeCache(Cache):
         # [n]: each row's own position. transformers' own caches answer an int
         # (or a 0-d tensor); row_masks builds per-row masks from a 1-d one.
         return self.step.positions
+
+
+@dataclass(frozen=True)
+class BucketStep:
+    """One decode step padded to a bucket, for the compiled step: row i is slot i,
+    for every slot below the batch bucket. A row whose slot is not decoding writes
+    its K/V line to the scratch slot (never reserved), so no slot's KV, landed or
+    landing, is touched; its logits are dropped. Every row attends over the first
+    `kv_len` positions (the KV-length bucket), masked by its own position."""
+
+    positions: torch.Tensor  # [batch]: where each row's input token goes (0 on a padding row)
+    write_slots: torch.Tensor  # [batch]: the row's own slot, or the scratch slot
+    kv_len: int  # the KV-length bucket (a symbolic size when compiled)
+
+
+class _BucketLayer(_Layer):
+    def __init__(self, plan: LayerPlan, keys: torch.Tensor, values: torch.Tensor, step: BucketStep):
+        super().__init__(plan)
+        self.keys, self.values, self.step = keys, values, step
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states/value_states [batch, kv_heads, 1, head_dim]
+        step = self.step
+        heads = torch.arange(key_states.shape[1], device=key_states.device)
+        where = (step.write_slots[:, None], heads[None, :], step.positions[:, None])  # [batch, kv_heads]
+        self.keys.index_put_(where, key_states[:, :, 0])
+        self.values.index_put_(where, value_states[:, :, 0])
+        rows = key_states.shape[0]
+        # A view, never a gather: the rows are the slots [0, batch).
+        return self.keys[:rows, :, : step.kv_len], self.values[:rows, :, : step.kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # A sliding layer too attends over the whole bucket: its own mask function drops what its window cannot see.
+        return self.step.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.step.kv_len - 1
+
+
+class BucketDecodeCache(Cache):
+    """One bucketed decode step's view of the slot cache (see BucketStep)."""
+
+    def __init__(self, plans: list[LayerPlan], store: SlotKvCache, step: BucketStep):
+        super().__init__(layers=[_BucketLayer(plan, store.keys[i], store.values[i], step) for i, plan in enumerate(plans)])
+        self.step = step
+
+    def get_query_offset(self, layer_idx: int = 0):
+        return self.step.positions

@@ -19,6 +19,7 @@ from ..model_files import eos_token_ids
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
 from . import architectures, row_masks
+from .compiled import CompiledDecode
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
 from .slot_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
 
@@ -34,6 +35,10 @@ class TorchBackendConfig:
     device: str = "cpu"
     max_seq_len: int = 0  # 0: the model's max_position_embeddings, capped at 4096
     global_topk: int = 0  # 0: sample over the whole vocabulary
+    # The decode step as one compiled graph over buckets (`compiled`); the workers' default, off here for in-process use.
+    compile: bool = False
+    batch_buckets: tuple[int, ...] = ()  # () with compile: powers of two up to the slot count
+    token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -77,6 +82,7 @@ class TorchBackend(Backend):
         eos = eos_token_ids(config.model, self.model.config) if model is None else architectures.config_eos(self.model.config)
         self.info = describe(config.model, self.model.config, "torch", self.dtype, config.max_seq_len, kv_shape, eos)
         self.cache: SlotKvCache | None = None
+        self.compiled: CompiledDecode | None = None  # with config.compile, once the slots exist
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
 
     @torch.inference_mode()
@@ -140,9 +146,16 @@ class TorchBackend(Backend):
         return out.logits[:, -1]
 
     def allocate_slots(self, num_slots: int) -> int:
+        """The slot cache; compiled, also every decode bucket (before the worker serves)."""
         info = self.info
-        self.cache = SlotKvCache.allocate(info.num_layers, num_slots, info.kv_heads, info.max_seq_len, info.head_dim, self.dtype, self.device)
+        scratch = 1 if self.config.compile else 0  # where a compiled step's padding rows write
+        self.cache = SlotKvCache.allocate(info.num_layers, num_slots + scratch, info.kv_heads, info.max_seq_len, info.head_dim, self.dtype, self.device)
         self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)  # penalties: 5 bytes per slot and vocabulary entry
+        if self.config.compile:
+            self.compiled = CompiledDecode(self.model, self.plans, self.cache, num_slots, self.config.batch_buckets, self.config.token_buckets, info.max_seq_len)
+            log.info("compiling the decode step: batch buckets %s, KV-length buckets %s", list(self.compiled.batch_buckets), list(self.compiled.token_buckets))
+            seconds = self.compiled.warm_up()
+            log.info("decode step compiled in %.1fs", seconds)
         return self.cache.nbytes
 
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
@@ -151,6 +164,8 @@ class TorchBackend(Backend):
 
     def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step over the active slots."""
+        if self.compiled is not None:
+            return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         min_position = inputs.min_position if inputs.min_position is not None else int(inputs.positions.min())
         step = DecodeStep(inputs.slots, inputs.positions, inputs.kv_len, min_position, inputs.contiguous_from)
         cache = DecodeCache(self.plans, self.cache, step)

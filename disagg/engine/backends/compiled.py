@@ -1,0 +1,116 @@
+"""The torch backend's compiled decode step, with buckets as NxDI has them.
+
+A decode step runs the model over a batch bucket of rows (row i is slot i, for
+every slot below the bucket) and a KV-length bucket of positions, so a few
+shapes cover every step. The step is one `torch.compile` graph (fullgraph,
+dynamic sizes: each bucket is a shape of the same graph, not a new compile;
+on CUDA, `reduce-overhead` records a CUDA graph per bucket). The model code
+stays transformers' own: the graph is the model's forward over
+`BucketDecodeCache`, attention and masks included.
+
+Every bucket runs once at start-up (`warm_up`), before the worker says
+SERVING. Inductor's caches live on disk (`TORCHINDUCTOR_CACHE_DIR`, by default
+under ~/.cache/disagg), so a restart loads the compiled code instead of
+compiling it again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import pathlib
+import time
+
+import torch
+
+from .slot_cache import BucketDecodeCache, BucketStep, LayerPlan, SlotKvCache
+
+log = logging.getLogger(__name__)
+
+KV_BUCKET_MIN = 128  # NxDI's smallest default bucket
+
+
+def default_cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "disagg" / "torchinductor"
+
+
+def powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """low, 2*low, ... below high, then high itself."""
+    buckets, size = [], low
+    while size < high:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, high)
+
+
+def check_buckets(name: str, buckets: tuple[int, ...], last: int, flag: str) -> tuple[int, ...]:
+    """Refuses buckets a step could fall outside of (one line naming the flag)."""
+    if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+        raise ValueError(f"{flag} {list(buckets)}: {name} buckets must be positive and strictly ascending")
+    if buckets[-1] != last:
+        raise ValueError(f"{flag} {list(buckets)}: the last {name} bucket must be {last}, or some steps fit no bucket")
+    return buckets
+
+
+def bucket_for(buckets: tuple[int, ...], size: int) -> int:
+    return buckets[bisect.bisect_left(buckets, size)]
+
+
+class CompiledDecode:
+    """The decode step's logits through one compiled graph, padded to buckets."""
+
+    def __init__(self, model, plans: list[LayerPlan], cache: SlotKvCache, num_slots: int, batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...], max_seq_len: int):
+        self.model, self.plans, self.cache = model, plans, cache
+        self.scratch_slot = num_slots  # the cache holds one slot more than the worker hands out
+        assert cache.keys[0].shape[0] == num_slots + 1, "allocate the scratch slot"
+        # From 2: with dynamic sizes a batch of 1 would be a graph of its own; one padding row costs little.
+        self.batch_buckets = check_buckets("batch", batch_buckets or powers_of_two(min(2, num_slots), num_slots), num_slots, "--batch-buckets")
+        self.token_buckets = check_buckets("KV-length", token_buckets or powers_of_two(min(KV_BUCKET_MIN, max_seq_len), max_seq_len), max_seq_len, "--token-buckets")
+        device = cache.keys[0].device
+        self._kv_positions = torch.arange(max_seq_len, device=device)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir()))
+        mode = None
+        if device.type == "cuda":
+            # CUDA graphs write the cache in place only if its addresses never change.
+            for tensor in (*cache.keys, *cache.values):
+                torch._dynamo.mark_static_address(tensor)
+            mode = "reduce-overhead"
+        # Dynamo keeps compiled entries per code object, so each model in one process
+        # (tests build several) adds its own; a worker has one.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._graph = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+        step = BucketStep(positions, write_slots, kv_positions.shape[0])
+        out = self.model(input_ids[:, None], position_ids=positions[:, None], past_key_values=BucketDecodeCache(self.plans, self.cache, step), use_cache=True)
+        return out.logits[:, -1]
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Runs every (batch, KV-length) bucket once with padding rows only (they write
+        the scratch slot); returns the seconds it took."""
+        started = time.perf_counter()
+        shapes = [(b, k) for b in self.batch_buckets for k in self.token_buckets]
+        for done, (rows, kv_len) in enumerate(shapes, 1):
+            device = self._kv_positions.device
+            self._graph(
+                torch.zeros(rows, dtype=torch.long, device=device),
+                torch.zeros(rows, dtype=torch.long, device=device),
+                torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device),
+                self._kv_positions[:kv_len],
+            )
+            log.info("compiled decode bucket %d/%d (batch %d, KV length %d) at %.1fs", done, len(shapes), rows, kv_len, time.perf_counter() - started)
+        return time.perf_counter() - started
+
+    def logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[n, vocab] for the n decoding rows (slots ascending): the step runs over
+        the batch bucket holding the highest slot, then keeps the decoding rows."""
+        device = self._kv_positions.device
+        slots = slots.to(device)
+        rows = bucket_for(self.batch_buckets, int(slots[-1]) + 1)
+        padded_positions = torch.zeros(rows, dtype=torch.long, device=device).index_copy_(0, slots, positions.to(device))
+        padded_ids = torch.zeros(rows, dtype=torch.long, device=device).index_copy_(0, slots, input_ids.to(device))
+        write_slots = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device).index_copy_(0, slots, slots)
+        kv_positions = self._kv_positions[: bucket_for(self.token_buckets, kv_len)]
+        return self._graph(padded_ids, padded_positions, write_slots, kv_positions)[slots]

@@ -1,0 +1,52 @@
+"""The compiled, bucketed decode step (torch backend) in one process, against generate()."""
+
+import pytest
+
+from conftest import reference, tiny_model
+from disagg.engine.backends import load_backend
+from disagg.engine.backends.compiled import bucket_for, check_buckets, powers_of_two
+from test_backend import PROMPTS, run_batch
+
+# Plain attention, and sliding-window layers (alone, and between full layers)
+# that the bucket's whole KV length reaches past: the model's own mask must cut.
+COMPILED_ARCHITECTURES = ("llama", "mistral-sw", "gemma2-sw")
+
+
+@pytest.mark.parametrize("architecture", COMPILED_ARCHITECTURES)
+def test_compiled_bucketed_decode_equals_generate(architecture):
+    ref = reference(architecture)
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", max_seq_len=128, compile=True, token_buckets=(32, 64, 128))
+    backend.allocate_slots(6)
+    assert backend.compiled.batch_buckets == (2, 4, 6)
+    assert backend.cache.keys[0].shape[0] == 7  # the scratch slot the padding rows write
+    max_new = [6, 11, 17, 40]
+    # Slots 1, 4, 2, 5: padding rows (0 and 3) sit between decoding rows; the
+    # batch shrinks through the buckets as sequences finish, and the longest
+    # crosses from the 32 into the 64 KV-length bucket.
+    out, _, _ = run_batch(backend, ref, PROMPTS, max_new, async_mode=True, slots=[1, 4, 2, 5])
+    for i, prompt in enumerate(PROMPTS):
+        assert out[str(i)] == ref.greedy(prompt, max_new[i]), prompt
+
+
+def test_padding_rows_never_write_a_slot_that_is_not_decoding():
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128, compile=True, token_buckets=(128,))
+    backend.allocate_slots(4)
+    # Slot 0 holds a landed prompt but has not joined; slot 3 decodes, so the step runs batch bucket 4.
+    for cache in (*backend.cache.keys, *backend.cache.values):
+        cache[:4].fill_(0.5)
+    ref = reference("llama")
+    out, _, _ = run_batch(backend, ref, [PROMPTS[0]], [3], async_mode=False, slots=[3])
+    assert out["0"] == ref.greedy(PROMPTS[0], 3)
+    for cache in (*backend.cache.keys, *backend.cache.values):
+        assert bool((cache[:3] == 0.5).all())
+
+
+def test_buckets():
+    assert powers_of_two(1, 6) == (1, 2, 4, 6) and powers_of_two(2, 64) == (2, 4, 8, 16, 32, 64)
+    assert powers_of_two(128, 2048) == (128, 256, 512, 1024, 2048)
+    assert powers_of_two(128, 100) == (100,)
+    assert bucket_for((1, 2, 4, 6), 3) == 4 and bucket_for((1, 2, 4, 6), 6) == 6
+    with pytest.raises(ValueError, match="--token-buckets .*must be 1024"):
+        check_buckets("KV-length", (128, 512), 1024, "--token-buckets")
+    with pytest.raises(ValueError, match="strictly ascending"):
+        check_buckets("batch", (4, 2, 8), 8, "--batch-buckets")
