@@ -1,6 +1,7 @@
 """The compiled, bucketed decode step (torch backend) in one process, against generate()."""
 
 import pytest
+import torch
 
 from conftest import reference, tiny_model
 from disagg.engine.backends import load_backend
@@ -10,15 +11,18 @@ from test_backend import PROMPTS, run_batch
 # Plain attention, and sliding-window layers (alone, and between full layers)
 # that the bucket's whole KV length reaches past: the model's own mask must cut.
 COMPILED_ARCHITECTURES = ("llama", "mistral-sw", "gemma2-sw")
+# On CUDA the compiled step replays a CUDA graph per bucket; run wherever a GPU is at hand.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("architecture", COMPILED_ARCHITECTURES)
-def test_compiled_bucketed_decode_equals_generate(architecture):
+def test_compiled_bucketed_decode_equals_generate(architecture, device):
     ref = reference(architecture)
-    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", max_seq_len=128, compile=True, token_buckets=(32, 64, 128))
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", device=device, max_seq_len=128, compile=True, token_buckets=(32, 64, 128))
     backend.allocate_slots(6)
     assert backend.compiled.batch_buckets == (2, 4, 6)
-    assert backend.cache.keys[0].shape[0] == 7  # the scratch slot the padding rows write
+    assert backend.cache.keys[0].shape[0] == 7 and backend.cache.keys[0].device.type == device  # the scratch slot the padding rows write
     max_new = [6, 11, 17, 40]
     # Slots 1, 4, 2, 5: padding rows (0 and 3) sit between decoding rows; the
     # batch shrinks through the buckets as sequences finish, and the longest

@@ -70,16 +70,13 @@ class CompiledDecode:
         device = cache.keys[0].device
         self._kv_positions = torch.arange(max_seq_len, device=device)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir()))
-        mode = None
-        if device.type == "cuda":
-            # CUDA graphs write the cache in place only if its addresses never change.
-            for tensor in (*cache.keys, *cache.values):
-                torch._dynamo.mark_static_address(tensor)
-            mode = "reduce-overhead"
         # Dynamo keeps compiled entries per code object, so each model in one process
         # (tests build several) adds its own; a worker has one.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._graph = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode)
+        self._graph = torch.compile(self._forward, fullgraph=True, dynamic=True)
+        # On CUDA, one CUDA graph per bucket, captured at warm-up and replayed from any
+        # thread (the batcher's device thread is not the one that warms up).
+        self._cuda_graphs: dict[tuple[int, int], _BucketGraph] | None = {} if device.type == "cuda" else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
         step = BucketStep(positions, write_slots, kv_positions.shape[0])
@@ -92,14 +89,19 @@ class CompiledDecode:
         the scratch slot); returns the seconds it took."""
         started = time.perf_counter()
         shapes = [(b, k) for b in self.batch_buckets for k in self.token_buckets]
+        device = self._kv_positions.device
+        pool = torch.cuda.graph_pool_handle() if self._cuda_graphs is not None else None
         for done, (rows, kv_len) in enumerate(shapes, 1):
-            device = self._kv_positions.device
-            self._graph(
+            inputs = (
                 torch.zeros(rows, dtype=torch.long, device=device),
                 torch.zeros(rows, dtype=torch.long, device=device),
                 torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device),
                 self._kv_positions[:kv_len],
             )
+            if self._cuda_graphs is None:
+                self._graph(*inputs)
+            else:
+                self._cuda_graphs[rows, kv_len] = _BucketGraph(self._graph, inputs, pool)
             log.info("compiled decode bucket %d/%d (batch %d, KV length %d) at %.1fs", done, len(shapes), rows, kv_len, time.perf_counter() - started)
         return time.perf_counter() - started
 
@@ -113,4 +115,28 @@ class CompiledDecode:
         padded_ids = torch.zeros(rows, dtype=torch.long, device=device).index_copy_(0, slots, input_ids.to(device))
         write_slots = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device).index_copy_(0, slots, slots)
         kv_positions = self._kv_positions[: bucket_for(self.token_buckets, kv_len)]
+        if self._cuda_graphs is not None:
+            return self._cuda_graphs[rows, kv_positions.shape[0]].replay(padded_ids, padded_positions, write_slots)[slots]
         return self._graph(padded_ids, padded_positions, write_slots, kv_positions)[slots]
+
+
+class _BucketGraph:
+    """One bucket's step captured as a CUDA graph: static inputs copied in, replayed, static logits out."""
+
+    def __init__(self, step, inputs: tuple[torch.Tensor, ...], pool):
+        self.inputs = inputs
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiles and autotunes outside the capture
+            for _ in range(2):
+                step(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = step(*inputs)
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
+        for static, value in zip(self.inputs, (input_ids, positions, write_slots)):
+            static.copy_(value)
+        self.graph.replay()
+        return self.logits  # overwritten by the next replay: the caller indexes a copy out at once
