@@ -167,9 +167,10 @@ class TorchBackend(Backend):
         if self.compiled is not None:
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         min_position = inputs.min_position if inputs.min_position is not None else int(inputs.positions.min())
-        step = DecodeStep(inputs.slots, inputs.positions, inputs.kv_len, min_position, inputs.contiguous_from)
+        positions = inputs.positions.to(self.device)
+        step = DecodeStep(inputs.slots.to(self.device), positions, inputs.kv_len, min_position, inputs.contiguous_from)
         cache = DecodeCache(self.plans, self.cache, step)
-        out = self.model(inputs.input_ids[:, None], position_ids=inputs.positions[:, None], past_key_values=cache, use_cache=True)
+        out = self.model(inputs.input_ids.to(self.device)[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True)
         return out.logits[:, -1]
 
     def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
