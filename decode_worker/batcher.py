@@ -249,8 +249,10 @@ class Batcher:
             # Device idle while a busy batch waited on the host: what async mode hides.
             self.metrics.host_gap.observe(start - self._last_step_end)
         if bool((from_prev >= 0).any()):  # the carried tokens: a gather on the device, part of the step
+            device = self._last_output.device  # the host's tensors join it there (CUDA)
+            from_prev = from_prev.to(device)
             carried = self._last_output[from_prev.clamp(min=0)]
-            inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids)
+            inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids.to(device))
         output = self.backend.decode_step(inputs)
         self._last_output = output.token_ids
         self._last_step_end = time.perf_counter()
