@@ -48,7 +48,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"), help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")
     parser.add_argument("--token-buckets", type=bucket_list, default=None, help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
     compiled = parser.add_argument_group("torch backend")
-    compiled.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="run the decode step as one compiled graph over buckets (torch.compile; CUDA graphs on CUDA), compiled at start-up and cached on disk; --no-compile runs it eagerly, for debugging")
+    compiled.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the decode step as one compiled graph over buckets (torch.compile, and a CUDA graph per bucket on CUDA), compiled at start-up and cached on disk; "
+        "--no-compile runs it eagerly (default: compiled on CUDA, eager on CPU, where compiling measured slower here: docs/benchmarks.md)",
+    )
     compiled.add_argument("--batch-buckets", type=bucket_list, default=None, help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")

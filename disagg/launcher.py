@@ -39,10 +39,14 @@ class ClusterSpec:
     router_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: inherit this process's stderr
     public_tls_ca: str | None = None  # the router serves TLS: check its health with this CA
-    compile: bool = True  # the decode workers compile their step (--no-compile when False)
+    compile: bool | None = None  # the decode workers' --compile / --no-compile (None: their default)
     colocated: bool = False  # decode workers also do the prefills (no prefill workers): the baseline
     cpus: dict = field(default_factory=dict)  # role ("prefill", "decode", "router") -> CPU ids to pin it to
     nice: dict = field(default_factory=dict)  # role -> niceness increment (a prefill sharing a core with latency-bound threads)
+
+
+def compile_flag(compile: bool | None) -> list[str]:
+    return [] if compile is None else ["--compile" if compile else "--no-compile"]
 
 
 @dataclass
@@ -69,7 +73,7 @@ class LocalCluster:
         workers = spec.decode_workers + (0 if spec.colocated else spec.prefill_workers)
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(threads), *spec.worker_args]
-        decode_args = common + ["--batch-size", str(spec.batch_size), *([] if spec.compile else ["--no-compile"]), *spec.decode_args] + (["--colocated"] if spec.colocated else [])
+        decode_args = common + ["--batch-size", str(spec.batch_size), *compile_flag(spec.compile), *spec.decode_args] + (["--colocated"] if spec.colocated else [])
         decode = [self._spawn(f"decode-{i}", "decode_worker", decode_args) for i in range(spec.decode_workers)]
         prefill = decode if spec.colocated else [self._spawn(f"prefill-{i}", "prefill_worker", common + spec.prefill_args) for i in range(spec.prefill_workers)]
         router_args = ["--model", spec.model, *spec.router_args]
@@ -88,8 +92,8 @@ class LocalCluster:
         """Starts one more worker (not known to the running router)."""
         spec = self.spec
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(spec.threads_per_worker or 1), *spec.worker_args, *extra]
-        if role == "decode" and not spec.compile:
-            common.append("--no-compile")
+        if role == "decode":
+            common += compile_flag(spec.compile)
         return self._spawn(f"{role}-extra-{len(self.processes)}", f"{role}_worker", common)
 
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0, timeout: float = 60.0) -> Process:

@@ -29,6 +29,6 @@ class WorkerConfig:
     kv_transport: str = "grpc"  # how KV moves between the workers: grpc (push stream) or nixl (pull into the slot)
     kv_transport_fallback: bool = False  # --kv-transport auto: a NIXL that does not load falls back to grpc
     nixl_backend: str = "UCX"  # NIXL's transfer backend: UCX, or LIBFABRIC (EFA)
-    compile: bool = False  # torch backend: the decode step compiled over buckets (the flags' default is on)
+    compile: bool | None = None  # torch backend: the decode step compiled over buckets; None: on CUDA only
     batch_buckets: tuple[int, ...] = ()  # () : powers of two up to the slot count
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len

@@ -54,3 +54,14 @@ def test_buckets():
         check_buckets("KV-length", (128, 512), 1024, "--token-buckets")
     with pytest.raises(ValueError, match="strictly ascending"):
         check_buckets("batch", (4, 2, 8), 8, "--batch-buckets")
+
+
+def test_compiling_is_the_default_on_cuda_only():
+    from decode_worker.__main__ import parse_config
+
+    model = tiny_model("llama")
+    assert parse_config(["--model", model]).compile is None
+    assert parse_config(["--model", model, "--compile", "--batch-buckets", "2,8", "--token-buckets", "128,512"]).batch_buckets == (2, 8)
+    backend = load_backend("torch", model=model, dtype="float32", compile=None)
+    backend.allocate_slots(2)
+    assert backend.compiled is None and backend.cache.keys[0].shape[0] == 2  # eager on CPU: no scratch slot

@@ -35,8 +35,9 @@ class TorchBackendConfig:
     device: str = "cpu"
     max_seq_len: int = 0  # 0: the model's max_position_embeddings, capped at 4096
     global_topk: int = 0  # 0: sample over the whole vocabulary
-    # The decode step as one compiled graph over buckets (`compiled`); the workers' default, off here for in-process use.
-    compile: bool = False
+    # The decode step as one compiled graph over buckets (`compiled`). None: on CUDA only
+    # (a CUDA graph per bucket: 12.7x faster there; on CPU it measured slower than eager).
+    compile: bool | None = False
     batch_buckets: tuple[int, ...] = ()  # () with compile: powers of two up to the slot count
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
 
@@ -82,7 +83,8 @@ class TorchBackend(Backend):
         eos = eos_token_ids(config.model, self.model.config) if model is None else architectures.config_eos(self.model.config)
         self.info = describe(config.model, self.model.config, "torch", self.dtype, config.max_seq_len, kv_shape, eos)
         self.cache: SlotKvCache | None = None
-        self.compiled: CompiledDecode | None = None  # with config.compile, once the slots exist
+        self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
+        self.compiled: CompiledDecode | None = None  # when compiling, once the slots exist
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
 
     @torch.inference_mode()
@@ -148,10 +150,10 @@ class TorchBackend(Backend):
     def allocate_slots(self, num_slots: int) -> int:
         """The slot cache; compiled, also every decode bucket (before the worker serves)."""
         info = self.info
-        scratch = 1 if self.config.compile else 0  # where a compiled step's padding rows write
+        scratch = 1 if self.compile else 0  # where a compiled step's padding rows write
         self.cache = SlotKvCache.allocate(info.num_layers, num_slots + scratch, info.kv_heads, info.max_seq_len, info.head_dim, self.dtype, self.device)
         self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)  # penalties: 5 bytes per slot and vocabulary entry
-        if self.config.compile:
+        if self.compile:
             self.compiled = CompiledDecode(self.model, self.plans, self.cache, num_slots, self.config.batch_buckets, self.config.token_buckets, info.max_seq_len)
             log.info("compiling the decode step: batch buckets %s, KV-length buckets %s", list(self.compiled.batch_buckets), list(self.compiled.token_buckets))
             seconds = self.compiled.warm_up()
