@@ -208,7 +208,7 @@ class _Reader:
             self._read(peer, agent_name, local, remote, count, deadline)
             # The generation after the KV (the seqlock's second read): see the module's docstring.
             tag = np.array([(self._generation.data_ptr(), 8, 0)], dtype=np.uint64), np.array([(address, 8, 0)], dtype=np.uint64)
-            self._read(peer, agent_name, *tag, 1, deadline)
+            self._read(peer, agent_name, *tag, 1, deadline, poll_seconds=0.0)  # 8 bytes: done in microseconds
         except NixlTransferError:
             self._forget(agent_name)
             raise
@@ -226,7 +226,7 @@ class _Reader:
     def _land(self, slot: int, prompt_len: int) -> None:
         """After a checked read: whatever must still happen for the KV to be in the slot."""
 
-    def _read(self, peer: str, agent_name: str, local: np.ndarray, remote: np.ndarray, count: int, deadline: float) -> None:
+    def _read(self, peer: str, agent_name: str, local: np.ndarray, remote: np.ndarray, count: int, deadline: float, poll_seconds: float | None = None) -> None:
         local_list = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, MEMORY)
         try:
             remote_list = self.agent.prep_xfer_dlist(peer, remote, MEMORY)
@@ -234,7 +234,7 @@ class _Reader:
                 indices = list(range(count))
                 handle = self.agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
                 try:
-                    self._wait(handle, agent_name, deadline)
+                    self._wait(handle, agent_name, deadline, self.poll_seconds if poll_seconds is None else poll_seconds)
                 finally:
                     # Releasing a handle still in flight cancels it before the next write into the cache.
                     self.agent.release_xfer_handle(handle)
@@ -243,12 +243,12 @@ class _Reader:
         finally:
             self.agent.release_dlist_handle(local_list)
 
-    def _wait(self, handle, agent_name: str, deadline: float) -> None:
+    def _wait(self, handle, agent_name: str, deadline: float, poll_seconds: float) -> None:
         state = self.agent.transfer(handle)
         while state == "PROC":
             if time.monotonic() > deadline:
                 raise NixlTransferError(f"KV read from {agent_name} did not finish in time")
-            time.sleep(self.poll_seconds)
+            time.sleep(poll_seconds)
             state = self.agent.check_xfer_state(handle)
         if state != "DONE":
             raise NixlTransferError(f"KV read from {agent_name} failed ({state})")
