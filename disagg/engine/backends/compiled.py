@@ -35,6 +35,18 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "disagg" / "torchinductor"
 
 
+def use_disk_cache() -> str:
+    """Inductor's cache under ~/.cache/disagg unless TORCHINDUCTOR_CACHE_DIR was chosen.
+    Importing transformers already fills the variable with Inductor's default (under
+    /tmp), so a value equal to that default counts as not chosen."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(inductor_default()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir())
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
     """low, 2*low, ... below high, then high itself."""
     buckets, size = [], low
@@ -69,7 +81,7 @@ class CompiledDecode:
         self.token_buckets = check_buckets("KV-length", token_buckets or powers_of_two(min(KV_BUCKET_MIN, max_seq_len), max_seq_len), max_seq_len, "--token-buckets")
         device = cache.keys[0].device
         self._kv_positions = torch.arange(max_seq_len, device=device)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir()))
+        log.info("compiled code cached in %s", use_disk_cache())
         # Dynamo keeps compiled entries per code object, so each model in one process
         # (tests build several) adds its own; a worker has one.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
