@@ -32,7 +32,8 @@ KV_BUCKET_MIN = 128  # NxDI's smallest default bucket
 
 
 def default_cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "disagg" / "torchinductor"
+    """Beside the other things disagg caches (DISAGG_CACHE, default ~/.cache/disagg)."""
+    return pathlib.Path(os.environ.get("DISAGG_CACHE", pathlib.Path.home() / ".cache" / "disagg")) / "torchinductor"
 
 
 def use_disk_cache() -> str:
