@@ -85,7 +85,14 @@ class LocalCluster:
         self.router_address = router.address
         if router.http_port is not None:
             self.http_url = f"{'https' if spec.public_tls_ca else 'http'}://127.0.0.1:{router.http_port}"
-        self._wait_serving(self.router_address, timeout, watch=None)  # any part dying now fails the start
+        # Every worker first: the router serves once one of each kind is up, and a worker
+        # still compiling its buckets would otherwise join mid-test.
+        # (Workers on mutual TLS are not asked: this health check has no client certificate.)
+        deadline = time.monotonic() + timeout
+        plain_workers = [] if "--tls-cert" in spec.worker_args else list({id(p): p for p in (*decode, *prefill)}.values())
+        for worker in plain_workers:
+            self._wait_serving(worker.address, max(1.0, deadline - time.monotonic()), watch=None)
+        self._wait_serving(self.router_address, max(1.0, deadline - time.monotonic()), watch=None)  # any part dying now fails the start
         return self
 
     def add_worker(self, role: str, extra: list[str] = ()) -> Process:
