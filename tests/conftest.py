@@ -75,8 +75,10 @@ def llama_ref() -> Reference:
 def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, decode: int = 1, transport: str | None = None, compile: bool = False, **spec):
     """A router and its workers as processes; transport: --kv-transport on every worker (None: the default).
 
-    compile: the decode workers compile their step (their default on CUDA); the
-    exactness tests run compiled on CPU too, the rest eager to keep CI short."""
+    compile: the decode workers compile their step (their default on CUDA). The
+    shared llama cluster (exactness, concurrency, every API test) and the 1x1
+    sliding-window clusters run compiled on CPU too; the rest eager, to keep CI
+    short (each model's compile costs about a minute here)."""
     from disagg.launcher import ClusterSpec, LocalCluster
 
     name = f"{architecture}-{prefill}p{decode}d" + (f"-{transport}" if transport else "")

@@ -31,7 +31,7 @@ def e2e_cluster(transport, cluster_logs, llama_cluster):
     if transport == DEFAULT_TRANSPORT:
         yield llama_cluster
         return
-    cluster = start_cluster(cluster_logs, "llama", transport=transport, compile=True)
+    cluster = start_cluster(cluster_logs, "llama", transport=transport)
     yield cluster
     cluster.stop()
 
@@ -45,7 +45,7 @@ def arch_cluster(request, transport, cluster_logs, e2e_cluster):
     # other one (the transports move the same per-layer tensors for every model; CI time).
     if transport != DEFAULT_TRANSPORT:
         pytest.skip(f"{request.param} runs on the default transport ({DEFAULT_TRANSPORT}) only")
-    cluster = start_cluster(cluster_logs, request.param, transport=transport, compile=True)
+    cluster = start_cluster(cluster_logs, request.param, transport=transport)
     yield request.param, cluster
     cluster.stop()
 
@@ -63,7 +63,7 @@ def test_greedy_equals_generate_for_each_architecture(arch_cluster):
 @pytest.fixture(scope="module")
 def two_by_two(transport, cluster_logs):
     # --stream-kv: on gRPC this cluster sends KV layer by layer during prefill (the CPU default sends after).
-    cluster = start_cluster(cluster_logs, "llama", prefill=2, decode=2, batch_size=4, prefill_args=["--stream-kv"], transport=transport, compile=True)
+    cluster = start_cluster(cluster_logs, "llama", prefill=2, decode=2, batch_size=4, prefill_args=["--stream-kv"], transport=transport)
     yield cluster
     cluster.stop()
 
