@@ -58,7 +58,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     compiled.add_argument("--batch-buckets", type=bucket_list, default=None, help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
-    neuron.add_argument("--context-buckets", default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
+    neuron.add_argument("--context-buckets", type=bucket_list, default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
     neuron.add_argument("--neuron-compiled-path", default=None, help="root directory for compiled artifacts (one subdirectory per configuration)")
     neuron.add_argument("--k-cache-transposed", action="store_true", default=None)
     neuron.add_argument("--worker-config", default=None, help="JSON worker settings (our names or transformers-neuronx's: tp_degree, n_positions, batch_size, amp, context_length_estimate)")
@@ -123,10 +123,9 @@ def neuron_settings(args) -> tuple[dict, dict]:
             for note in notes:
                 logging.getLogger("disagg.settings").warning("%s: %s", path, note)
             merged.update(settings)
-    buckets = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     flags = {
         "tp_degree": args.tp_degree,
-        "context_buckets": buckets(args.context_buckets) if args.context_buckets else None,
+        "context_buckets": args.context_buckets,
         "token_buckets": args.token_buckets,
         "compiled_root": args.neuron_compiled_path,
         "k_cache_transposed": args.k_cache_transposed,
@@ -206,12 +205,16 @@ def run_worker(prog: str, serve, config) -> None:
     import sys
 
     from disagg.engine.backends.architectures import UnsupportedModel
+    from disagg.engine.backends.compiled import BadBuckets
     from disagg.kv.nixl_transport import NixlUnavailable
 
     try:
         asyncio.run(serve(config))
     except UnsupportedModel as e:
         print(f"{prog}: refusing {config.model}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except BadBuckets as e:
+        print(f"{prog}: {e}", file=sys.stderr)
         sys.exit(2)
     except NixlUnavailable as e:
         print(f"{prog}: --kv-transport nixl: {e}", file=sys.stderr)

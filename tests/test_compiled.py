@@ -5,7 +5,7 @@ import torch
 
 from conftest import reference, tiny_model
 from disagg.engine.backends import load_backend
-from disagg.engine.backends.compiled import bucket_for, check_buckets, powers_of_two
+from disagg.engine.backends.compiled import BadBuckets, bucket_for, check_buckets, powers_of_two
 from test_backend import PROMPTS, run_batch
 
 # Plain attention, and sliding-window layers (alone, and between full layers)
@@ -50,9 +50,9 @@ def test_buckets():
     assert powers_of_two(128, 2048) == (128, 256, 512, 1024, 2048)
     assert powers_of_two(128, 100) == (100,)
     assert bucket_for((1, 2, 4, 6), 3) == 4 and bucket_for((1, 2, 4, 6), 6) == 6
-    with pytest.raises(ValueError, match="--token-buckets .*must be 1024"):
+    with pytest.raises(BadBuckets, match="--token-buckets .*must be 1024"):
         check_buckets("KV-length", (128, 512), 1024, "--token-buckets")
-    with pytest.raises(ValueError, match="strictly ascending"):
+    with pytest.raises(BadBuckets, match="strictly ascending"):
         check_buckets("batch", (4, 2, 8), 8, "--batch-buckets")
 
 
@@ -65,3 +65,14 @@ def test_compiling_is_the_default_on_cuda_only():
     backend = load_backend("torch", model=model, dtype="float32", compile=None)
     backend.allocate_slots(2)
     assert backend.compiled is None and backend.cache.keys[0].shape[0] == 2  # eager on CPU: no scratch slot
+
+
+def test_a_compiled_step_that_differs_from_eager_is_refused_at_start_up(monkeypatch):
+    from disagg.engine.backends.architectures import UnsupportedModel
+    from disagg.engine.backends.slot_cache import BucketDecodeCache
+
+    # Every row's query as if at position 0: the mask hides the rows' history.
+    monkeypatch.setattr(BucketDecodeCache, "get_query_offset", lambda self, layer_idx=0: torch.zeros_like(self.step.positions))
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128, compile=True, token_buckets=(128,))
+    with pytest.raises(UnsupportedModel, match="compiled decode step does not equal the eager one"):
+        backend.allocate_slots(2)

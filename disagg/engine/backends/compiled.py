@@ -4,7 +4,7 @@ A decode step runs the model over a batch bucket of rows (row i is slot i, for
 every slot below the bucket) and a KV-length bucket of positions, so a few
 shapes cover every step. The step is one `torch.compile` graph (fullgraph,
 dynamic sizes: each bucket is a shape of the same graph, not a new compile;
-on CUDA, `reduce-overhead` records a CUDA graph per bucket). The model code
+on CUDA, each bucket is also captured as a CUDA graph and replayed). The model code
 stays transformers' own: the graph is the model's forward over
 `BucketDecodeCache`, attention and masks included.
 
@@ -57,12 +57,16 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
     return (*buckets, high)
 
 
+class BadBuckets(ValueError):
+    """Buckets some step could fall outside of; the message is one line naming the flag."""
+
+
 def check_buckets(name: str, buckets: tuple[int, ...], last: int, flag: str) -> tuple[int, ...]:
     """Refuses buckets a step could fall outside of (one line naming the flag)."""
     if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-        raise ValueError(f"{flag} {list(buckets)}: {name} buckets must be positive and strictly ascending")
+        raise BadBuckets(f"{flag} {list(buckets)}: {name} buckets must be positive and strictly ascending")
     if buckets[-1] != last:
-        raise ValueError(f"{flag} {list(buckets)}: the last {name} bucket must be {last}, or some steps fit no bucket")
+        raise BadBuckets(f"{flag} {list(buckets)}: the last {name} bucket must be {last}, or some steps fit no bucket")
     return buckets
 
 
@@ -122,8 +126,8 @@ class CompiledDecode:
         """[n, vocab] for the n decoding rows (slots ascending): the step runs over
         the batch bucket holding the highest slot, then keeps the decoding rows."""
         device = self._kv_positions.device
+        rows = bucket_for(self.batch_buckets, int(slots[-1]) + 1)  # on the host: no device sync
         slots = slots.to(device)
-        rows = bucket_for(self.batch_buckets, int(slots[-1]) + 1)
         padded_positions = torch.zeros(rows, dtype=torch.long, device=device).index_copy_(0, slots, positions.to(device))
         padded_ids = torch.zeros(rows, dtype=torch.long, device=device).index_copy_(0, slots, input_ids.to(device))
         write_slots = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device).index_copy_(0, slots, slots)

@@ -158,16 +158,43 @@ class TorchBackend(Backend):
             log.info("compiling the decode step: batch buckets %s, KV-length buckets %s", list(self.compiled.batch_buckets), list(self.compiled.token_buckets))
             seconds = self.compiled.warm_up()
             log.info("decode step compiled in %.1fs", seconds)
+            self._check_compiled_equals_eager(num_slots)
         return self.cache.nbytes
 
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
         target = (self.cache.keys if kind is KvKind.KEY else self.cache.values)[layer]
         target[slot, :, token_start : token_start + tensor.shape[1]].copy_(tensor)
 
+    @torch.inference_mode()
+    def _check_compiled_equals_eager(self, num_slots: int) -> None:
+        """Refuses a model whose compiled step disagrees with its eager one: the
+        model-support sweep verified the eager slot cache, not the bucketed graph.
+        Runs at start-up, when every slot is free: rows at different positions, past
+        a 16-token sliding window where the slots are that long."""
+        rows = min(num_slots, 2)
+        generator = torch.Generator().manual_seed(0)
+        for cache in (*self.cache.keys, *self.cache.values):
+            cache[:rows].copy_(torch.randn(cache[:rows].shape, generator=generator))
+        last = self.info.max_seq_len - 1
+        positions = torch.tensor([min(40, last), min(23, last)][:rows])
+        inputs = StepInputs(
+            slots=torch.arange(rows), positions=positions, input_ids=torch.tensor([1, 2][:rows]), params=torch.zeros(rows, 7),
+            seeds=torch.zeros(rows, dtype=torch.long), steps=torch.zeros(rows, dtype=torch.long),
+            kv_len=int(positions.max()) + 1, contiguous_from=0, min_position=int(positions.min()),
+        )
+        eager = self._eager_logits(inputs).float()
+        compiled = self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len).float()
+        # A mask or position the graph got wrong moves logits by their own scale; rounding (bf16 most) by far less.
+        if (eager - compiled).abs().max() > 2e-2 * eager.abs().max() + 1e-3:
+            architectures.refuse(self.model.config, "its compiled decode step does not equal the eager one (run with --no-compile)")
+
     def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step over the active slots."""
         if self.compiled is not None:
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+        return self._eager_logits(inputs)
+
+    def _eager_logits(self, inputs: StepInputs) -> torch.Tensor:
         min_position = inputs.min_position if inputs.min_position is not None else int(inputs.positions.min())
         positions = inputs.positions.to(self.device)
         step = DecodeStep(inputs.slots.to(self.device), positions, inputs.kv_len, min_position, inputs.contiguous_from)
