@@ -71,7 +71,9 @@ def test_a_compiled_step_that_differs_from_eager_is_refused_at_start_up(monkeypa
     from disagg.engine.backends.architectures import UnsupportedModel
     from disagg.engine.backends.slot_cache import BucketDecodeCache
 
-    # Every row's query as if at position 0: the mask hides the rows' history.
+    # Every row's query as if at position 0: the mask hides the rows' history. Dynamo
+    # forgets the graphs earlier tests traced, so this one is traced with the patch.
+    torch._dynamo.reset()
     monkeypatch.setattr(BucketDecodeCache, "get_query_offset", lambda self, layer_idx=0: torch.zeros_like(self.step.positions))
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128, compile=True, token_buckets=(128,))
     with pytest.raises(UnsupportedModel, match="compiled decode step does not equal the eager one"):
