@@ -1,15 +1,16 @@
-"""The decode step in one process: eager against compiled, against the roofline.
+"""The decode step in one process: its variants side by side, against the roofline.
 
 For each batch size, the median time of one `TorchBackend.decode_step` (the
 model over the slots, then greedy sampling) with every row at `--context`
-positions, eager and compiled (buckets; CUDA graphs on CUDA), measured
-interleaved. The roofline is the weights' bytes over the memory read
+positions, for each of `--variants`, measured interleaved: `eager`
+(transformers' linears, MKL), `prepacked` (eager with `packed_linear`'s
+weights, the CPU default), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
 bandwidth measured here (a sum over a buffer larger than the caches, on the
 same threads), the least time a batch-1 step can take.
 
     python bench/decode_step.py                       # SmolLM-135M shape, bf16, CPU
     python bench/decode_step.py --dtype float32 --batch 1,8,32,64
-    python bench/decode_step.py --device cuda
+    python bench/decode_step.py --device cuda --variants eager,compiled
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variants", default="eager,prepacked,compiled")
+    parser.add_argument("--batch-buckets", default="", help="compiled variants' batch buckets (default: the engine's); must end at the largest --batch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the compile's progress
@@ -84,33 +87,39 @@ def main() -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
+    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
+    names = args.variants.split(",")
+    buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
-    for name, compiled in (("eager", False), ("compiled", True)):
-        config = TorchBackendConfig(model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), compile=compiled)
+    for name in names:
+        config = TorchBackendConfig(model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, **options[name])
         backend = backends[name] = TorchBackend(config)
         started = time.perf_counter()
-        backend.allocate_slots(max(batches))
+        backend.allocate_slots(max(batches))  # compiled: buckets from --batch-buckets
         print(f"{name}: slots ready in {time.perf_counter() - started:.1f}s", flush=True)
         for cache in (*backend.cache.keys, *backend.cache.values):
             cache.normal_()
-    model = backends["eager"].model
+    model = TorchBackend(TorchBackendConfig(model=path, dtype=args.dtype, device=args.device, prepack=False)).model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
     bandwidth = read_bandwidth(device)
     roofline = weight_bytes / bandwidth
     result = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {}}
     print(f"weights {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: roofline {roofline * 1e3:.2f} ms per step")
-    vocab = backends["eager"].info.vocab_size
+    vocab = backends[names[0]].info.vocab_size
+    baseline = names[0]
     for batch in batches:
         inputs = step_inputs(batch, args.context, vocab, device)
-        times = {"eager": [], "compiled": []}
+        times = {name: [] for name in names}
         for name, backend in backends.items():
             time_step(backend, inputs, device)  # warm
         for _ in range(args.repeats):
             for name, backend in backends.items():
                 times[name].append(time_step(backend, inputs, device))
-        eager, compiled = (statistics.median(times[n]) for n in ("eager", "compiled"))
-        result["steps"][batch] = {"eager_ms": eager * 1e3, "compiled_ms": compiled * 1e3}
-        print(f"batch {batch:3d}: eager {eager * 1e3:8.2f} ms   compiled {compiled * 1e3:8.2f} ms   eager/compiled {eager / compiled:5.2f}x   compiled/roofline {compiled / roofline:5.2f}x   {batch / compiled:8.0f} tok/s", flush=True)
+        medians = {name: statistics.median(times[name]) for name in names}
+        result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
+        cells = [f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)" for name, median in medians.items()]
+        print(f"batch {batch:3d}: " + "   ".join(cells), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -20,6 +20,7 @@ from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
 from . import architectures, row_masks
 from .compiled import CompiledDecode
+from .packed_linear import can_prepack, prepack_linears
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
 from .slot_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
 
@@ -40,6 +41,8 @@ class TorchBackendConfig:
     compile: bool | None = False
     batch_buckets: tuple[int, ...] = ()  # () with compile: powers of two up to the slot count
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
+    # Linear weights laid out for few-row products (`packed_linear`). None: on CPU.
+    prepack: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -85,6 +88,11 @@ class TorchBackend(Backend):
         self.cache: SlotKvCache | None = None
         self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
         self.compiled: CompiledDecode | None = None  # when compiling, once the slots exist
+        prepack = config.prepack if config.prepack is not None else True
+        if prepack and can_prepack(self.device, self.dtype):
+            log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model))
+        elif prepack and self.device.type == "cpu":
+            log.info("linear layers not prepacked: oneDNN does not pack %s on this CPU", config.dtype)
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
 
     @torch.inference_mode()
