@@ -212,6 +212,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for both systems")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
+    parser.add_argument("--quiet-load", type=float, default=0.8, help="before each system starts, wait until the 1-minute load average is below this")
+    parser.add_argument("--quiet-timeout", type=float, default=180.0, help="... for at most this many seconds")
     parser.add_argument("--log-dir", default="/tmp/disagg-compare-vllm-logs")
     parser.add_argument("--json", default="bench/results/compare_vllm.json")
     args = parser.parse_args()
@@ -230,12 +232,21 @@ def main() -> int:
     results.update(model=f"SmolLM-135M shape, seeded weights, {args.dtype}", streams=args.streams, prompt_len=args.prompt_len,
                    output_len=args.output_len, long_prompt=args.long_prompt, cpus=os.cpu_count())
     for name in systems:
+        wait_quiet(args.quiet_load, args.quiet_timeout)
         results[name] = out = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_launch": os.getloadavg()[0]}
         (run_vllm if name == "vllm" else run_disagg)(model, args, out, lambda: save(results, args.json))
         results[name] = json.loads(json.dumps(out, default=float))  # stream counts become str keys, as when reloaded
     print(report(results))
     print(f"saved {args.json}")
     return 0
+
+
+def wait_quiet(below: float, timeout: float) -> None:
+    """Until the 1-minute load average drops below `below` (the previous system's
+    teardown and compile workers included), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5)
 
 
 def save(results: dict, path: str) -> None:

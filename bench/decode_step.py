@@ -6,7 +6,8 @@ positions, for each of `--variants`, measured interleaved: `eager`
 (transformers' linears, MKL), `prepacked` (eager with `packed_linear`'s
 weights, the CPU default), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
 bandwidth measured here (a sum over a buffer larger than the caches, on the
-same threads), the least time a batch-1 step can take.
+same threads), the least time a batch-1 step can take; the weights are
+every parameter but the input embedding table, of which a step reads a row.
 
     python bench/decode_step.py                       # SmolLM-135M shape, bf16, CPU
     python bench/decode_step.py --dtype float32 --batch 1,8,32,64
@@ -47,6 +48,19 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
         sync(device)
         times.append(time.perf_counter() - started)
     return nbytes / min(times)
+
+
+def step_weight_bytes(path: str, dtype: str) -> int:
+    """The weights one step reads: every parameter but the input embedding table,
+    of which a step reads one row per sequence (unless it is tied to the LM head)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight.data_ptr() == embedding.data_ptr()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if tied else total - embedding.numel() * embedding.element_size()
 
 
 def step_inputs(batch: int, context: int, vocab: int, device: torch.device) -> StepInputs:
@@ -99,9 +113,7 @@ def main() -> None:
         print(f"{name}: slots ready in {time.perf_counter() - started:.1f}s", flush=True)
         for cache in (*backend.cache.keys, *backend.cache.values):
             cache.normal_()
-    model = TorchBackend(TorchBackendConfig(model=path, dtype=args.dtype, device=args.device, prepack=False)).model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
+    weight_bytes = step_weight_bytes(path, args.dtype)
     bandwidth = read_bandwidth(device)
     roofline = weight_bytes / bandwidth
     result = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {}}

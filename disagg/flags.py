@@ -53,7 +53,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run the decode step as one compiled graph over buckets (torch.compile, and a CUDA graph per bucket on CUDA), compiled at start-up and cached on disk; "
-        "--no-compile runs it eagerly (default: compiled on CUDA, eager on CPU, where compiling measured slower here: docs/benchmarks.md)",
+        "--no-compile runs it eagerly (default: compiled on CUDA; eager on CPU, where compiling every bucket takes many minutes: docs/benchmarks.md)",
     )
     compiled.add_argument(
         "--prepack",

@@ -5,7 +5,7 @@ import torch
 
 from conftest import reference, tiny_model
 from disagg.engine.backends import load_backend
-from disagg.engine.backends.compiled import BadBuckets, bucket_for, check_buckets, powers_of_two
+from disagg.engine.backends.compiled import BadBuckets, bucket_for, check_buckets, default_batch_buckets, powers_of_two
 from test_backend import PROMPTS, run_batch
 
 # Plain attention, and sliding-window layers (alone, and between full layers)
@@ -19,9 +19,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("architecture", COMPILED_ARCHITECTURES)
 def test_compiled_bucketed_decode_equals_generate(architecture, device):
     ref = reference(architecture)
-    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", device=device, max_seq_len=128, compile=True, token_buckets=(32, 64, 128))
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", device=device, max_seq_len=128, compile=True, batch_buckets=(2, 4, 6), token_buckets=(32, 64, 128))
     backend.allocate_slots(6)
-    assert backend.compiled.batch_buckets == (2, 4, 6)
     assert backend.cache.keys[0].shape[0] == 7 and backend.cache.keys[0].device.type == device  # the scratch slot the padding rows write
     max_new = [6, 11, 17, 40]
     # Slots 1, 4, 2, 5: padding rows (0 and 3) sit between decoding rows; the
@@ -47,6 +46,8 @@ def test_padding_rows_never_write_a_slot_that_is_not_decoding():
 
 def test_buckets():
     assert powers_of_two(1, 6) == (1, 2, 4, 6) and powers_of_two(2, 64) == (2, 4, 8, 16, 32, 64)
+    assert default_batch_buckets(6, torch.device("cpu")) == (1, 2, 4, 6) and default_batch_buckets(6, torch.device("cuda")) == (2, 4, 6)
+    assert default_batch_buckets(1, torch.device("cuda")) == (1,)
     assert powers_of_two(128, 2048) == (128, 256, 512, 1024, 2048)
     assert powers_of_two(128, 100) == (100,)
     assert bucket_for((1, 2, 4, 6), 3) == 4 and bucket_for((1, 2, 4, 6), 6) == 6

@@ -57,6 +57,14 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
     return (*buckets, high)
 
 
+def default_batch_buckets(num_slots: int, device: torch.device) -> tuple[int, ...]:
+    """Powers of two up to the slot count. From 1 on CPU, where one row takes the
+    prepacked linears' fast path (a second row costs 1.5x, docs/benchmarks.md); from 2
+    on CUDA, where a batch of 1 would be a graph of its own (dynamic sizes specialize
+    1) and a padding row costs little."""
+    return powers_of_two(1 if device.type == "cpu" else min(2, num_slots), num_slots)
+
+
 class BadBuckets(ValueError):
     """Buckets some step could fall outside of; the message is one line naming the flag."""
 
@@ -81,10 +89,9 @@ class CompiledDecode:
         self.model, self.plans, self.cache = model, plans, cache
         self.scratch_slot = num_slots  # the cache holds one slot more than the worker hands out
         assert cache.keys[0].shape[0] == num_slots + 1, "allocate the scratch slot"
-        # From 2: with dynamic sizes a batch of 1 would be a graph of its own; one padding row costs little.
-        self.batch_buckets = check_buckets("batch", batch_buckets or powers_of_two(min(2, num_slots), num_slots), num_slots, "--batch-buckets")
-        self.token_buckets = check_buckets("KV-length", token_buckets or powers_of_two(min(KV_BUCKET_MIN, max_seq_len), max_seq_len), max_seq_len, "--token-buckets")
         device = cache.keys[0].device
+        self.batch_buckets = check_buckets("batch", batch_buckets or default_batch_buckets(num_slots, device), num_slots, "--batch-buckets")
+        self.token_buckets = check_buckets("KV-length", token_buckets or powers_of_two(min(KV_BUCKET_MIN, max_seq_len), max_seq_len), max_seq_len, "--token-buckets")
         self._kv_positions = torch.arange(max_seq_len, device=device)
         log.info("compiled code cached in %s", use_disk_cache())
         # Dynamo keeps compiled entries per code object, so each model in one process

@@ -37,7 +37,7 @@ class TorchBackendConfig:
     max_seq_len: int = 0  # 0: the model's max_position_embeddings, capped at 4096
     global_topk: int = 0  # 0: sample over the whole vocabulary
     # The decode step as one compiled graph over buckets (`compiled`). None: on CUDA only
-    # (a CUDA graph per bucket: 12.7x faster there; on CPU it measured slower than eager).
+    # (a CUDA graph per bucket: 12.6x faster there; on CPU compiling every bucket takes many minutes).
     compile: bool | None = False
     batch_buckets: tuple[int, ...] = ()  # () with compile: powers of two up to the slot count
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
