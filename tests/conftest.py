@@ -76,8 +76,8 @@ def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, d
     """A router and its workers as processes; transport: --kv-transport on every worker (None: the default).
 
     compile: the decode workers compile their step (their default on CUDA). The
-    shared llama cluster (exactness, concurrency, every API test) and the 1x1
-    sliding-window clusters run compiled on CPU too; the rest eager, to keep CI
+    shared llama cluster (exactness, concurrency, every API test) and the Gemma 2
+    sliding-window cluster run compiled on CPU too; the rest eager, to keep CI
     short (each model's compile costs about a minute here)."""
     from disagg.launcher import ClusterSpec, LocalCluster
 

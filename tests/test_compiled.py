@@ -32,7 +32,7 @@ def test_compiled_bucketed_decode_equals_generate(architecture, device):
 
 
 def test_padding_rows_never_write_a_slot_that_is_not_decoding():
-    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128, compile=True, token_buckets=(128,))
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128, compile=True, batch_buckets=(4,), token_buckets=(128,))
     backend.allocate_slots(4)
     # Slot 0 holds a landed prompt but has not joined; slot 3 decodes, so the step runs batch bucket 4.
     for cache in (*backend.cache.keys, *backend.cache.values):
@@ -76,6 +76,6 @@ def test_a_compiled_step_that_differs_from_eager_is_refused_at_start_up(monkeypa
     # forgets the graphs earlier tests traced, so this one is traced with the patch.
     torch._dynamo.reset()
     monkeypatch.setattr(BucketDecodeCache, "get_query_offset", lambda self, layer_idx=0: torch.zeros_like(self.step.positions))
-    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128, compile=True, token_buckets=(128,))
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128, compile=True, batch_buckets=(2,), token_buckets=(128,))
     with pytest.raises(UnsupportedModel, match="compiled decode step does not equal the eager one"):
         backend.allocate_slots(2)
