@@ -30,11 +30,15 @@ def test_the_neuron_backend_compiles_for_a_batch_chosen_before_loading():
     assert DecodeWorkerConfig(model="m").slots_before_load() == 0
 
 
-def capacity(cluster, extra: list[str]) -> int:
-    worker = cluster.add_worker("decode", extra)
-    cluster.wait_serving(120, worker.address)
-    with grpc.insecure_channel(worker.address) as channel:
-        return wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5).capacity
+def capacities(cluster, *flag_sets: list[str]) -> list[int]:
+    """One decode worker per set of flags, started together; each one's slot count."""
+    workers = [cluster.add_worker("decode", extra) for extra in flag_sets]
+    counts = []
+    for worker in workers:
+        cluster.wait_serving(120, worker.address)
+        with grpc.insecure_channel(worker.address) as channel:
+            counts.append(wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5).capacity)
+    return counts
 
 
 def test_a_decode_worker_sizes_its_slots_from_the_budget(cluster_logs):
@@ -45,8 +49,7 @@ def test_a_decode_worker_sizes_its_slots_from_the_budget(cluster_logs):
     per_slot = info.kv_bytes_per_token(4) * info.max_seq_len
     cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "slot-budget")))
     try:
-        assert capacity(cluster, ["--kv-cache-gib", str(5.5 * per_slot / GIB)]) == 5
-        assert capacity(cluster, []) == 64  # the default budget holds more: the cap
-        assert capacity(cluster, ["--batch-size", "3"]) == 3
+        # 5 fit the budget; the default budget holds more than the cap of 64; a given size wins.
+        assert capacities(cluster, ["--kv-cache-gib", str(5.5 * per_slot / GIB)], [], ["--batch-size", "3"]) == [5, 64, 3]
     finally:
         cluster.stop()
