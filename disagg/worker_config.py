@@ -31,5 +31,5 @@ class WorkerConfig:
     nixl_backend: str = "UCX"  # NIXL's transfer backend: UCX, or LIBFABRIC (EFA)
     compile: bool | None = None  # torch backend: the decode step compiled over buckets; None: on CUDA only
     batch_buckets: tuple[int, ...] = ()  # () : powers of two up to the slot count
-    prepack: bool | None = None  # torch backend: linear weights laid out for few-row products; None: on CPU
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
+    prepack: bool | None = None  # torch backend: linear weights laid out for few-row products; None: on CPU

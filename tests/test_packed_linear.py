@@ -5,10 +5,11 @@ import torch
 
 from conftest import reference, tiny_model
 from disagg.engine.backends import load_backend
+from disagg.engine.backends import packed_linear
 from disagg.engine.backends.packed_linear import PackedLinear, can_prepack, prepack_linears
+from test_backend import PROMPTS, run_batch
 
 CPU = torch.device("cpu")
-from test_backend import PROMPTS, run_batch
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -69,3 +70,14 @@ def test_a_dtype_onednn_cannot_pack_here_keeps_the_plain_linears():
     assert can_prepack(CPU, torch.float32) and not can_prepack(CPU, torch.float16)
     backend = load_backend("torch", model=tiny_model("llama"), dtype="bfloat16", max_seq_len=128)
     assert any(isinstance(m, PackedLinear) for m in backend.model.modules()) == can_prepack(CPU, torch.bfloat16)
+
+
+@pytest.mark.parametrize("wrong_rows", [1, 4])
+def test_prepacked_linears_that_change_the_logits_are_refused_at_start_up(monkeypatch, wrong_rows):
+    from disagg.engine.backends.architectures import UnsupportedModel
+
+    right = packed_linear.packed_product
+    # A product that is wrong for one row count only: the start-up check tries both paths.
+    monkeypatch.setattr(packed_linear, "packed_product", lambda rows, *weights: right(rows, *weights) * (1.5 if rows.shape[0] == wrong_rows else 1.0))
+    with pytest.raises(UnsupportedModel, match="logits change with prepacked linear layers"):
+        load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128)

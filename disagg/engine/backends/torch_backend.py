@@ -72,6 +72,13 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
+def far_apart(reference: torch.Tensor, other: torch.Tensor) -> bool:
+    """Logits that differ by more than rounding: a wrong mask, position or product
+    moves them by their own scale; rounding (bf16 most) by far less."""
+    reference, other = reference.float(), other.float()
+    return bool((reference - other).abs().max() > 2e-2 * reference.abs().max() + 1e-3)
+
+
 class TorchBackend(Backend):
     def __init__(self, config: TorchBackendConfig, model=None):
         """model: an already-built model (the model-support sweep), used as it is."""
@@ -88,12 +95,20 @@ class TorchBackend(Backend):
         self.cache: SlotKvCache | None = None
         self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
         self.compiled: CompiledDecode | None = None  # when compiling, once the slots exist
-        prepack = config.prepack if config.prepack is not None else True
-        if prepack and can_prepack(self.device, self.dtype):
-            log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model))
-        elif prepack and self.device.type == "cpu":
+        if config.prepack is not False and can_prepack(self.device, self.dtype):
+            self._prepack()
+        elif config.prepack is not False and self.device.type == "cpu":
             log.info("linear layers not prepacked: oneDNN does not pack %s on this CPU", config.dtype)
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
+
+    def _prepack(self) -> None:
+        """Prepacks the linears; refuses a model whose logits they change (one that
+        uses a linear's weight in some way `PackedLinear` does not serve)."""
+        prompts = ([0], [0, 1, 2, 3])  # one row (the transposed weights) and several (oneDNN's)
+        plain = [self.prefill_logits(prompt, lambda *kv: None) for prompt in prompts]
+        log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model))
+        if any(far_apart(before, self.prefill_logits(prompt, lambda *kv: None)) for before, prompt in zip(plain, prompts)):
+            architectures.refuse(self.model.config, "its logits change with prepacked linear layers (run with --no-prepack)")
 
     @torch.inference_mode()
     def _probe(self) -> dict[int, tuple]:
@@ -190,10 +205,9 @@ class TorchBackend(Backend):
             seeds=torch.zeros(rows, dtype=torch.long), steps=torch.zeros(rows, dtype=torch.long),
             kv_len=int(positions.max()) + 1, contiguous_from=0, min_position=int(positions.min()),
         )
-        eager = self._eager_logits(inputs).float()
-        compiled = self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len).float()
-        # A mask or position the graph got wrong moves logits by their own scale; rounding (bf16 most) by far less.
-        if (eager - compiled).abs().max() > 2e-2 * eager.abs().max() + 1e-3:
+        eager = self._eager_logits(inputs)
+        compiled = self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+        if far_apart(eager, compiled):
             architectures.refuse(self.model.config, "its compiled decode step does not equal the eager one (run with --no-compile)")
 
     def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
