@@ -64,8 +64,8 @@ class NixlPullSender:
         return self.send_timeout if timeout is None else min(timeout, self.send_timeout)
 
     async def send(self, address: str, reservation_id: str, layers, first_token: int, stage_on, timeout: float | None) -> int:
-        """Stages `layers` ([(keys, values)] per layer) with `stage_on` (the device
-        executor), asks the decode worker to read them, and returns the bytes it read."""
+        """Stages `layers` ([(keys, values)] per layer) with `stage_on` (an executor
+        of its own, not the one queued with prefills), asks the decode worker to read them, and returns the bytes it read."""
         limit = self.limit(timeout)
         try:
             buffer = await asyncio.wait_for(self._free.get(), limit)
