@@ -97,49 +97,24 @@ def test_a_nixl_backend_that_does_not_load_stops_the_worker_in_one_line_or_falls
 
 def test_a_prompts_kv_is_read_while_later_prefills_hold_the_device_thread(nixl_cluster):
     """The NIXL hand-off of a finished prompt never waits for the prefills queued
-    behind it: its staging once queued on the device thread after all of them."""
-    import threading
-
-    import grpc
-    from prometheus_client import CollectorRegistry
-
-    from disagg.engine.backends import load_backend
-    from disagg.engine.requests import Sampling
-    from disagg.metrics import PrefillMetrics
-    from disagg.v1 import worker_pb2 as wpb
-    from disagg.v1 import worker_pb2_grpc as wgrpc
-    from prefill_worker.config import PrefillWorkerConfig
-    from prefill_worker.worker import FirstToken, KvSent, KvTarget, PrefillWorker
+    behind it: its staging once queued on the model thread after all of them.
+    The prefill worker runs in a process of its own (tests/queued_prefill_probe.py)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
 
     ref = reference("llama")
     ids = ref.ids(cases(1)[0][0])
-    expected = ref.greedy(ids, 3, ignore_eos=True)
     decode = next(p for p in nixl_cluster.processes if p.name.startswith("decode"))
-    config = PrefillWorkerConfig(model=tiny_model("llama"), dtype="float32", kv_transport="nixl")
-    backend = load_backend("torch", model=config.model, dtype="float32", device="cpu", max_seq_len=256, global_topk=0, batch_size=1)
-
-    async def run():
-        worker = PrefillWorker(backend, config, PrefillMetrics(CollectorRegistry()))
-        later_prefill = threading.Event()  # set: the prefill queued behind ends
-        try:
-            async with grpc.aio.insecure_channel(decode.address) as channel:
-                stopping = wpb.WorkerStopping(max_new_tokens=3)
-                call = wgrpc.DecodeServiceStub(channel).Decode(wpb.DecodeRequest(request_id="behind-a-queue", prompt_len=len(ids), sampling=wpb.WorkerSampling(top_p=1.0), stopping=stopping))
-                reservation = (await call.read()).reserved.reservation_id
-                events = worker.prefill(ids, Sampling(), KvTarget(decode.address, reservation))
-                first = await anext(events)
-                assert isinstance(first, FirstToken) and first.token_id == expected[0]
-                worker._device.submit(later_prefill.wait)  # the next prompt's prefill holds the device thread
-                sent = await asyncio.wait_for(anext(events), 60)  # before the fix: never, until that prefill ends
-                assert isinstance(sent, KvSent) and sent.bytes > 0
-                tokens = []
-                while (event := await call.read()) is not grpc.aio.EOF:
-                    tokens += event.tokens.token_ids
-                assert not later_prefill.is_set()
-                return tokens
-        finally:
-            later_prefill.set()
-            await worker.stop()
-
-    assert asyncio.run(run()) == expected[1:]
+    probe = pathlib.Path(__file__).with_name("queued_prefill_probe.py")
+    root = str(probe.parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    args = json.dumps({"model": tiny_model("llama"), "decode": decode.address, "prompt_ids": ids, "max_new_tokens": 3})
+    done = subprocess.run([sys.executable, str(probe), args], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["model_thread_held"] and result["kv_bytes"] > 0
+    assert result["tokens"] == ref.greedy(ids, 3, ignore_eos=True)
     assert_nothing_held(nixl_cluster)
