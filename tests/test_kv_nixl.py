@@ -49,12 +49,14 @@ def test_concurrent_requests_through_nixl_equal_generate(nixl_cluster):
 
 def test_a_prefill_worker_on_nixl_pushes_over_grpc_to_a_decode_worker_without_it(cluster_logs):
     ref = reference("llama")
-    cluster = start_cluster(cluster_logs, "llama", prefill_args=NIXL)
+    # The decode worker says grpc: under the default (auto) it would load NIXL too.
+    cluster = start_cluster(cluster_logs, "llama", prefill_args=NIXL, decode_args=["--kv-transport", "grpc"])
     try:
         work = cases(4)
         for (prompt, n), result in zip(work, run_all(cluster, work)):
             assert result.token_ids == ref.greedy(prompt, n), prompt
         assert_nothing_held(cluster)
+        assert kv_bytes_received(cluster, "grpc") > 0 and kv_bytes_received(cluster, "nixl") == 0
     finally:
         cluster.stop()
 
