@@ -41,7 +41,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 PEER_SCRIPT = HERE / "peers" / "vllm_cpu.sh"
 
 
-class _NoBar:
+class NoBar:
     def update(self, _):
         pass
 
@@ -53,9 +53,9 @@ def workload(count: int, prompt_len: int, output_len: int, seed: int) -> list[Re
 
 
 async def closed_run(client, streams: int, specs: list[RequestSpec]) -> dict:
-    await closed_loop(client, specs[:streams], streams, _NoBar())  # warm-up: the first request of each stream, sent again after
+    await closed_loop(client, specs[:streams], streams, NoBar())  # warm-up: the first request of each stream, sent again after
     started = time.perf_counter()
-    results = await closed_loop(client, specs, streams, _NoBar())
+    results = await closed_loop(client, specs, streams, NoBar())
     return summarize(results, time.perf_counter() - started, 1e9, 1e9)
 
 
@@ -73,9 +73,9 @@ async def measure(client, args, out: dict, checkpoint) -> None:
         checkpoint()
     if args.long_prompt:
         specs = workload(args.long_prompt_requests + 1, args.long_prompt, 1, seed=args.long_prompt)
-        await closed_loop(client, specs[:1], 1, _NoBar())  # warm-up
+        await closed_loop(client, specs[:1], 1, NoBar())  # warm-up
         started = time.perf_counter()
-        results = await closed_loop(client, specs[1:], 1, _NoBar())
+        results = await closed_loop(client, specs[1:], 1, NoBar())
         out["long_prompt"] = summarize(results, time.perf_counter() - started, 1e9, 1e9)
         print(f"    {args.long_prompt}-token prompt: TTFT p50 {out['long_prompt']['ttft']['p50'] * 1e3:.0f} ms", flush=True)
         checkpoint()

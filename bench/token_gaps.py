@@ -26,15 +26,15 @@ from disagg.launcher import ClusterSpec, LocalCluster  # noqa: E402
 from disagg.loadgen import closed_loop  # noqa: E402
 from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
 
-from compare_vllm import _NoBar, workload  # noqa: E402
+from compare_vllm import NoBar, workload  # noqa: E402
 
 
 async def timelines(address: str, args) -> None:
     async with AsyncClient(address, timeout=900) as client:
         specs = workload(2 * args.streams, args.prompt_len, args.output_len, seed=args.streams)
-        await closed_loop(client, specs[: args.streams], args.streams, _NoBar())  # warm-up
+        await closed_loop(client, specs[: args.streams], args.streams, NoBar())  # warm-up
         started = time.perf_counter()
-        results = await closed_loop(client, specs, args.streams, _NoBar())
+        results = await closed_loop(client, specs, args.streams, NoBar())
         seconds = time.perf_counter() - started
     for r in results:
         stalls = [round(g, 3) for g in r.token_gaps[1:] if g > args.stall]

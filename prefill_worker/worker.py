@@ -54,18 +54,13 @@ class PrefillWorker:
         self.config = config
         self.info = backend.info
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(config.device_cpus,))
-        # A finished prompt's KV is staged for NIXL on a thread of its own: on the device
-        # thread it would queue behind every prefill submitted after it, and its decode
-        # worker would wait for all of them (measured: the first of 8 concurrent 64-token
-        # prompts waited 2.3 s for its second token). Staging is a copy into host memory.
-        self._staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-stage", initializer=pin_this_thread, initargs=(config.device_cpus,))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.pending = 0  # prefills submitted and not finished (running one included)
         self.pending_tokens = 0  # their prompt tokens
         self.inflight_transfers = 0
         # How KV moves (disagg.kv): pushed as a gRPC stream, or staged for the decode worker to pull through NIXL.
         self.push = GrpcPushSender(self._channel, metrics, config.kv_send_timeout)
-        self.pull = open_fallible(lambda: NixlPullSender.open(backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout, config.nixl_backend), config) if config.kv_transport == "nixl" else None
+        self.pull = open_fallible(lambda: NixlPullSender.open(backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout, config.nixl_backend, config.device_cpus), config) if config.kv_transport == "nixl" else None
         metrics.queued.set_function(lambda: self.pending)
         metrics.queued_tokens.set_function(lambda: self.pending_tokens)
 
@@ -73,7 +68,8 @@ class PrefillWorker:
         for channel in self._channels.values():
             await channel.close()
         self._device.shutdown(wait=True)
-        self._staging.shutdown(wait=True)
+        if self.pull is not None:
+            self.pull.close()
 
     def validate(self, token_ids: list[int], sampling: Sampling) -> None:
         wire.check_sampling(self.backend, sampling)
@@ -149,7 +145,7 @@ class PrefillWorker:
     async def _pull(self, target: KvTarget, result, timeout: float | None) -> int:
         self.inflight_transfers += 1
         try:
-            return await self.pull.send(target.address, target.reservation_id, result.layers, result.first_token, self._staging, timeout)
+            return await self.pull.send(target.address, target.reservation_id, result.layers, result.first_token, timeout)
         finally:
             self.inflight_transfers -= 1
 
