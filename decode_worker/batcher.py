@@ -12,7 +12,9 @@ Async mode (the default) overlaps host and device, as NxDI's `async_mode`:
 Step k+1 takes its input tokens straight from step k's output on the device,
 so it is submitted before the host has seen step k's tokens. A sequence that
 stops on a token at step k (EOS, a stop id) has therefore computed one extra
-token at step k+1, which is dropped. Length limits are known in advance and
+token at step k+1, which is dropped. A request admitted (or evicted) while
+step k runs still joins (or leaves) step k+1: k+1 waits on the device thread
+until k ends, and until then it is cancelled and built again with the new rows. Length limits are known in advance and
 cost no extra step. A slot is handed back (`on_retired`) only once no step in
 flight still touches it, so a new request's KV can never be overwritten.
 
@@ -86,6 +88,7 @@ class BatcherStats:
     steps: int = 0
     tokens: int = 0
     dropped_tokens: int = 0  # async extra tokens after a stop
+    rebuilt_steps: int = 0  # queued steps built again to take in requests that arrived
     device_seconds: float = 0.0
     last_batch_size: int = 0
     step_seconds: list[float] = field(default_factory=list)  # recent device step times
@@ -107,6 +110,7 @@ class Batcher:
         self._publish = publish
         self._on_retired = on_retired
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()  # a command came in, or the running step ended
         self._active: dict[int, Sequence] = {}  # slot -> sequence
         self._retiring: list[Sequence] = []
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(device_cpus,))
@@ -123,13 +127,13 @@ class Batcher:
         self._thread.start()
 
     def admit(self, seq: Sequence) -> None:
-        self._inbox.put(("admit", seq))
+        self._send("admit", seq)
 
     def evict(self, key: str) -> None:
-        self._inbox.put(("evict", key))
+        self._send("evict", key)
 
     def stop(self) -> None:
-        self._inbox.put(("stop", None))
+        self._send("stop", None)
         self._thread.join(timeout=30)
         self._device.shutdown(wait=True)
 
@@ -141,16 +145,21 @@ class Batcher:
     def active_count(self) -> int:
         return len(self._active)
 
+    def _send(self, verb: str, arg) -> None:
+        self._inbox.put((verb, arg))
+        self._wake.set()
+
     # -- the loop thread -------------------------------------------------
     def _run(self) -> None:
         in_flight: _Step | None = None
         while True:
-            self._drain_inbox(block=in_flight is None and not self._active)
+            self._drain_inbox(block=in_flight is None and not self._active and not self._stopping)
             if self._stopping:
                 break
             rows = self._schedulable()
             step = self._submit(rows, in_flight) if rows else None
             if in_flight is not None:
+                step = self._take_in_arrivals(step, in_flight)
                 self._process(in_flight)  # host work of step k while step k+1 runs
             if step is not None and not self.async_mode:
                 self._process(step)
@@ -160,6 +169,35 @@ class Batcher:
         if in_flight is not None:
             self._process(in_flight)
         self._retire(everything=True)
+
+    def _take_in_arrivals(self, queued: _Step | None, running: _Step) -> _Step | None:
+        """Until step k (`running`) ends, step k+1 (`queued`) only waits behind it on the
+        device thread. A command that comes in meanwhile rebuilds k+1 with it, so a new
+        request's first decode step is k+1: otherwise it would wait for k+1 as well, a
+        whole step more before its second token. A step that has started cannot be
+        cancelled (Future.cancel), and then it runs as built."""
+        running.output.add_done_callback(lambda _: self._wake.set())
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if running.output.done():
+                return queued
+            if self._inbox.empty():
+                continue
+            if queued is not None:
+                if not queued.output.cancel():
+                    return queued
+                self._unsubmit(queued)
+            self._drain_inbox(block=False)
+            rows = [] if self._stopping else self._schedulable()
+            queued = self._submit(rows, running) if rows else None
+            self.stats.rebuilt_steps += 1
+
+    def _unsubmit(self, step: _Step) -> None:
+        """Undoes `_submit` for a step cancelled before it ran."""
+        for s in step.rows:
+            s.scheduled -= 1
+            s.in_flight -= 1
 
     def _drain_inbox(self, block: bool) -> None:
         self._resumed_from_idle |= block

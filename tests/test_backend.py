@@ -1,6 +1,7 @@
 """The torch backend and the batcher in one process, against transformers generate()."""
 
 import threading
+import time
 
 import pytest
 
@@ -127,3 +128,50 @@ def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_proc
                 assert [t for t, _ in got.top] == top.tolist() and torch.allclose(torch.tensor([v for _, v in got.top]), values, atol=1e-4)
         else:
             assert out[str(slot)] == ref.greedy(prompt, 16 + slot, ignore_eos=True) and logprobs[str(slot)] == []
+
+
+def test_a_request_admitted_while_a_step_runs_joins_the_next_step():
+    """Async mode submits step k+1 while step k runs. A request admitted meanwhile
+    must still join k+1 (k+1 is rebuilt before it starts), not wait for k+2: its
+    first decoded token comes out beside the running request's second one."""
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(2)
+    prompts, max_new = ["The baker opens", "Snow fell"], [8, 6]
+    batches, retired, done = [], [], threading.Event()
+
+    def on_retired(keys):
+        retired.extend(keys)
+        if len(retired) == 2:
+            done.set()
+
+    batcher = Batcher(backend, lambda events: batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
+    batcher.start()
+    first = {}
+    for slot, prompt in enumerate(prompts):
+        result = backend.prefill(ref.ids(prompt), Sampling())
+        for layer, (k, v) in enumerate(result.layers):
+            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
+            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+        first[slot] = result.first_token
+    release = threading.Event()
+    batcher.run_on_device(release.wait)  # holds the device thread: steps 1 and 2 queue behind it
+    batcher.admit(Sequence("0", 0, len(ref.ids(prompts[0])), first[0], Sampling(), Stopping(max_new[0])))
+    queue = batcher._device._work_queue  # the device thread's pending work
+    deadline = time.monotonic() + 30
+    while queue.qsize() < 2:  # step 1 and step 2 of request 0 are both submitted
+        assert time.monotonic() < deadline, "the batcher did not submit two steps"
+        time.sleep(0.01)
+    batcher.admit(Sequence("1", 1, len(ref.ids(prompts[1])), first[1], Sampling(), Stopping(max_new[1])))
+    deadline = time.monotonic() + 30
+    while batcher.stats.rebuilt_steps == 0:
+        assert time.monotonic() < deadline, "step 2 was not rebuilt with the new request"
+        time.sleep(0.01)
+    release.set()
+    assert done.wait(60)
+    batcher.stop()
+    assert batches[0] == {"0": batches[0]["0"]}  # step 1: request 0 alone
+    assert set(batches[1]) == {"0", "1"}  # step 2: request 1's first decode step
+    for slot, prompt in enumerate(prompts):
+        tokens = [first[slot]] + [t for batch in batches for t in batch.get(str(slot), [])]
+        assert tokens == ref.greedy(prompt, max_new[slot], ignore_eos=True), prompt
