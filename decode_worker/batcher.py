@@ -12,11 +12,13 @@ Async mode (the default) overlaps host and device, as NxDI's `async_mode`:
 Step k+1 takes its input tokens straight from step k's output on the device,
 so it is submitted before the host has seen step k's tokens. A sequence that
 stops on a token at step k (EOS, a stop id) has therefore computed one extra
-token at step k+1, which is dropped. A request admitted (or evicted) while
-step k runs still joins (or leaves) step k+1: k+1 waits on the device thread
-until k ends, and until then it is cancelled and built again with the new rows. Length limits are known in advance and
+token at step k+1, which is dropped. Length limits are known in advance and
 cost no extra step. A slot is handed back (`on_retired`) only once no step in
 flight still touches it, so a new request's KV can never be overwritten.
+
+A request admitted (or evicted) while step k runs still joins (or leaves)
+step k+1: until k ends, k+1 only waits on the device thread, and is cancelled
+and built again with the new rows (`_take_in_arrivals`).
 
 Nothing here runs on the gRPC event loop: the loop has its own thread and the
 model runs on a single device thread.
