@@ -175,3 +175,52 @@ def test_a_request_admitted_while_a_step_runs_joins_the_next_step():
     for slot, prompt in enumerate(prompts):
         tokens = [first[slot]] + [t for batch in batches for t in batch.get(str(slot), [])]
         assert tokens == ref.greedy(prompt, max_new[slot], ignore_eos=True), prompt
+
+
+def test_a_request_evicted_while_a_step_runs_leaves_the_next_step():
+    """The same rebuild for an eviction: the evicted row leaves step k+1 before it
+    runs, its slot is handed back, and the other row decodes as generate()."""
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(2)
+    prompts, max_new = ["The baker opens", "Snow fell"], [8, 20]
+    batches, retired, done = [], [], threading.Event()
+
+    def on_retired(keys):
+        retired.extend(keys)
+        if len(retired) == 2:
+            done.set()
+
+    batcher = Batcher(backend, lambda events: batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
+    first = {}
+    for slot, prompt in enumerate(prompts):
+        result = backend.prefill(ref.ids(prompt), Sampling())
+        for layer, (k, v) in enumerate(result.layers):
+            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
+            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+        first[slot] = result.first_token
+    release = threading.Event()
+    batcher.run_on_device(release.wait)
+    for slot, prompt in enumerate(prompts):  # both in the inbox before the loop starts: step 1 has both rows
+        batcher.admit(Sequence(str(slot), slot, len(ref.ids(prompt)), first[slot], Sampling(), Stopping(max_new[slot])))
+    batcher.start()
+    queue = batcher._device._work_queue
+    deadline = time.monotonic() + 30
+    while queue.qsize() < 2:  # steps 1 and 2, both rows in each, wait behind the held device thread
+        assert time.monotonic() < deadline, "the batcher did not submit two steps"
+        time.sleep(0.01)
+    batcher.evict("1")
+    deadline = time.monotonic() + 30
+    while batcher.stats.rebuilt_steps == 0:
+        assert time.monotonic() < deadline, "step 2 was not rebuilt without the evicted request"
+        time.sleep(0.01)
+    release.set()
+    assert done.wait(60)
+    batcher.stop()
+    assert sorted(retired) == ["0", "1"]
+    assert all("1" not in batch for batch in batches)
+    # Step 1 ran both rows and the evicted row's token was dropped; step 2 ran without it
+    # (had it run as first built, a second token would have been computed and dropped).
+    assert batcher.stats.steps == max_new[0] - 1 and batcher.stats.dropped_tokens == 1
+    tokens = [first[0]] + [t for batch in batches for t in batch.get("0", [])]
+    assert tokens == ref.greedy(prompts[0], max_new[0], ignore_eos=True)
