@@ -4,8 +4,8 @@
 
 Starts `disagg serve`'s cluster (1 prefill + 1 decode worker, slots from the
 KV budget) on the SmolLM-135M-shaped model, warms each stream up, then runs
-2 x --streams requests (or --requests; 64-token prompts of random ids, 32 output tokens,
-greedy, ignore_eos) and prints, per request, its TTFT, its first-to-second
+--requests requests (default 2 x --streams; 64-token prompts of random ids, 32
+output tokens, greedy, ignore_eos) and prints, per request, its TTFT, its first-to-second
 token gap (the KV hand-off plus the wait to join the batch), every later gap
 over --stall seconds, and its end-to-end time. A hand-off queued behind
 other work shows as first gaps that all end at the same moment.

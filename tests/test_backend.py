@@ -2,6 +2,7 @@
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,15 @@ from disagg.kv.codec import KvKind
 from disagg.engine.requests import FinishReason, Sampling, Stopping
 
 PROMPTS = ["The baker opens", "Our café on the corner serves", "Snow fell", "A river runs through the old town. Seven bridges"]
+
+
+def prefill_into_slot(backend, ids: list[int], slot: int, sampling: Sampling):
+    """Prefills the prompt and copies its KV into the slot, as a decode worker receives it."""
+    result = backend.prefill(ids, sampling)
+    for layer, (k, v) in enumerate(result.layers):
+        backend.write_kv(slot, layer, KvKind.KEY, 0, k)
+        backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+    return result
 
 
 def run_batch(backend, ref, prompts, max_new, async_mode, slots=None):
@@ -35,10 +45,7 @@ def run_batch(backend, ref, prompts, max_new, async_mode, slots=None):
     for i, prompt in enumerate(prompts):
         ids = ref.ids(prompt)
         slot = slots[i] if slots else i
-        result = backend.prefill(ids, Sampling())
-        for layer, (k, v) in enumerate(result.layers):
-            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
-            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+        result = prefill_into_slot(backend, ids, slot, Sampling())
         out[str(i)] = [result.first_token]
         batcher.admit(Sequence(str(i), slot, len(ids), result.first_token, Sampling(), Stopping(max_new[i], frozenset([ref.eos]))))
     assert done.wait(60), "batch did not finish"
@@ -110,10 +117,7 @@ def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_proc
     batcher.start()
     for slot, (prompt, sampling) in enumerate(rows):
         ids = ref.ids(prompt)
-        result = backend.prefill(ids, sampling)
-        for layer, (k, v) in enumerate(result.layers):
-            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
-            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+        result = prefill_into_slot(backend, ids, slot, sampling)
         out[str(slot)], logprobs[str(slot)] = [result.first_token], [result.logprobs] if result.logprobs else []
         batcher.admit(Sequence(str(slot), slot, len(ids), result.first_token, sampling, Stopping(16 + slot), context_ids=tuple(ids)))
     assert done.wait(60)
@@ -130,97 +134,78 @@ def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_proc
             assert out[str(slot)] == ref.greedy(prompt, 16 + slot, ignore_eos=True) and logprobs[str(slot)] == []
 
 
+def held_batcher(prompts: list[str]) -> SimpleNamespace:
+    """An async batcher (not started) over the prompts' KV, one slot each, whose
+    device thread is held until `release` is set, so that steps queue behind it.
+    `batches` gets one {key: tokens} per published step; `done` is set once every
+    request is retired; `sequence(slot, max_new)` is request `slot`'s row."""
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(len(prompts))
+    held = SimpleNamespace(ref=ref, batches=[], retired=[], done=threading.Event(), release=threading.Event())
+
+    def on_retired(keys):
+        held.retired.extend(keys)
+        if len(held.retired) == len(prompts):
+            held.done.set()
+
+    held.batcher = Batcher(backend, lambda events: held.batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
+    held.first = [prefill_into_slot(backend, ref.ids(prompt), slot, Sampling()).first_token for slot, prompt in enumerate(prompts)]
+    held.sequence = lambda slot, max_new: Sequence(str(slot), slot, len(ref.ids(prompts[slot])), held.first[slot], Sampling(), Stopping(max_new))
+    held.decoded = lambda slot: [held.first[slot]] + [t for batch in held.batches for t in batch.get(str(slot), [])]
+    held.batcher.run_on_device(held.release.wait)
+    return held
+
+
+def wait_until(condition, failure: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
+def steps_queued(batcher: Batcher) -> int:
+    """Work waiting on the device thread behind what runs there."""
+    return batcher._device._work_queue.qsize()
+
+
 def test_a_request_admitted_while_a_step_runs_joins_the_next_step():
     """Async mode submits step k+1 while step k runs. A request admitted meanwhile
     must still join k+1 (k+1 is rebuilt before it starts), not wait for k+2: its
     first decoded token comes out beside the running request's second one."""
-    ref = reference("llama")
-    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
-    backend.allocate_slots(2)
     prompts, max_new = ["The baker opens", "Snow fell"], [8, 6]
-    batches, retired, done = [], [], threading.Event()
-
-    def on_retired(keys):
-        retired.extend(keys)
-        if len(retired) == 2:
-            done.set()
-
-    batcher = Batcher(backend, lambda events: batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
-    batcher.start()
-    first = {}
+    held = held_batcher(prompts)
+    held.batcher.start()
+    held.batcher.admit(held.sequence(0, max_new[0]))
+    wait_until(lambda: steps_queued(held.batcher) == 2, "the batcher did not submit steps 1 and 2 of request 0")
+    held.batcher.admit(held.sequence(1, max_new[1]))
+    wait_until(lambda: held.batcher.stats.rebuilt_steps == 1, "step 2 was not rebuilt with the new request")
+    held.release.set()
+    assert held.done.wait(60)
+    held.batcher.stop()
+    assert list(held.batches[0]) == ["0"]  # step 1: request 0 alone
+    assert set(held.batches[1]) == {"0", "1"}  # step 2: request 1's first decode step
     for slot, prompt in enumerate(prompts):
-        result = backend.prefill(ref.ids(prompt), Sampling())
-        for layer, (k, v) in enumerate(result.layers):
-            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
-            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
-        first[slot] = result.first_token
-    release = threading.Event()
-    batcher.run_on_device(release.wait)  # holds the device thread: steps 1 and 2 queue behind it
-    batcher.admit(Sequence("0", 0, len(ref.ids(prompts[0])), first[0], Sampling(), Stopping(max_new[0])))
-    queue = batcher._device._work_queue  # the device thread's pending work
-    deadline = time.monotonic() + 30
-    while queue.qsize() < 2:  # step 1 and step 2 of request 0 are both submitted
-        assert time.monotonic() < deadline, "the batcher did not submit two steps"
-        time.sleep(0.01)
-    batcher.admit(Sequence("1", 1, len(ref.ids(prompts[1])), first[1], Sampling(), Stopping(max_new[1])))
-    deadline = time.monotonic() + 30
-    while batcher.stats.rebuilt_steps == 0:
-        assert time.monotonic() < deadline, "step 2 was not rebuilt with the new request"
-        time.sleep(0.01)
-    release.set()
-    assert done.wait(60)
-    batcher.stop()
-    assert batches[0] == {"0": batches[0]["0"]}  # step 1: request 0 alone
-    assert set(batches[1]) == {"0", "1"}  # step 2: request 1's first decode step
-    for slot, prompt in enumerate(prompts):
-        tokens = [first[slot]] + [t for batch in batches for t in batch.get(str(slot), [])]
-        assert tokens == ref.greedy(prompt, max_new[slot], ignore_eos=True), prompt
+        assert held.decoded(slot) == held.ref.greedy(prompt, max_new[slot], ignore_eos=True), prompt
 
 
 def test_a_request_evicted_while_a_step_runs_leaves_the_next_step():
     """The same rebuild for an eviction: the evicted row leaves step k+1 before it
     runs, its slot is handed back, and the other row decodes as generate()."""
-    ref = reference("llama")
-    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
-    backend.allocate_slots(2)
     prompts, max_new = ["The baker opens", "Snow fell"], [8, 20]
-    batches, retired, done = [], [], threading.Event()
-
-    def on_retired(keys):
-        retired.extend(keys)
-        if len(retired) == 2:
-            done.set()
-
-    batcher = Batcher(backend, lambda events: batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
-    first = {}
-    for slot, prompt in enumerate(prompts):
-        result = backend.prefill(ref.ids(prompt), Sampling())
-        for layer, (k, v) in enumerate(result.layers):
-            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
-            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
-        first[slot] = result.first_token
-    release = threading.Event()
-    batcher.run_on_device(release.wait)
-    for slot, prompt in enumerate(prompts):  # both in the inbox before the loop starts: step 1 has both rows
-        batcher.admit(Sequence(str(slot), slot, len(ref.ids(prompt)), first[slot], Sampling(), Stopping(max_new[slot])))
-    batcher.start()
-    queue = batcher._device._work_queue
-    deadline = time.monotonic() + 30
-    while queue.qsize() < 2:  # steps 1 and 2, both rows in each, wait behind the held device thread
-        assert time.monotonic() < deadline, "the batcher did not submit two steps"
-        time.sleep(0.01)
-    batcher.evict("1")
-    deadline = time.monotonic() + 30
-    while batcher.stats.rebuilt_steps == 0:
-        assert time.monotonic() < deadline, "step 2 was not rebuilt without the evicted request"
-        time.sleep(0.01)
-    release.set()
-    assert done.wait(60)
-    batcher.stop()
-    assert sorted(retired) == ["0", "1"]
-    assert all("1" not in batch for batch in batches)
+    held = held_batcher(prompts)
+    for slot in range(2):  # both in the inbox before the loop starts: step 1 has both rows
+        held.batcher.admit(held.sequence(slot, max_new[slot]))
+    held.batcher.start()
+    wait_until(lambda: steps_queued(held.batcher) == 2, "the batcher did not submit steps 1 and 2, both rows in each")
+    held.batcher.evict("1")
+    wait_until(lambda: held.batcher.stats.rebuilt_steps == 1, "step 2 was not rebuilt without the evicted request")
+    held.release.set()
+    assert held.done.wait(60)
+    held.batcher.stop()
+    assert sorted(held.retired) == ["0", "1"]
+    assert all("1" not in batch for batch in held.batches)
     # Step 1 ran both rows and the evicted row's token was dropped; step 2 ran without it
     # (had it run as first built, a second token would have been computed and dropped).
-    assert batcher.stats.steps == max_new[0] - 1 and batcher.stats.dropped_tokens == 1
-    tokens = [first[0]] + [t for batch in batches for t in batch.get("0", [])]
-    assert tokens == ref.greedy(prompts[0], max_new[0], ignore_eos=True)
+    assert held.batcher.stats.steps == max_new[0] - 1 and held.batcher.stats.dropped_tokens == 1
+    assert held.decoded(0) == held.ref.greedy(prompts[0], max_new[0], ignore_eos=True)
