@@ -4,7 +4,9 @@ For each batch size, the median time of one `TorchBackend.decode_step` (the
 model over the slots, then greedy sampling) with every row at `--context`
 positions, for each of `--variants`, measured interleaved: `eager`
 (transformers' linears, MKL), `prepacked` (eager with `packed_linear`'s
-weights, the CPU default), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
+weights and, float32 on one thread, `small_gemm`'s kernel for up to 64 rows:
+the CPU default), `prepacked-onednn` (the same without the kernel: oneDNN,
+and MKL for one row), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
 bandwidth measured here (a sum over a buffer larger than the caches, on the
 same threads), the least time a batch-1 step can take; the weights are
 every parameter but the input embedding table, of which a step reads a row.
@@ -12,11 +14,13 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py                       # SmolLM-135M shape, bf16, CPU
     python bench/decode_step.py --dtype float32 --batch 1,8,32,64
     python bench/decode_step.py --device cuda --variants eager,compiled
+    python bench/decode_step.py --dtype float32 --variants prepacked-onednn,prepacked
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -27,6 +31,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
+from disagg.engine.backends import small_gemm  # noqa: E402
 from disagg.engine.backends.base import StepInputs  # noqa: E402
 from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
@@ -84,6 +89,18 @@ def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device) -
     return time.perf_counter() - started
 
 
+@contextlib.contextmanager
+def few_row_kernel(enabled: bool):
+    """While a backend is built: PackedLinear takes small_gemm's kernel only if enabled."""
+    saved = small_gemm.kernel
+    if not enabled:
+        small_gemm.kernel = lambda: None
+    try:
+        yield
+    finally:
+        small_gemm.kernel = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -101,13 +118,14 @@ def main() -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
-    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
+    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
     names = args.variants.split(",")
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
     for name in names:
         config = TorchBackendConfig(model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, **options[name])
-        backend = backends[name] = TorchBackend(config)
+        with few_row_kernel(name != "prepacked-onednn"):
+            backend = backends[name] = TorchBackend(config)
         started = time.perf_counter()
         backend.allocate_slots(max(batches))  # compiled: buckets from --batch-buckets
         print(f"{name}: slots ready in {time.perf_counter() - started:.1f}s", flush=True)

@@ -5,7 +5,7 @@ import torch
 
 from conftest import reference, tiny_model
 from disagg.engine.backends import load_backend
-from disagg.engine.backends import packed_linear
+from disagg.engine.backends import packed_linear, small_gemm
 from disagg.engine.backends.packed_linear import PackedLinear, can_prepack, prepack_linears
 from test_backend import PROMPTS, run_batch
 
@@ -72,12 +72,97 @@ def test_a_dtype_onednn_cannot_pack_here_keeps_the_plain_linears():
     assert any(isinstance(m, PackedLinear) for m in backend.model.modules()) == can_prepack(CPU, torch.bfloat16)
 
 
-@pytest.mark.parametrize("wrong_rows", [1, 4])
+@pytest.mark.parametrize("wrong_rows", [1, 4, 65])
 def test_prepacked_linears_that_change_the_logits_are_refused_at_start_up(monkeypatch, wrong_rows):
     from disagg.engine.backends.architectures import UnsupportedModel
 
     right = packed_linear.packed_product
-    # A product that is wrong for one row count only: the start-up check tries both paths.
+    # A product that is wrong for one row count only: the start-up check tries every path (1, a few, over 64 rows).
     monkeypatch.setattr(packed_linear, "packed_product", lambda rows, *weights: right(rows, *weights) * (1.5 if rows.shape[0] == wrong_rows else 1.0))
     with pytest.raises(UnsupportedModel, match="logits change with prepacked linear layers"):
         load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128)
+
+
+@pytest.fixture
+def one_thread():
+    """The kernel serves a backend built on one torch thread (the workers' default here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+needs_kernel = pytest.mark.skipif(small_gemm.kernel() is None, reason="no AVX2 CPU or C compiler: the few-row kernel is not built here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (24, 256), (1, 7)])
+def test_the_few_row_kernel_equals_nn_linear(out_features, in_features, bias):
+    # Shapes across its edges: a last panel narrower than 24 columns, K over one 256-row chunk, one output.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    kernel = small_gemm.kernel()
+    panels = kernel.pack(linear.weight.detach())
+    assert panels.shape == (-(-out_features // 24), in_features, 24)
+    for rows in [1, 2, 3, 4, 5, 8, 13, 64]:
+        x = torch.randn(rows, in_features)
+        want = linear(x).detach()
+        got = kernel.product(x, panels, out_features, None if linear.bias is None else linear.bias.detach())
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rows
+
+
+@needs_kernel
+def test_the_few_row_kernel_gives_a_row_the_same_bits_whatever_its_batch():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(100, 600), torch.randn(100)
+    kernel = small_gemm.kernel()
+    panels = kernel.pack(weight)
+    x = torch.randn(11, 600)
+    batch = kernel.product(x, panels, 100, bias)
+    for i in range(11):
+        assert torch.equal(kernel.product(x[i : i + 1], panels, 100, bias)[0], batch[i]), i
+
+
+@needs_kernel
+def test_a_packed_linear_on_one_thread_uses_the_kernel_up_to_64_rows(one_thread, monkeypatch):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160)
+    packed = PackedLinear(linear)
+    assert packed.few_rows.dim() == 3 and torch.equal(packed.weight, linear.weight)
+    calls = []
+    kernel = small_gemm.kernel()
+    monkeypatch.setattr(kernel, "product", lambda *args: calls.append(args[0].shape[0]) or type(kernel).product(kernel, *args))
+    for rows in (1, 8, 64, 65):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 8, 64]  # 65 rows (a prefill's) go to oneDNN
+
+
+def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("DISAGG_CACHE", str(tmp_path))
+    small_gemm.kernel.cache_clear()
+    try:
+        assert small_gemm.kernel() is None
+        linear = torch.nn.Linear(96, 160)
+        packed = PackedLinear(linear)
+        assert packed.few_rows.shape == (96, 160)  # the transposed weight, for one row
+        for rows in (1, 8):
+            x = torch.randn(rows, 96)
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    finally:
+        small_gemm.kernel.cache_clear()
+
+
+@needs_kernel
+def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_thread):
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128)
+    assert all(m.few_rows.dim() == 3 for m in backend.model.modules() if isinstance(m, PackedLinear))
+    backend.allocate_slots(4)
+    max_new = [5, 9, 13, 21]
+    out, _, _ = run_batch(backend, ref, PROMPTS, max_new, async_mode=True)
+    for i, prompt in enumerate(PROMPTS):
+        assert out[str(i)] == ref.greedy(prompt, max_new[i]), prompt

@@ -20,7 +20,7 @@ from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
 from . import architectures, row_masks
 from .compiled import CompiledDecode
-from .packed_linear import can_prepack, prepack_linears
+from .packed_linear import SMALL_ROWS, can_prepack, prepack_linears
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
 from .slot_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
 
@@ -104,7 +104,8 @@ class TorchBackend(Backend):
     def _prepack(self) -> None:
         """Prepacks the linears; refuses a model whose logits they change (one that
         uses a linear's weight in some way `PackedLinear` does not serve)."""
-        prompts = ([0], [0, 1, 2, 3])  # one row (the transposed weights) and several (oneDNN's)
+        # Each product path: one row, a few (the decode step's), and more than SMALL_ROWS (a prefill's, oneDNN).
+        prompts = ([0], [0, 1, 2, 3], [0] * min(SMALL_ROWS + 1, self.info.max_seq_len))
         plain = [self.prefill_logits(prompt, lambda *kv: None) for prompt in prompts]
         log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model))
         if any(far_apart(before, self.prefill_logits(prompt, lambda *kv: None)) for before, prompt in zip(plain, prompts)):

@@ -1,0 +1,95 @@
+"""The few-row float32 product of `small_gemm.c`, built on first use.
+
+The C file is compiled once with the system's C compiler (`$CC`, else `cc` or
+`gcc`) into `$DISAGG_CACHE/small_gemm/` (default `~/.cache/disagg`), named by
+a hash of the source and the flags, and loaded with ctypes. A CPU without AVX2
+and FMA, or a machine with no C compiler, gets None from `kernel()` (with one
+log line saying why) and `packed_linear` keeps oneDNN for every row count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from disagg.tinymodel import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+PANEL = 24  # NR in small_gemm.c: output columns per panel
+
+
+class SmallGemm:
+    """The loaded kernel: `pack` once per weight, then `product` per call."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._call = library.small_gemm
+        self._call.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self._call.restype = None
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """nn.Linear's weight [out, in] -> panels [ceil(out / 24), in, 24], the columns past `out` zero."""
+        out_features, in_features = weight.shape
+        panels = -(-out_features // PANEL)
+        padded = weight.new_zeros(panels * PANEL, in_features)
+        padded[:out_features] = weight
+        return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+    def product(self, rows: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [n, in] float32 -> [n, out]."""
+        rows = rows.contiguous()
+        n, in_features = rows.shape
+        if panels.shape[1] != in_features or rows.dtype != torch.float32:
+            raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} do not fit panels {tuple(panels.shape)}")
+        out = torch.empty(n, out_features, dtype=torch.float32)
+        self._call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
+        return out
+
+
+@functools.cache
+def kernel() -> SmallGemm | None:
+    """The kernel, or None where it cannot run here (logged once)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        log.info("few-row linear kernel not used: the CPU has no AVX2 (PyTorch reports %s)", capability)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        log.info("few-row linear kernel not used: no C compiler found (set CC)")
+        return None
+    try:
+        return SmallGemm(ctypes.CDLL(str(build(compiler))))
+    except subprocess.CalledProcessError as exc:
+        log.warning("few-row linear kernel not used: %s failed: %s", compiler, exc.stderr.decode(errors="replace").strip()[-500:])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("few-row linear kernel not used: building or loading it failed: %s", exc)
+    return None
+
+
+def build(compiler: str) -> pathlib.Path:
+    """The shared library, compiled unless the cache already holds this source's."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "small_gemm" / f"small_gemm-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compiled beside the target and renamed into place: processes starting together never load half a file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = pathlib.Path(scratch) / target.name
+        subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True, capture_output=True, timeout=120)
+        os.replace(partial, target)
+    log.info("built the few-row linear kernel: %s", target)
+    return target
