@@ -59,7 +59,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--prepack",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="keep each linear layer's weight in oneDNN's packed layout (and transposed for one-row steps): 1.03-1.23x faster decode steps on this CPU, for a second copy of those weights; "
+        help="keep each linear layer's weight in oneDNN's packed layout (prefills) and in panels for the project's few-row float32 kernel (decode steps; built with the system's C compiler on first use; else transposed for one-row steps): 1.06-1.5x faster decode steps on this CPU than oneDNN alone, for a second copy of those weights; "
         "--no-prepack uses transformers' own linears (default: on CPU)",
     )
     compiled.add_argument("--batch-buckets", type=bucket_list, default=None, help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")

@@ -66,7 +66,7 @@ def kernel() -> SmallGemm | None:
         log.info("few-row linear kernel not used: the CPU has no AVX2 (PyTorch reports %s)", capability)
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    if not compiler and not built().exists():
         log.info("few-row linear kernel not used: no C compiler found (set CC)")
         return None
     try:
@@ -78,11 +78,15 @@ def kernel() -> SmallGemm | None:
     return None
 
 
-def build(compiler: str) -> pathlib.Path:
+def built() -> pathlib.Path:
+    """Where this source's library is cached (named by a hash of the source and the flags)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / "small_gemm" / f"small_gemm-{key}.so"
+
+
+def build(compiler: str | None) -> pathlib.Path:
     """The shared library, compiled unless the cache already holds this source's."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / "small_gemm" / f"small_gemm-{key}.so"
+    target = built()
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
