@@ -114,6 +114,20 @@ def test_the_few_row_kernel_equals_nn_linear(out_features, in_features, bias):
 
 
 @needs_kernel
+def test_the_few_row_kernel_refuses_shapes_its_panels_were_not_packed_for():
+    kernel = small_gemm.kernel()
+    panels = kernel.pack(torch.randn(50, 96))  # 3 panels: up to 72 outputs
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel.product(torch.randn(2, 97), panels, 50, None)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel.product(torch.randn(2, 96), panels, 73, None)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel.product(torch.randn(2, 96), panels, 50, torch.randn(49))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel.product(torch.randn(2, 96, dtype=torch.float64), panels, 50, None)
+
+
+@needs_kernel
 def test_the_few_row_kernel_gives_a_row_the_same_bits_whatever_its_batch():
     torch.manual_seed(0)
     weight, bias = torch.randn(100, 600), torch.randn(100)

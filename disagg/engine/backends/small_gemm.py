@@ -51,8 +51,10 @@ class SmallGemm:
         """rows [n, in] float32 -> [n, out]."""
         rows = rows.contiguous()
         n, in_features = rows.shape
-        if panels.shape[1] != in_features or rows.dtype != torch.float32:
-            raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} do not fit panels {tuple(panels.shape)}")
+        # The C side reads raw pointers: a shape it was not packed for would read past the buffers, not fail.
+        fits = panels.shape[1] == in_features and out_features <= panels.shape[0] * PANEL and (bias is None or bias.shape == (out_features,))
+        if not fits or rows.dtype != torch.float32 or not panels.is_contiguous():
+            raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)}")
         out = torch.empty(n, out_features, dtype=torch.float32)
         self._call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
