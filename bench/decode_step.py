@@ -5,8 +5,9 @@ model over the slots, then greedy sampling) with every row at `--context`
 positions, for each of `--variants`, measured interleaved: `eager`
 (transformers' linears, MKL), `prepacked` (eager with `packed_linear`'s
 weights and, float32 on one thread, `small_gemm`'s kernel for up to 64 rows:
-the CPU default), `prepacked-onednn` (the same without the kernel: oneDNN,
-and MKL for one row), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
+the CPU default), `prepacked-1core` (the same with a single row kept on
+one core: `small_gemm` computes one row on two cores where it may),
+`prepacked-onednn` (the same without the kernel: oneDNN, and MKL for one row), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
 bandwidth measured here (a sum over a buffer larger than the caches, on the
 same threads), the least time a batch-1 step can take; the weights are
 every parameter but the input embedding table, of which a step reads a row.
@@ -15,6 +16,7 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --dtype float32 --batch 1,8,32,64
     python bench/decode_step.py --device cuda --variants eager,compiled
     python bench/decode_step.py --dtype float32 --variants prepacked-onednn,prepacked
+    python bench/decode_step.py --dtype float32 --batch 1 --variants prepacked-1core,prepacked
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ def step_inputs(batch: int, context: int, vocab: int, device: torch.device) -> S
     )
 
 
-def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device) -> float:
+def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device, one_core: bool = False) -> float:
+    kernel = small_gemm.kernel()
+    if kernel is not None:
+        kernel.split_here(not one_core)
     sync(device)
     started = time.perf_counter()
     backend.decode_step(inputs).token_ids.tolist()  # the host reads the tokens, as the batcher does
@@ -118,7 +123,7 @@ def main() -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
-    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
+    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
     names = args.variants.split(",")
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
@@ -145,7 +150,7 @@ def main() -> None:
             time_step(backend, inputs, device)  # warm
         for _ in range(args.repeats):
             for name, backend in backends.items():
-                times[name].append(time_step(backend, inputs, device))
+                times[name].append(time_step(backend, inputs, device, one_core=name == "prepacked-1core"))
         medians = {name: statistics.median(times[name]) for name in names}
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
         cells = [f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)" for name, median in medians.items()]

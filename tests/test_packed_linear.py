@@ -1,5 +1,8 @@
 """Prepacked linear weights (the CPU default): the same products as nn.Linear, in and out of a graph."""
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -137,6 +140,65 @@ def test_the_few_row_kernel_gives_a_row_the_same_bits_whatever_its_batch():
     batch = kernel.product(x, panels, 100, bias)
     for i in range(11):
         assert torch.equal(kernel.product(x[i : i + 1], panels, 100, bias)[0], batch[i]), i
+
+
+def in_new_thread(body):
+    """Runs body() in a thread of its own (the kernel decides per thread whether a row
+    uses two cores); returns its result, raises what it raised."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = body()
+        except BaseException as exc:  # noqa: BLE001: re-raised below, in the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+@needs_kernel
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a row cannot be split across two")
+@pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (49, 7), (24, 256)])
+def test_a_single_row_on_two_cores_gives_the_bits_of_one_core(out_features, in_features):
+    # 24 outputs are one panel: nothing to split, the caller computes it alone.
+    torch.manual_seed(0)
+    kernel = small_gemm.kernel()
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    panels = kernel.pack(weight)
+    x = torch.randn(1, in_features)
+
+    def product(split: bool):
+        kernel.split_here(split)
+        return kernel.product(x, panels, out_features, bias)
+
+    alone = in_new_thread(lambda: product(False))
+    before = kernel.helper_jobs()
+    split = in_new_thread(lambda: product(True))
+    assert torch.equal(split, alone)
+    assert kernel.helper_jobs() - before == (0 if out_features <= 24 else 1)
+    torch.testing.assert_close(split, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to pin away from")
+def test_a_thread_pinned_to_one_cpu_keeps_its_rows_on_that_cpu():
+    kernel = small_gemm.kernel()
+    panels = kernel.pack(torch.randn(160, 96))
+    x = torch.randn(1, 96)
+
+    def on_one_cpu():
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread only
+        return kernel.splits_here(), kernel.product(x, panels, 160, None)
+
+    before = kernel.helper_jobs()
+    splits, _ = in_new_thread(on_one_cpu)
+    assert not splits and kernel.helper_jobs() == before
+    assert in_new_thread(kernel.splits_here)  # a thread left unpinned splits
 
 
 @needs_kernel

@@ -18,6 +18,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import torch
 
@@ -26,17 +27,44 @@ from disagg.tinymodel import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 
 
 class SmallGemm:
-    """The loaded kernel: `pack` once per weight, then `product` per call."""
+    """The loaded kernel: `pack` once per weight, then `product` per call.
+
+    A single row (a decode step of one sequence: bound by reading the weights)
+    is computed on two cores, the caller's and a helper thread's, when the
+    calling thread may run on more than one CPU (`small_gemm_split`; the same
+    bits). A thread pinned to one CPU (`--device-cpus`) keeps it to that CPU.
+    """
 
     def __init__(self, library: ctypes.CDLL):
+        arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
-        self._call.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-        self._call.restype = None
+        self._call.argtypes, self._call.restype = arguments, None
+        self._split = library.small_gemm_split
+        self._split.argtypes, self._split.restype = arguments, ctypes.c_int
+        self._helper_jobs = library.small_gemm_helper_jobs
+        self._helper_jobs.argtypes, self._helper_jobs.restype = [], ctypes.c_long
+        self._thread = threading.local()  # per calling thread: whether it may run on more than one CPU
+
+    def helper_jobs(self) -> int:
+        """How many products' halves the helper thread has computed so far."""
+        return self._helper_jobs()
+
+    def split_here(self, allowed: bool) -> None:
+        """Overrides, for the calling thread, whether its single rows use two cores (benchmarks, tests)."""
+        self._thread.splits = allowed
+
+    def splits_here(self) -> bool:
+        """Whether a row from this thread is computed on two cores: it may run on more
+        than one CPU (read once per thread: a worker pins its device thread before its first step)."""
+        answer = getattr(self._thread, "splits", None)
+        if answer is None:
+            answer = self._thread.splits = len(os.sched_getaffinity(0)) > 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) > 1
+        return answer
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -56,7 +84,8 @@ class SmallGemm:
         if not fits or rows.dtype != torch.float32 or not panels.is_contiguous():
             raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)}")
         out = torch.empty(n, out_features, dtype=torch.float32)
-        self._call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
+        call = self._split if n == 1 and self.splits_here() else self._call
+        call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
 
 
