@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -141,6 +142,13 @@ def main() -> None:
     roofline = weight_bytes / bandwidth
     result = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {}}
     print(f"weights {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: roofline {roofline * 1e3:.2f} ms per step")
+    if device.type == "cpu" and args.threads == 1 and len(os.sched_getaffinity(0)) > 1:
+        # small_gemm computes a single row on two cores: its roofline is what two cores read.
+        torch.set_num_threads(2)
+        two_cores = read_bandwidth(device)
+        torch.set_num_threads(1)
+        result["read_bandwidth_two_cores_gbs"] = two_cores / 1e9
+        print(f"two cores read {two_cores / 1e9:.1f} GB/s: a one-row step split across them has a roofline of {weight_bytes / two_cores * 1e3:.2f} ms")
     vocab = backends[names[0]].info.vocab_size
     baseline = names[0]
     for batch in batches:

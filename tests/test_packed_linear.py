@@ -164,8 +164,9 @@ def in_new_thread(body):
 @needs_kernel
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a row cannot be split across two")
 @pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (49, 7), (24, 256)])
-def test_a_single_row_on_two_cores_gives_the_bits_of_one_core(out_features, in_features):
+def test_a_single_row_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, monkeypatch):
     # 24 outputs are one panel: nothing to split, the caller computes it alone.
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # these weights are smaller than a real model's
     torch.manual_seed(0)
     kernel = small_gemm.kernel()
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
@@ -186,7 +187,8 @@ def test_a_single_row_on_two_cores_gives_the_bits_of_one_core(out_features, in_f
 
 @needs_kernel
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to pin away from")
-def test_a_thread_pinned_to_one_cpu_keeps_its_rows_on_that_cpu():
+def test_a_thread_pinned_to_one_cpu_keeps_its_rows_on_that_cpu(monkeypatch):
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
     kernel = small_gemm.kernel()
     panels = kernel.pack(torch.randn(160, 96))
     x = torch.randn(1, 96)
@@ -233,7 +235,11 @@ def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkey
 
 
 @needs_kernel
-def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_thread):
+@pytest.mark.parametrize("split_rows", [False, True], ids=["one-core", "single-rows-on-two-cores"])
+def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_thread, split_rows, monkeypatch):
+    # The tiny model's weights are below the size a row is split from: set it either way.
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0 if split_rows else 1 << 62)
+    jobs_before = small_gemm.kernel().helper_jobs()
     ref = reference("llama")
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128)
     assert all(m.few_rows.dim() == 3 for m in backend.model.modules() if isinstance(m, PackedLinear))
@@ -242,3 +248,5 @@ def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_th
     out, _, _ = run_batch(backend, ref, PROMPTS, max_new, async_mode=True)
     for i, prompt in enumerate(PROMPTS):
         assert out[str(i)] == ref.greedy(prompt, max_new[i]), prompt
+    # The last steps decode one row (the longest request alone): split where the device thread may use two CPUs.
+    assert (small_gemm.kernel().helper_jobs() > jobs_before) == (split_rows and len(os.sched_getaffinity(0)) > 1)

@@ -29,15 +29,22 @@ log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 PANEL = 24  # NR in small_gemm.c: output columns per panel
+# A single row is split across two cores from this weight size up: SmolLM-135M's
+# q, o, gate, up, down and LM head (1.3-113 MB) are; its k and v (442 KB, 5% of
+# the bytes) and the test suite's tiny models are not, as handing half of a small
+# weight to the helper costs about what reading it does, and the helper then
+# spins on a core that other processes want.
+SPLIT_MIN_BYTES = 1 << 20
 
 
 class SmallGemm:
     """The loaded kernel: `pack` once per weight, then `product` per call.
 
     A single row (a decode step of one sequence: bound by reading the weights)
-    is computed on two cores, the caller's and a helper thread's, when the
-    calling thread may run on more than one CPU (`small_gemm_split`; the same
-    bits). A thread pinned to one CPU (`--device-cpus`) keeps it to that CPU.
+    times a weight of SPLIT_MIN_BYTES or more is computed on two cores, the
+    caller's and a helper thread's, when the calling thread may run on more
+    than one CPU (`small_gemm_split`; the same bits). A thread pinned to one CPU
+    (`--device-cpus`) keeps it to that CPU.
     """
 
     def __init__(self, library: ctypes.CDLL):
@@ -84,7 +91,7 @@ class SmallGemm:
         if not fits or rows.dtype != torch.float32 or not panels.is_contiguous():
             raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)}")
         out = torch.empty(n, out_features, dtype=torch.float32)
-        call = self._split if n == 1 and self.splits_here() else self._call
+        call = self._split if n == 1 and panels.numel() * 4 >= SPLIT_MIN_BYTES and self.splits_here() else self._call
         call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
 
