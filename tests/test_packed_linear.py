@@ -1,7 +1,9 @@
 """Prepacked linear weights (the CPU default): the same products as nn.Linear, in and out of a graph."""
 
 import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -201,6 +203,37 @@ def test_a_thread_pinned_to_one_cpu_keeps_its_rows_on_that_cpu(monkeypatch):
     splits, _ = in_new_thread(on_one_cpu)
     assert not splits and kernel.helper_jobs() == before
     assert in_new_thread(kernel.splits_here)  # a thread left unpinned splits
+
+
+@needs_kernel
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a row cannot be split across two")
+def test_a_forked_child_splits_rows_with_a_helper_of_its_own(monkeypatch):
+    # fork copies only the calling thread: a child waiting on its parent's helper would hang.
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
+    kernel = small_gemm.kernel()
+    panels = kernel.pack(torch.randn(160, 96))
+    x = torch.randn(1, 96)
+
+    def split():
+        kernel.split_here(True)
+        return kernel.product(x, panels, 160, None)
+
+    want = in_new_thread(split)  # the parent's helper is running now
+    assert kernel.helper_jobs() > 0
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 if its own helper computed the same bits
+        try:
+            os._exit(0 if torch.equal(split(), want) and kernel.helper_jobs() == 1 else 1)
+        except BaseException:  # noqa: BLE001: a child must never return into pytest
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on its split product")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 @needs_kernel

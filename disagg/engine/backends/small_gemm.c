@@ -27,6 +27,7 @@
  */
 #include <immintrin.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
 
@@ -126,8 +127,11 @@ void small_gemm(const float *x, long M, long K, const float *panels, long N, con
  *
  * The helper spins for up to SPIN_NS after each job (a decode step calls ~200
  * products tens of microseconds apart, and waking a sleeping thread costs more
- * than that), then sleeps until the next one. One caller at a time: a second
- * concurrent caller computes alone. */
+ * than that), then sleeps until the next one. Both spins yield the CPU every
+ * few microseconds, so when the scheduler puts the caller and the helper on one
+ * core (the other one busy with a prefill) neither holds it for a time slice
+ * while the other waits. One caller at a time: a second concurrent caller
+ * computes alone. */
 #define SPIN_NS 2000000L
 
 static struct {
@@ -140,6 +144,9 @@ static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
 static int helper_state; /* 0: not started, 1: running, -1: could not start */
+
+/* Every SPIN_CHECK pauses (a few microseconds) a spinning thread yields and checks the clock. */
+#define SPIN_CHECK 256
 
 static long now_ns(void) {
     struct timespec t;
@@ -154,7 +161,10 @@ static void *helper(void *unused) {
         long spin_until = now_ns() + SPIN_NS;
         for (long spins = 1; atomic_load_explicit(&posted, memory_order_acquire) == seen; spins++) {
             _mm_pause();
-            if (spins % 256 == 0 && now_ns() > spin_until) {
+            if (spins % SPIN_CHECK != 0)
+                continue;
+            sched_yield();
+            if (now_ns() > spin_until) {
                 pthread_mutex_lock(&sleep_lock);
                 while (atomic_load_explicit(&posted, memory_order_acquire) == seen)
                     pthread_cond_wait(&wake, &sleep_lock);
@@ -169,6 +179,19 @@ static void *helper(void *unused) {
     return 0;
 }
 
+/* A forked child has no helper thread (fork copies only the caller): it starts its own on its first split. */
+static void forget_helper_in_child(void) {
+    helper_state = 0;
+    atomic_store(&posted, 0);
+    atomic_store(&finished, 0);
+    atomic_store(&helper_jobs, 0);
+    pthread_mutex_init(&sleep_lock, 0);
+    pthread_mutex_init(&caller_lock, 0);
+    pthread_cond_init(&wake, 0);
+}
+
+static void register_fork_handler(void) { pthread_atfork(0, 0, forget_helper_in_child); }
+
 /* Returns 1 if the product ran on two cores, 0 if the caller computed it alone. */
 int small_gemm_split(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y) {
     long count = (N + NR - 1) / NR, half = count / 2;
@@ -178,6 +201,8 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
     }
     if (helper_state == 0) {
         pthread_t thread;
+        static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
+        pthread_once(&fork_handler, register_fork_handler);
         helper_state = pthread_create(&thread, 0, helper, 0) == 0 ? 1 : -1;
         if (helper_state == 1)
             pthread_detach(thread);
@@ -195,8 +220,11 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
     pthread_cond_signal(&wake);
     pthread_mutex_unlock(&sleep_lock);
     panel_range(x, M, K, panels, N, bias, y, 0, half);
-    while (atomic_load_explicit(&finished, memory_order_acquire) != ticket)
+    for (long spins = 1; atomic_load_explicit(&finished, memory_order_acquire) != ticket; spins++) {
         _mm_pause();
+        if (spins % SPIN_CHECK == 0)
+            sched_yield();
+    }
     pthread_mutex_unlock(&caller_lock);
     return 1;
 }
