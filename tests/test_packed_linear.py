@@ -163,8 +163,20 @@ def in_new_thread(body):
     return outcome["value"]
 
 
+two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a row cannot be split across two")
+
+
+@pytest.fixture
+def splittable(monkeypatch):
+    """The kernel splitting every single row (the tests' weights are smaller than a
+    real model's), the panels of a 160 x 96 weight, and one row for them."""
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
+    kernel = small_gemm.kernel()
+    return kernel, kernel.pack(torch.randn(160, 96)), torch.randn(1, 96)
+
+
 @needs_kernel
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a row cannot be split across two")
+@two_cpus
 @pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (49, 7), (24, 256)])
 def test_a_single_row_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, monkeypatch):
     # 24 outputs are one panel: nothing to split, the caller computes it alone.
@@ -188,12 +200,9 @@ def test_a_single_row_on_two_cores_gives_the_bits_of_one_core(out_features, in_f
 
 
 @needs_kernel
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to pin away from")
-def test_a_thread_pinned_to_one_cpu_keeps_its_rows_on_that_cpu(monkeypatch):
-    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
-    kernel = small_gemm.kernel()
-    panels = kernel.pack(torch.randn(160, 96))
-    x = torch.randn(1, 96)
+@two_cpus
+def test_a_thread_pinned_to_one_cpu_keeps_its_rows_on_that_cpu(splittable):
+    kernel, panels, x = splittable
 
     def on_one_cpu():
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread only
@@ -206,13 +215,10 @@ def test_a_thread_pinned_to_one_cpu_keeps_its_rows_on_that_cpu(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a row cannot be split across two")
-def test_a_forked_child_splits_rows_with_a_helper_of_its_own(monkeypatch):
+@two_cpus
+def test_a_forked_child_splits_rows_with_a_helper_of_its_own(splittable):
     # fork copies only the calling thread: a child waiting on its parent's helper would hang.
-    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
-    kernel = small_gemm.kernel()
-    panels = kernel.pack(torch.randn(160, 96))
-    x = torch.randn(1, 96)
+    kernel, panels, x = splittable
 
     def split():
         kernel.split_here(True)
