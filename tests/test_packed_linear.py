@@ -216,6 +216,28 @@ def test_a_thread_pinned_to_one_cpu_keeps_its_rows_on_that_cpu(splittable):
 
 @needs_kernel
 @two_cpus
+def test_the_helper_runs_on_the_cpus_of_the_thread_it_works_for(splittable):
+    # A worker pins its model thread (--device-cpus) after start-up, when the helper may already exist.
+    kernel, panels, x = splittable
+    everywhere = os.sched_getaffinity(0)
+
+    def split(cpus=None):
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)  # this thread only
+        kernel.split_here(True)  # even on one CPU: the helper must then share it
+        return kernel.product(x, panels, 160, None)
+
+    want = in_new_thread(split)
+    assert kernel.helper_cpus() == everywhere
+    one_cpu = {max(everywhere)}
+    assert torch.equal(in_new_thread(lambda: split(one_cpu)), want)
+    assert kernel.helper_cpus() == one_cpu
+    in_new_thread(split)
+    assert kernel.helper_cpus() == everywhere
+
+
+@needs_kernel
+@two_cpus
 def test_a_forked_child_splits_rows_with_a_helper_of_its_own(splittable):
     # fork copies only the calling thread: a child waiting on its parent's helper would hang.
     kernel, panels, x = splittable

@@ -25,6 +25,7 @@
  * turn) whatever M is, so a row's result does not depend on the other rows of
  * the batch.
  */
+#define _GNU_SOURCE /* pthread_getaffinity_np, pthread_setaffinity_np */
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -138,12 +139,19 @@ static struct {
     const float *x, *panels, *bias;
     float *y;
     long M, K, N, first, last;
+    int adopt_cpus; /* a new caller: the helper first moves to the caller's CPUs */
+    cpu_set_t cpus;
 } job;
+/* Callers by a number of their own (thread-local: a pthread_t is reused once its thread ends). */
+static __thread long caller_id;
+static atomic_long callers;
+static long last_caller_id; /* whose CPUs the helper has */
 static atomic_long posted, finished, helper_jobs;
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
 static int helper_state; /* 0: not started, 1: running, -1: could not start */
+static pthread_t helper_thread;
 
 /* Every SPIN_CHECK pauses (a few microseconds) a spinning thread yields and checks the clock. */
 #define SPIN_CHECK 256
@@ -172,6 +180,8 @@ static void *helper(void *unused) {
             }
         }
         seen = atomic_load_explicit(&posted, memory_order_acquire);
+        if (job.adopt_cpus)
+            pthread_setaffinity_np(pthread_self(), sizeof job.cpus, &job.cpus);
         panel_range(job.x, job.M, job.K, job.panels, job.N, job.bias, job.y, job.first, job.last);
         atomic_fetch_add_explicit(&helper_jobs, 1, memory_order_relaxed);
         atomic_store_explicit(&finished, seen, memory_order_release);
@@ -182,6 +192,7 @@ static void *helper(void *unused) {
 /* A forked child has no helper thread (fork copies only the caller): it starts its own on its first split. */
 static void forget_helper_in_child(void) {
     helper_state = 0;
+    last_caller_id = 0;
     atomic_store(&posted, 0);
     atomic_store(&finished, 0);
     atomic_store(&helper_jobs, 0);
@@ -200,12 +211,11 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
         return 0;
     }
     if (helper_state == 0) {
-        pthread_t thread;
         static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
         pthread_once(&fork_handler, register_fork_handler);
-        helper_state = pthread_create(&thread, 0, helper, 0) == 0 ? 1 : -1;
+        helper_state = pthread_create(&helper_thread, 0, helper, 0) == 0 ? 1 : -1;
         if (helper_state == 1)
-            pthread_detach(thread);
+            pthread_detach(helper_thread);
     }
     if (helper_state < 0) {
         pthread_mutex_unlock(&caller_lock);
@@ -214,6 +224,16 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
     }
     job.x = x, job.M = M, job.K = K, job.panels = panels, job.N = N, job.bias = bias, job.y = y;
     job.first = half, job.last = count;
+    /* The helper runs where its caller may run (a worker pins its model thread with
+     * --device-cpus after start-up, where the helper may have been started): the
+     * caller's CPUs as they are at its first split after another thread's. */
+    if (caller_id == 0)
+        caller_id = atomic_fetch_add(&callers, 1) + 1;
+    job.adopt_cpus = caller_id != last_caller_id;
+    if (job.adopt_cpus) {
+        job.adopt_cpus = pthread_getaffinity_np(pthread_self(), sizeof job.cpus, &job.cpus) == 0;
+        last_caller_id = caller_id;
+    }
     long ticket = atomic_load_explicit(&posted, memory_order_relaxed) + 1;
     atomic_store_explicit(&posted, ticket, memory_order_release);
     pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks `posted` under this lock */
@@ -231,3 +251,15 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
 
 /* How many halves the helper thread has computed (for tests). */
 long small_gemm_helper_jobs(void) { return atomic_load(&helper_jobs); }
+
+/* The CPUs (0-63, a bit each) the helper thread may run on, 0 before it starts (for tests). */
+unsigned long long small_gemm_helper_cpus(void) {
+    cpu_set_t cpus;
+    unsigned long long mask = 0;
+    if (helper_state != 1 || pthread_getaffinity_np(helper_thread, sizeof cpus, &cpus) != 0)
+        return 0;
+    for (int cpu = 0; cpu < 64; cpu++)
+        if (CPU_ISSET(cpu, &cpus))
+            mask |= 1ULL << cpu;
+    return mask;
+}

@@ -55,11 +55,18 @@ class SmallGemm:
         self._split.argtypes, self._split.restype = arguments, ctypes.c_int
         self._helper_jobs = library.small_gemm_helper_jobs
         self._helper_jobs.argtypes, self._helper_jobs.restype = [], ctypes.c_long
+        self._helper_cpus = library.small_gemm_helper_cpus
+        self._helper_cpus.argtypes, self._helper_cpus.restype = [], ctypes.c_ulonglong
         self._thread = threading.local()  # per calling thread: whether it may run on more than one CPU
 
     def helper_jobs(self) -> int:
         """How many products' halves the helper thread has computed so far."""
         return self._helper_jobs()
+
+    def helper_cpus(self) -> set[int]:
+        """The CPUs (below 64) the helper thread may run on: its last caller's; empty before it starts."""
+        mask = self._helper_cpus()
+        return {cpu for cpu in range(64) if mask >> cpu & 1}
 
     def split_here(self, allowed: bool) -> None:
         """Overrides, for the calling thread, whether its single rows use two cores (benchmarks, tests)."""
