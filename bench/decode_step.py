@@ -7,6 +7,8 @@ positions, for each of `--variants`, measured interleaved: `eager`
 weights and, float32 on one thread, `small_gemm`'s kernel for up to 64 rows:
 the CPU default), `prepacked-1core` (the same with a single row kept on
 one core: `small_gemm` computes one row on two cores where it may),
+`prepacked-ungrouped` (the same with every linear its own product: q, k
+and v, and gate and up, are otherwise one product each),
 `prepacked-onednn` (the same without the kernel: oneDNN, and MKL for one row), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
 bandwidth measured here (a sum over a buffer larger than the caches, on the
 same threads), the least time a batch-1 step can take; the weights are
@@ -17,6 +19,7 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --device cuda --variants eager,compiled
     python bench/decode_step.py --dtype float32 --variants prepacked-onednn,prepacked
     python bench/decode_step.py --dtype float32 --batch 1 --variants prepacked-1core,prepacked
+    python bench/decode_step.py --dtype float32 --batch 1,8 --variants prepacked-ungrouped,prepacked
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
 from disagg.engine.backends import small_gemm  # noqa: E402
+from disagg.engine.backends import torch_backend  # noqa: E402
 from disagg.engine.backends.base import StepInputs  # noqa: E402
 from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
@@ -107,6 +111,18 @@ def few_row_kernel(enabled: bool):
         small_gemm.kernel = saved
 
 
+@contextlib.contextmanager
+def linear_groups(enabled: bool):
+    """While a backend is built: linears on the same input become one product only if enabled."""
+    saved = torch_backend.group_shared_inputs
+    if not enabled:
+        torch_backend.group_shared_inputs = lambda model, run: 0
+    try:
+        yield
+    finally:
+        torch_backend.group_shared_inputs = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -124,13 +140,13 @@ def main() -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
-    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
+    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "prepacked-ungrouped": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
     names = args.variants.split(",")
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
     for name in names:
         config = TorchBackendConfig(model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, **options[name])
-        with few_row_kernel(name != "prepacked-onednn"):
+        with few_row_kernel(name != "prepacked-onednn"), linear_groups(name != "prepacked-ungrouped"):
             backend = backends[name] = TorchBackend(config)
         started = time.perf_counter()
         backend.allocate_slots(max(batches))  # compiled: buckets from --batch-buckets

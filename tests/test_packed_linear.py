@@ -167,8 +167,18 @@ two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU:
 
 
 @pytest.fixture
-def splittable(monkeypatch):
-    """The kernel splitting every single row (the tests' weights are smaller than a
+def helper_computes():
+    """The caller of a split product computes one panel and leaves the rest to the
+    helper: it would otherwise take them all whenever the helper is slow to start."""
+    kernel = small_gemm.kernel()
+    kernel.limit_caller_panels(1)
+    yield kernel
+    kernel.limit_caller_panels(0)
+
+
+@pytest.fixture
+def splittable(monkeypatch, helper_computes):
+    """The kernel splitting every product (the tests' weights are smaller than a
     real model's), the panels of a 160 x 96 weight, and one row for them."""
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
     kernel = small_gemm.kernel()
@@ -178,25 +188,33 @@ def splittable(monkeypatch):
 @needs_kernel
 @two_cpus
 @pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (49, 7), (24, 256)])
-def test_a_single_row_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, monkeypatch):
-    # 24 outputs are one panel: nothing to split, the caller computes it alone.
+@pytest.mark.parametrize("caller_panels", [1, 0], ids=["helper-takes-the-rest", "as-the-threads-run"])
+def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, caller_panels, monkeypatch):
+    # 24 outputs are one panel: nothing to share, the caller computes it alone.
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # these weights are smaller than a real model's
     torch.manual_seed(0)
     kernel = small_gemm.kernel()
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     panels = kernel.pack(weight)
-    x = torch.randn(1, in_features)
 
-    def product(split: bool):
+    def product(x, split: bool):
         kernel.split_here(split)
         return kernel.product(x, panels, out_features, bias)
 
-    alone = in_new_thread(lambda: product(False))
-    before = kernel.helper_jobs()
-    split = in_new_thread(lambda: product(True))
-    assert torch.equal(split, alone)
-    assert kernel.helper_jobs() - before == (0 if out_features <= 24 else 1)
-    torch.testing.assert_close(split, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    kernel.limit_caller_panels(caller_panels)
+    try:
+        for rows in (1, 3, 8, 64):
+            x = torch.randn(rows, in_features)
+            alone = in_new_thread(lambda: product(x, False))
+            before = kernel.helper_jobs()
+            split = in_new_thread(lambda: product(x, True))
+            assert torch.equal(split, alone), rows
+            if caller_panels or out_features <= 24:  # else whether the helper got a share is the scheduler's
+                assert kernel.helper_jobs() - before == (0 if out_features <= 24 else 1), rows
+            want = torch.nn.functional.linear(x, weight, bias)
+            assert (split - want).abs().max() <= 1e-5 * want.abs().max(), rows
+    finally:
+        kernel.limit_caller_panels(0)
 
 
 @needs_kernel
@@ -296,18 +314,73 @@ def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkey
 
 
 @needs_kernel
-@pytest.mark.parametrize("split_rows", [False, True], ids=["one-core", "single-rows-on-two-cores"])
-def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_thread, split_rows, monkeypatch):
+@pytest.mark.parametrize("split_rows", [False, True], ids=["one-core", "products-on-two-cores"])
+def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_thread, split_rows, monkeypatch, helper_computes):
     # The tiny model's weights are below the size a row is split from: set it either way.
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0 if split_rows else 1 << 62)
     jobs_before = small_gemm.kernel().helper_jobs()
     ref = reference("llama")
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128)
     assert all(m.few_rows.dim() == 3 for m in backend.model.modules() if isinstance(m, PackedLinear))
+    for layer in backend.model.model.layers:  # q, k and v are one product, and gate and up another
+        attention, mlp = layer.self_attn, layer.mlp
+        assert attention.q_proj.shared is attention.k_proj.shared is attention.v_proj.shared is not None
+        assert mlp.gate_proj.shared is mlp.up_proj.shared is not None
+        assert attention.o_proj.shared is mlp.down_proj.shared is None
     backend.allocate_slots(4)
     max_new = [5, 9, 13, 21]
     out, _, _ = run_batch(backend, ref, PROMPTS, max_new, async_mode=True)
     for i, prompt in enumerate(PROMPTS):
         assert out[str(i)] == ref.greedy(prompt, max_new[i]), prompt
-    # The last steps decode one row (the longest request alone): split where the device thread may use two CPUs.
+    # Every product is shared with the helper where the device thread may use two CPUs.
     assert (small_gemm.kernel().helper_jobs() > jobs_before) == (split_rows and len(os.sched_getaffinity(0)) > 1)
+
+
+class ThreeHeads(torch.nn.Module):
+    """q, k and v read the same input, as in an attention; `out` reads another."""
+
+    def __init__(self, bias_of_k: bool):
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(96, 50), torch.nn.Linear(96, 24, bias=bias_of_k), torch.nn.Linear(96, 7, bias=False)
+        self.out = torch.nn.Linear(81, 96)
+
+    def forward(self, x):
+        return self.out(torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias_of_k", [False, True])
+def test_linears_on_the_same_input_are_one_product_with_each_members_own_bits(one_thread, bias_of_k, monkeypatch):
+    torch.manual_seed(0)
+    model = ThreeHeads(bias_of_k)
+    prepack_linears(model)
+    names = ("q", "k", "v")
+    kernel = small_gemm.kernel()
+    product = kernel.product
+
+    def alone(name, x):  # the member's own product, over its own panels
+        linear = getattr(model, name)
+        return product(x, linear.few_rows, linear.out_features, linear.bias)
+
+    inputs = [torch.randn(rows, 96) for rows in (1, 2, 5)]
+    with torch.inference_mode():
+        want = [{name: alone(name, x) for name in names} for x in inputs]
+        assert packed_linear.group_shared_inputs(model, lambda: model(inputs[0])) == 1
+        group = model.q.shared
+        assert group is model.k.shared is model.v.shared and model.out.shared is None
+        # The members' panels are views of the group's: the weights are not held twice.
+        assert {getattr(model, name).few_rows.untyped_storage().data_ptr() for name in names} == {group.panels.untyped_storage().data_ptr()}
+        products = []
+        monkeypatch.setattr(kernel, "product", lambda rows, panels, *rest: products.append(panels.shape[0]) or product(rows, panels, *rest))
+        for x, expected in zip(inputs, want):
+            for name in names:
+                assert torch.equal(getattr(model, name)(x), expected[name]), name
+        assert products == [5] * len(inputs)  # 3 + 1 + 1 panels: one product of the whole group per input
+        # Equal values in another tensor: the group's product is computed anew.
+        assert torch.equal(model.k(inputs[0].clone()), want[0]["k"]) and products == [5] * 4
+    # Outside inference mode a tensor counts its in-place changes: a member sees the change.
+    x = torch.randn(1, 96)
+    with torch.no_grad():
+        model.q(x)
+        x.mul_(2)
+        assert torch.equal(model.k(x), alone("k", x)) and products == [5] * 6  # q's product, then k's anew

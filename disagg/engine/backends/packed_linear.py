@@ -23,7 +23,9 @@ So each linear keeps the oneDNN-packed weight for the rows of a prefill, plus,
 for a decode step's few rows, the kernel's panels (float32, one torch thread,
 an AVX2 CPU with a C compiler) or else the transposed weight for one row.
 Both are copies; the original is dropped unless something else holds it (a
-tied embedding). float32 on any x86 CPU; bfloat16 where oneDNN packs it
+tied embedding). Linears that the model calls one after another on the same
+input (q, k and v; gate and up) are found at start-up (`group_shared_inputs`)
+and then read as one weight: one kernel call over their panels laid end to end. float32 on any x86 CPU; bfloat16 where oneDNN packs it
 (AVX-512 or AVX-NE-CONVERT; not on this AVX2 host, where bf16 keeps
 transformers' linears).
 """
@@ -31,6 +33,7 @@ transformers' linears).
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -70,6 +73,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("few_rows", few_rows, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
+        self.shared: SharedInput | None = None  # with the linears that read the same input, if any
 
     @property
     def weight(self) -> torch.Tensor:
@@ -81,6 +85,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.shared is not None and rows.shape[0] <= SMALL_ROWS and not torch.compiler.is_compiling():
+            return self.shared.output(self, x, rows).reshape(*x.shape[:-1], self.out_features)
         # Compiled, the product is one opaque call (Inductor would otherwise want
         # the packed weight as a frozen constant); eager, the plain function.
         product = torch.ops.disagg.packed_linear if torch.compiler.is_compiling() else packed_product
@@ -107,6 +113,82 @@ def _packed_linear_op(rows: torch.Tensor, packed: torch.Tensor, few_rows: torch.
 @_packed_linear_op.register_fake
 def _(rows, packed, few_rows, bias):
     return rows.new_empty(rows.shape[0], packed.shape[0])
+
+
+class SharedInput:
+    """Linears the model calls one after another on the same input tensor (q, k and v
+    of an attention; gate and up of an MLP): their panels laid end to end, so that
+    the first call computes every member's columns in one kernel call (one stream
+    of weights; on two cores where a row splits) and the others take their slice.
+
+    A member's columns come out the same bits as its own product: the kernel
+    computes each panel the same way wherever it stands, and a member without a
+    bias starts from 0. The product is kept for the input tensor it was computed
+    from; a member called on any other tensor, or on the same one modified in
+    place since (where the tensor counts its versions: not under inference mode,
+    where the start-up logits check stands for it), computes the group's product
+    anew (correct, only slower)."""
+
+    def __init__(self, members: list["PackedLinear"]):
+        counts = [member.few_rows.shape[0] for member in members]
+        self.panels = torch.cat([member.few_rows for member in members])  # [sum of the members' panels, in, 24]
+        self.width = self.panels.shape[0] * small_gemm.PANEL
+        self.columns: dict[int, tuple[int, int]] = {}  # id(member) -> (first column, out_features)
+        self.bias = self.panels.new_zeros(self.width) if any(member.bias is not None for member in members) else None
+        start = 0
+        for member, count in zip(members, counts):
+            member.few_rows = self.panels[start : start + count]  # a view: the separate copy is freed
+            member.shared = self
+            first = start * small_gemm.PANEL
+            self.columns[id(member)] = (first, member.out_features)
+            if member.bias is not None:
+                self.bias[first : first + member.out_features] = member.bias
+            start += count
+        # (input tensor, its version, the product): one attribute, replaced whole, so
+        # that a thread never reads another thread's product for its own input.
+        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+    def output(self, member: "PackedLinear", x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """member's product of rows (x reshaped), from the group's product of x."""
+        last, version = self._last, _version(x)
+        if last is None or last[0] is not x or last[1] != version:
+            last = self._last = (x, version, small_gemm.kernel().product(rows, self.panels, self.width, self.bias))
+        start, width = self.columns[id(member)]
+        return last[2][:, start : start + width].contiguous()
+
+
+def _version(x: torch.Tensor) -> int:
+    """How often x was modified in place; -1 for an inference tensor, which does not count."""
+    return -1 if x.is_inference() else x._version
+
+
+def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
+    """Groups the kernel-packed linears that `run` (a forward pass) calls one after
+    another on the same input tensor (see SharedInput); returns how many groups."""
+    calls: list[tuple[PackedLinear, torch.Tensor]] = []
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.few_rows.dim() == 3 and m.shared is None]
+    hooks = [m.register_forward_pre_hook(lambda module, args: calls.append((module, args[0]))) for m in linears]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    groups: list[list[PackedLinear]] = []
+    for (module, x), (previous, previous_x) in zip(calls[1:], calls[:-1]):
+        if x is previous_x and module.in_features == previous.in_features:
+            if groups and groups[-1][-1] is previous:
+                groups[-1].append(module)
+            else:
+                groups.append([previous, module])
+    seen: set[int] = set()
+    distinct = []
+    for group in groups:  # a module met twice (a shared layer, a second pass) joins one group only
+        if len({id(m) for m in group}) == len(group) and not seen & {id(m) for m in group}:
+            seen |= {id(m) for m in group}
+            distinct.append(group)
+    for group in distinct:
+        SharedInput(group)
+    return len(distinct)
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -120,37 +120,57 @@ void small_gemm(const float *x, long M, long K, const float *panels, long N, con
     panel_range(x, M, K, panels, N, bias, y, 0, (N + NR - 1) / NR);
 }
 
-/* The same product on two cores: a helper thread computes the second half of the
- * panels while the caller computes the first. Why: one row is bound by reading
- * the weights, and two cores of this host read 30 GB/s where one reads 18.
- * Each output column is computed exactly as small_gemm computes it, so the
- * result is the same bits.
+/* The same product on two cores: the caller and a helper thread share out the
+ * panels. Why: a decode step's product is bound by reading the weights (one
+ * row) or by the FMAs of one core (a few rows), and two cores of this host read
+ * 30 GB/s where one reads 18. Each output column is computed exactly as
+ * small_gemm computes it, whoever computes it, so the result is the same bits.
+ *
+ * The panels are claimed one at a time: the caller from the front, the helper
+ * from the back, until they meet. Neither waits for the other to start, so a
+ * helper that is slow to wake, or whose core is busy with another process (a
+ * prefill), costs the caller at most the one panel it is computing; the caller
+ * does the rest. Both claims and the job's number live in one 64-bit word,
+ * changed by compare-and-swap: a claim made for a finished job fails.
  *
  * The helper spins for up to SPIN_NS after each job (a decode step calls ~200
  * products tens of microseconds apart, and waking a sleeping thread costs more
  * than that), then sleeps until the next one. Both spins yield the CPU every
  * few microseconds, so when the scheduler puts the caller and the helper on one
- * core (the other one busy with a prefill) neither holds it for a time slice
- * while the other waits. One caller at a time: a second concurrent caller
- * computes alone. */
+ * core neither holds it for a time slice while the other waits. One caller at a
+ * time: a second concurrent caller computes alone. */
 #define SPIN_NS 2000000L
+
+/* The claims word: the job's ticket (bits 40-63), the next panel from the front
+ * (bits 20-39), one past the last unclaimed panel from the back (bits 0-19). */
+#define PANEL_BITS 20
+#define MAX_PANELS ((1L << PANEL_BITS) - 1)
+#define TICKET(w) ((w) >> (2 * PANEL_BITS))
+#define FRONT(w) (((w) >> PANEL_BITS) & MAX_PANELS)
+#define BACK(w) ((w) & MAX_PANELS)
+#define CLAIMS(ticket, front, back) (((unsigned long long)(ticket) << (2 * PANEL_BITS)) | ((unsigned long long)(front) << PANEL_BITS) | (unsigned long long)(back))
 
 static struct {
     const float *x, *panels, *bias;
     float *y;
-    long M, K, N, first, last;
-    int adopt_cpus; /* a new caller: the helper first moves to the caller's CPUs */
-    cpu_set_t cpus;
+    long M, K, N;
 } job;
+static _Atomic unsigned long long claims;
+static atomic_long helper_done; /* panels of the current job the helper has finished */
 /* Callers by a number of their own (thread-local: a pthread_t is reused once its thread ends). */
 static __thread long caller_id;
 static atomic_long callers;
-static long last_caller_id; /* whose CPUs the helper has */
-static atomic_long posted, finished, helper_jobs;
+static long last_caller_id; /* whose CPUs the helper has been given */
+/* The CPUs the helper should run on, and a count of changes to them (under cpus_lock). */
+static cpu_set_t helper_cpus;
+static long cpus_changes;
+static pthread_mutex_t cpus_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_long posted, helper_jobs;
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
 static int helper_state; /* 0: not started, 1: running, -1: could not start */
+static long caller_panel_limit = MAX_PANELS; /* tests: the caller leaves the rest to the helper */
 static pthread_t helper_thread;
 
 /* Every SPIN_CHECK pauses (a few microseconds) a spinning thread yields and checks the clock. */
@@ -162,9 +182,32 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
+/* Claims one panel of job `ticket` from the front (caller) or the back (helper); -1 when none is left. */
+static long claim(unsigned long long ticket, int from_back) {
+    unsigned long long word = atomic_load_explicit(&claims, memory_order_acquire);
+    for (;;) {
+        unsigned long long front = FRONT(word), back = BACK(word);
+        if (TICKET(word) != ticket || front >= back)
+            return -1;
+        unsigned long long next = from_back ? CLAIMS(ticket, front, back - 1) : CLAIMS(ticket, front + 1, back);
+        if (atomic_compare_exchange_weak_explicit(&claims, &word, next, memory_order_acq_rel, memory_order_acquire))
+            return from_back ? (long)back - 1 : (long)front;
+    }
+}
+
+/* Moves the helper to the CPUs its caller was last given, if they changed. */
+static void follow_caller_cpus(long *applied) {
+    pthread_mutex_lock(&cpus_lock);
+    if (*applied != cpus_changes) {
+        pthread_setaffinity_np(pthread_self(), sizeof helper_cpus, &helper_cpus);
+        *applied = cpus_changes;
+    }
+    pthread_mutex_unlock(&cpus_lock);
+}
+
 static void *helper(void *unused) {
     (void)unused;
-    long seen = 0;
+    long seen = 0, applied_cpus = 0;
     for (;;) {
         long spin_until = now_ns() + SPIN_NS;
         for (long spins = 1; atomic_load_explicit(&posted, memory_order_acquire) == seen; spins++) {
@@ -180,11 +223,18 @@ static void *helper(void *unused) {
             }
         }
         seen = atomic_load_explicit(&posted, memory_order_acquire);
-        if (job.adopt_cpus)
-            pthread_setaffinity_np(pthread_self(), sizeof job.cpus, &job.cpus);
-        panel_range(job.x, job.M, job.K, job.panels, job.N, job.bias, job.y, job.first, job.last);
-        atomic_fetch_add_explicit(&helper_jobs, 1, memory_order_relaxed);
-        atomic_store_explicit(&finished, seen, memory_order_release);
+        follow_caller_cpus(&applied_cpus);
+        /* The job is the one `posted` announced or a later one: claims carry their own ticket. */
+        unsigned long long ticket = TICKET(atomic_load_explicit(&claims, memory_order_acquire));
+        long panel, computed = 0;
+        while ((panel = claim(ticket, 1)) >= 0) {
+            /* The job cannot change under a claimed panel: its caller waits for it. */
+            panel_range(job.x, job.M, job.K, job.panels, job.N, job.bias, job.y, panel, panel + 1);
+            computed++;
+            atomic_fetch_add_explicit(&helper_done, 1, memory_order_release);
+        }
+        if (computed)
+            atomic_fetch_add_explicit(&helper_jobs, 1, memory_order_relaxed);
     }
     return 0;
 }
@@ -193,20 +243,38 @@ static void *helper(void *unused) {
 static void forget_helper_in_child(void) {
     helper_state = 0;
     last_caller_id = 0;
+    cpus_changes = 0;
     atomic_store(&posted, 0);
-    atomic_store(&finished, 0);
+    atomic_store(&claims, 0);
+    atomic_store(&helper_done, 0);
     atomic_store(&helper_jobs, 0);
     pthread_mutex_init(&sleep_lock, 0);
     pthread_mutex_init(&caller_lock, 0);
+    pthread_mutex_init(&cpus_lock, 0);
     pthread_cond_init(&wake, 0);
 }
 
 static void register_fork_handler(void) { pthread_atfork(0, 0, forget_helper_in_child); }
 
-/* Returns 1 if the product ran on two cores, 0 if the caller computed it alone. */
+/* Gives the helper the calling thread's CPUs when the caller is another thread than last time
+ * (a worker pins its model thread with --device-cpus after start-up, when the helper may
+ * already have been started from another thread). */
+static void give_helper_my_cpus(void) {
+    if (caller_id == 0)
+        caller_id = atomic_fetch_add(&callers, 1) + 1;
+    if (caller_id == last_caller_id)
+        return;
+    last_caller_id = caller_id;
+    pthread_mutex_lock(&cpus_lock);
+    if (pthread_getaffinity_np(pthread_self(), sizeof helper_cpus, &helper_cpus) == 0)
+        cpus_changes++;
+    pthread_mutex_unlock(&cpus_lock);
+}
+
+/* Returns 1 if the helper was offered a share of the product, 0 if the caller computed it alone. */
 int small_gemm_split(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y) {
-    long count = (N + NR - 1) / NR, half = count / 2;
-    if (half == 0 || pthread_mutex_trylock(&caller_lock) != 0) {
+    long count = (N + NR - 1) / NR;
+    if (count < 2 || count > MAX_PANELS || pthread_mutex_trylock(&caller_lock) != 0) {
         small_gemm(x, M, K, panels, N, bias, y);
         return 0;
     }
@@ -222,25 +290,22 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
         small_gemm(x, M, K, panels, N, bias, y);
         return 0;
     }
+    give_helper_my_cpus();
     job.x = x, job.M = M, job.K = K, job.panels = panels, job.N = N, job.bias = bias, job.y = y;
-    job.first = half, job.last = count;
-    /* The helper runs where its caller may run (a worker pins its model thread with
-     * --device-cpus after start-up, where the helper may have been started): the
-     * caller's CPUs as they are at its first split after another thread's. */
-    if (caller_id == 0)
-        caller_id = atomic_fetch_add(&callers, 1) + 1;
-    job.adopt_cpus = caller_id != last_caller_id;
-    if (job.adopt_cpus) {
-        job.adopt_cpus = pthread_getaffinity_np(pthread_self(), sizeof job.cpus, &job.cpus) == 0;
-        last_caller_id = caller_id;
-    }
-    long ticket = atomic_load_explicit(&posted, memory_order_relaxed) + 1;
-    atomic_store_explicit(&posted, ticket, memory_order_release);
+    atomic_store_explicit(&helper_done, 0, memory_order_relaxed);
+    unsigned long long ticket = (TICKET(atomic_load_explicit(&claims, memory_order_relaxed)) + 1) & ((1ULL << (64 - 2 * PANEL_BITS)) - 1);
+    atomic_store_explicit(&claims, CLAIMS(ticket, 0, count), memory_order_release); /* publishes the job */
+    atomic_fetch_add_explicit(&posted, 1, memory_order_release);
     pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks `posted` under this lock */
     pthread_cond_signal(&wake);
     pthread_mutex_unlock(&sleep_lock);
-    panel_range(x, M, K, panels, N, bias, y, 0, half);
-    for (long spins = 1; atomic_load_explicit(&finished, memory_order_acquire) != ticket; spins++) {
+    long panel, mine = 0;
+    while (mine < caller_panel_limit && (panel = claim(ticket, 0)) >= 0) {
+        panel_range(x, M, K, panels, N, bias, y, panel, panel + 1);
+        mine++;
+    }
+    /* Every panel is claimed, or left to the helper: wait for the helper's. */
+    for (long spins = 1; atomic_load_explicit(&helper_done, memory_order_acquire) != count - mine; spins++) {
         _mm_pause();
         if (spins % SPIN_CHECK == 0)
             sched_yield();
@@ -249,7 +314,11 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
     return 1;
 }
 
-/* How many halves the helper thread has computed (for tests). */
+/* Tests: the caller of a split product computes at most `panels` of it (0: no limit), so
+ * that the helper computes the rest whatever the scheduler does. */
+void small_gemm_limit_caller_panels(long panels) { caller_panel_limit = panels > 0 ? panels : MAX_PANELS; }
+
+/* How many products the helper thread has computed a share of (for tests). */
 long small_gemm_helper_jobs(void) { return atomic_load(&helper_jobs); }
 
 /* The CPUs (0-63, a bit each) the helper thread may run on, 0 before it starts (for tests). */

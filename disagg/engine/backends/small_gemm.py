@@ -29,22 +29,25 @@ log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 PANEL = 24  # NR in small_gemm.c: output columns per panel
-# A single row is split across two cores from this weight size up: SmolLM-135M's
-# q, o, gate, up, down and LM head (1.3-113 MB) are; its k and v (442 KB, 5% of
-# the bytes) and the test suite's tiny models are not, as handing half of a small
-# weight to the helper costs about what reading it does, and the helper then
-# spins on a core that other processes want.
+# A product is shared between two cores from this weight size up: SmolLM-135M's
+# q, o, gate, up, down and LM head (1.3-113 MB) are; its k and v alone (442 KB,
+# 5% of the bytes; shared with q where `packed_linear` groups them) and the test
+# suite's tiny models are not, as handing part of a small weight to the helper
+# costs about what reading it does, and the helper then spins on a core that
+# other processes want.
 SPLIT_MIN_BYTES = 1 << 20
 
 
 class SmallGemm:
     """The loaded kernel: `pack` once per weight, then `product` per call.
 
-    A single row (a decode step of one sequence: bound by reading the weights)
-    times a weight of SPLIT_MIN_BYTES or more is computed on two cores, the
-    caller's and a helper thread's, when the calling thread may run on more
-    than one CPU (`small_gemm_split`; the same bits). A thread pinned to one CPU
-    (`--device-cpus`) keeps it to that CPU.
+    A product with a weight of SPLIT_MIN_BYTES or more is computed on two cores,
+    the caller's and a helper thread's, when the calling thread may run on more
+    than one CPU (`small_gemm_split`; the same bits). One row is bound by reading
+    the weights, and two cores read faster than one; a few rows are bound by one
+    core's FMAs. The two threads claim panels one at a time, so a helper whose
+    core is busy (a prefill beside the decode) leaves its share to the caller.
+    A thread pinned to one CPU (`--device-cpus`) keeps its products on that CPU.
     """
 
     def __init__(self, library: ctypes.CDLL):
@@ -57,11 +60,18 @@ class SmallGemm:
         self._helper_jobs.argtypes, self._helper_jobs.restype = [], ctypes.c_long
         self._helper_cpus = library.small_gemm_helper_cpus
         self._helper_cpus.argtypes, self._helper_cpus.restype = [], ctypes.c_ulonglong
+        self._limit_caller_panels = library.small_gemm_limit_caller_panels
+        self._limit_caller_panels.argtypes, self._limit_caller_panels.restype = [ctypes.c_long], None
         self._thread = threading.local()  # per calling thread: whether it may run on more than one CPU
 
     def helper_jobs(self) -> int:
         """How many products' halves the helper thread has computed so far."""
         return self._helper_jobs()
+
+    def limit_caller_panels(self, panels: int) -> None:
+        """Tests: the caller of a split product computes at most this many panels
+        (0: no limit) and the helper the rest, whenever it gets a core."""
+        self._limit_caller_panels(panels)
 
     def helper_cpus(self) -> set[int]:
         """The CPUs (below 64) the helper thread may run on: its last caller's; empty before it starts."""
@@ -69,11 +79,11 @@ class SmallGemm:
         return {cpu for cpu in range(64) if mask >> cpu & 1}
 
     def split_here(self, allowed: bool) -> None:
-        """Overrides, for the calling thread, whether its single rows use two cores (benchmarks, tests)."""
+        """Overrides, for the calling thread, whether its products use two cores (benchmarks, tests)."""
         self._thread.splits = allowed
 
     def splits_here(self) -> bool:
-        """Whether a row from this thread is computed on two cores: it may run on more
+        """Whether a product from this thread is computed on two cores: it may run on more
         than one CPU (read once per thread: a worker pins its device thread before its first step)."""
         answer = getattr(self._thread, "splits", None)
         if answer is None:
@@ -98,7 +108,7 @@ class SmallGemm:
         if not fits or rows.dtype != torch.float32 or not panels.is_contiguous():
             raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)}")
         out = torch.empty(n, out_features, dtype=torch.float32)
-        call = self._split if n == 1 and panels.numel() * 4 >= SPLIT_MIN_BYTES and self.splits_here() else self._call
+        call = self._split if panels.numel() * 4 >= SPLIT_MIN_BYTES and self.splits_here() else self._call
         call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
 

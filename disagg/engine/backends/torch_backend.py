@@ -20,7 +20,7 @@ from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
 from . import architectures, row_masks
 from .compiled import CompiledDecode
-from .packed_linear import SMALL_ROWS, can_prepack, prepack_linears
+from .packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
 from .slot_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
 
@@ -108,6 +108,9 @@ class TorchBackend(Backend):
         prompts = ([0], [0, 1, 2, 3], [0] * min(SMALL_ROWS + 1, self.info.max_seq_len))
         plain = [self.prefill_logits(prompt, lambda *kv: None) for prompt in prompts]
         log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model))
+        groups = group_shared_inputs(self.model, lambda: self.prefill_logits([0], lambda *kv: None))
+        if groups:
+            log.info("%d groups of linear layers read the same input: each group is one product", groups)
         if any(far_apart(before, self.prefill_logits(prompt, lambda *kv: None)) for before, prompt in zip(plain, prompts)):
             architectures.refuse(self.model.config, "its logits change with prepacked linear layers (run with --no-prepack)")
 
