@@ -5,8 +5,8 @@ model over the slots, then greedy sampling) with every row at `--context`
 positions, for each of `--variants`, measured interleaved: `eager`
 (transformers' linears, MKL), `prepacked` (eager with `packed_linear`'s
 weights and, float32 on one thread, `small_gemm`'s kernel for up to 64 rows:
-the CPU default), `prepacked-1core` (the same with a single row kept on
-one core: `small_gemm` computes one row on two cores where it may),
+the CPU default), `prepacked-1core` (the same with every product kept on
+one core: `small_gemm` shares its products with a second core where it may),
 `prepacked-ungrouped` (the same with every linear its own product: q, k
 and v, and gate and up, are otherwise one product each),
 `prepacked-onednn` (the same without the kernel: oneDNN, and MKL for one row), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
@@ -159,7 +159,7 @@ def main() -> None:
     result = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {}}
     print(f"weights {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: roofline {roofline * 1e3:.2f} ms per step")
     if device.type == "cpu" and args.threads == 1 and len(os.sched_getaffinity(0)) > 1:
-        # small_gemm computes a single row on two cores: its roofline is what two cores read.
+        # small_gemm shares a product between two cores: a one-row step's roofline is what two cores read.
         torch.set_num_threads(2)
         two_cores = read_bandwidth(device)
         torch.set_num_threads(1)

@@ -16,8 +16,9 @@ SmolLM-135M layers whose weights do not fit in the caches; docs/benchmarks.md):
 - Faster still, from 1 to 64 rows on one thread, is the project's own float32
   kernel (`small_gemm.c`): the weight packed in panels read as one stream,
   4 rows at a time from L1. 30 SmolLM layers' linears: 1.3-1.5x oneDNN's
-  speed at 1 row, 1.6x at 8 and 16, 1.1-1.2x at 64. A single row is split
-  across two cores where the calling thread may use two (1.5x faster again).
+  speed at 1 row, 1.6x at 8 and 16, 1.1-1.2x at 64. Each product is shared
+  between two cores where the calling thread may use two (1.2-1.5x faster
+  again).
 
 So each linear keeps the oneDNN-packed weight for the rows of a prefill, plus,
 for a decode step's few rows, the kernel's panels (float32, one torch thread,
@@ -119,7 +120,7 @@ class SharedInput:
     """Linears the model calls one after another on the same input tensor (q, k and v
     of an attention; gate and up of an MLP): their panels laid end to end, so that
     the first call computes every member's columns in one kernel call (one stream
-    of weights; on two cores where a row splits) and the others take their slice.
+    of weights) and the others take their slice.
 
     A member's columns come out the same bits as its own product: the kernel
     computes each panel the same way wherever it stands, and a member without a
