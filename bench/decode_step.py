@@ -5,8 +5,10 @@ model over the slots, then greedy sampling) with every row at `--context`
 positions, for each of `--variants`, measured interleaved: `eager`
 (transformers' linears, MKL), `prepacked` (eager with `packed_linear`'s
 weights and, float32 on one thread, `small_gemm`'s kernel for up to 64 rows:
-the CPU default), `prepacked-1core` (the same with every product kept on
-one core: `small_gemm` shares its products with a second core where it may),
+the CPU default), `prepacked-1core` (the same with a single row kept on
+one core: `small_gemm` computes one row on two cores where it may),
+`prepacked-shared` (the same with every product of up to 64 rows on two
+cores, not only single rows),
 `prepacked-ungrouped` (the same with every linear its own product: q, k
 and v, and gate and up, are otherwise one product each),
 `prepacked-onednn` (the same without the kernel: oneDNN, and MKL for one row), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
@@ -20,6 +22,7 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --dtype float32 --variants prepacked-onednn,prepacked
     python bench/decode_step.py --dtype float32 --batch 1 --variants prepacked-1core,prepacked
     python bench/decode_step.py --dtype float32 --batch 1,8 --variants prepacked-ungrouped,prepacked
+    python bench/decode_step.py --dtype float32 --batch 2,8,16 --variants prepacked,prepacked-shared
 """
 
 from __future__ import annotations
@@ -89,10 +92,11 @@ def step_inputs(batch: int, context: int, vocab: int, device: torch.device) -> S
     )
 
 
-def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device, one_core: bool = False) -> float:
+def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device, one_core: bool = False, shared_rows: int = 1) -> float:
     kernel = small_gemm.kernel()
     if kernel is not None:
         kernel.split_here(not one_core)
+    small_gemm.SPLIT_MAX_ROWS = shared_rows
     sync(device)
     started = time.perf_counter()
     backend.decode_step(inputs).token_ids.tolist()  # the host reads the tokens, as the batcher does
@@ -140,7 +144,7 @@ def main() -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
-    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "prepacked-ungrouped": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
+    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "prepacked-ungrouped": dict(compile=False, prepack=True), "prepacked-shared": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
     names = args.variants.split(",")
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
@@ -159,7 +163,7 @@ def main() -> None:
     result = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {}}
     print(f"weights {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: roofline {roofline * 1e3:.2f} ms per step")
     if device.type == "cpu" and args.threads == 1 and len(os.sched_getaffinity(0)) > 1:
-        # small_gemm shares a product between two cores: a one-row step's roofline is what two cores read.
+        # small_gemm computes a single row on two cores: its roofline is what two cores read.
         torch.set_num_threads(2)
         two_cores = read_bandwidth(device)
         torch.set_num_threads(1)
@@ -174,7 +178,7 @@ def main() -> None:
             time_step(backend, inputs, device)  # warm
         for _ in range(args.repeats):
             for name, backend in backends.items():
-                times[name].append(time_step(backend, inputs, device, one_core=name == "prepacked-1core"))
+                times[name].append(time_step(backend, inputs, device, one_core=name == "prepacked-1core", shared_rows=64 if name == "prepacked-shared" else 1))
         medians = {name: statistics.median(times[name]) for name in names}
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
         cells = [f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)" for name, median in medians.items()]

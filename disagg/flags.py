@@ -43,7 +43,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pin the thread that runs the model (and torch's compute threads) to these CPUs, e.g. 1 or 2-3; "
         "gRPC and KV receive stay on the process's other CPUs, as host work does beside an accelerator; "
-        "pinned to one CPU, the few-row kernel no longer shares its products with a second core",
+        "pinned to one CPU, the few-row kernel no longer splits a single-row step across two cores",
     )
     parser.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
     parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"), help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")

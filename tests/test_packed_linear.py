@@ -192,6 +192,7 @@ def splittable(monkeypatch, helper_computes):
 def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, caller_panels, monkeypatch):
     # 24 outputs are one panel: nothing to share, the caller computes it alone.
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # these weights are smaller than a real model's
+    monkeypatch.setattr(small_gemm, "SPLIT_MAX_ROWS", 64)  # the C side shares any number of rows
     torch.manual_seed(0)
     kernel = small_gemm.kernel()
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
@@ -314,7 +315,7 @@ def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkey
 
 
 @needs_kernel
-@pytest.mark.parametrize("split_rows", [False, True], ids=["one-core", "products-on-two-cores"])
+@pytest.mark.parametrize("split_rows", [False, True], ids=["one-core", "single-rows-on-two-cores"])
 def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_thread, split_rows, monkeypatch, helper_computes):
     # The tiny model's weights are below the size a row is split from: set it either way.
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0 if split_rows else 1 << 62)
@@ -332,7 +333,7 @@ def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_th
     out, _, _ = run_batch(backend, ref, PROMPTS, max_new, async_mode=True)
     for i, prompt in enumerate(PROMPTS):
         assert out[str(i)] == ref.greedy(prompt, max_new[i]), prompt
-    # Every product is shared with the helper where the device thread may use two CPUs.
+    # The last steps decode one row (the longest request alone): shared where the device thread may use two CPUs.
     assert (small_gemm.kernel().helper_jobs() > jobs_before) == (split_rows and len(os.sched_getaffinity(0)) > 1)
 
 

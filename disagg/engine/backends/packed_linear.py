@@ -16,9 +16,8 @@ SmolLM-135M layers whose weights do not fit in the caches; docs/benchmarks.md):
 - Faster still, from 1 to 64 rows on one thread, is the project's own float32
   kernel (`small_gemm.c`): the weight packed in panels read as one stream,
   4 rows at a time from L1. 30 SmolLM layers' linears: 1.3-1.5x oneDNN's
-  speed at 1 row, 1.6x at 8 and 16, 1.1-1.2x at 64. Each product is shared
-  between two cores where the calling thread may use two (1.2-1.5x faster
-  again).
+  speed at 1 row, 1.6x at 8 and 16, 1.1-1.2x at 64. A single row is shared
+  between two cores where the calling thread may use two (1.5x faster again).
 
 So each linear keeps the oneDNN-packed weight for the rows of a prefill, plus,
 for a decode step's few rows, the kernel's panels (float32, one torch thread,

@@ -36,18 +36,26 @@ PANEL = 24  # NR in small_gemm.c: output columns per panel
 # costs about what reading it does, and the helper then spins on a core that
 # other processes want.
 SPLIT_MIN_BYTES = 1 << 20
+# Products of up to this many rows are shared. Only one: a step of one sequence
+# leaves the other core idle but for the next prompt's prefill. Sharing every
+# product (2-64 rows) made a decode step 1.2-1.27x faster alone in its process,
+# but `disagg serve` slower under load, where the prefill worker needs that
+# core: at 16-64 streams, fewer tokens/s and TTFT p50 at 32 streams 8.0 s
+# against 4.6-5.9 (docs/benchmarks.md). Benchmarks and tests raise it.
+SPLIT_MAX_ROWS = 1
 
 
 class SmallGemm:
     """The loaded kernel: `pack` once per weight, then `product` per call.
 
-    A product with a weight of SPLIT_MIN_BYTES or more is computed on two cores,
-    the caller's and a helper thread's, when the calling thread may run on more
-    than one CPU (`small_gemm_split`; the same bits). One row is bound by reading
-    the weights, and two cores read faster than one; a few rows are bound by one
-    core's FMAs. The two threads claim panels one at a time, so a helper whose
-    core is busy (a prefill beside the decode) leaves its share to the caller.
-    A thread pinned to one CPU (`--device-cpus`) keeps its products on that CPU.
+    A single row (SPLIT_MAX_ROWS: a decode step of one sequence, bound by
+    reading the weights) times a weight of SPLIT_MIN_BYTES or more is computed
+    on two cores, the caller's and a helper thread's, when the calling thread
+    may run on more than one CPU (`small_gemm_split`; the same bits: two cores
+    read faster than one). The two threads claim panels one at a time, so a
+    helper whose core is busy (a prefill beside the decode) leaves its share to
+    the caller. A thread pinned to one CPU (`--device-cpus`) keeps its rows on
+    that CPU.
     """
 
     def __init__(self, library: ctypes.CDLL):
@@ -79,11 +87,11 @@ class SmallGemm:
         return {cpu for cpu in range(64) if mask >> cpu & 1}
 
     def split_here(self, allowed: bool) -> None:
-        """Overrides, for the calling thread, whether its products use two cores (benchmarks, tests)."""
+        """Overrides, for the calling thread, whether its single rows use two cores (benchmarks, tests)."""
         self._thread.splits = allowed
 
     def splits_here(self) -> bool:
-        """Whether a product from this thread is computed on two cores: it may run on more
+        """Whether a row from this thread is computed on two cores: it may run on more
         than one CPU (read once per thread: a worker pins its device thread before its first step)."""
         answer = getattr(self._thread, "splits", None)
         if answer is None:
@@ -108,7 +116,7 @@ class SmallGemm:
         if not fits or rows.dtype != torch.float32 or not panels.is_contiguous():
             raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)}")
         out = torch.empty(n, out_features, dtype=torch.float32)
-        call = self._split if panels.numel() * 4 >= SPLIT_MIN_BYTES and self.splits_here() else self._call
+        call = self._split if n <= SPLIT_MAX_ROWS and panels.numel() * 4 >= SPLIT_MIN_BYTES and self.splits_here() else self._call
         call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
 
