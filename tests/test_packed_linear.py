@@ -361,9 +361,9 @@ def test_linears_on_the_same_input_are_one_product_with_each_members_own_bits(on
 
     def alone(name, x):  # the member's own product, over its own panels
         linear = getattr(model, name)
-        return product(x, linear.few_rows, linear.out_features, linear.bias)
+        return product(x.reshape(-1, 96), linear.few_rows, linear.out_features, linear.bias).reshape(*x.shape[:-1], -1)
 
-    inputs = [torch.randn(rows, 96) for rows in (1, 2, 5)]
+    inputs = [torch.randn(1, 96), torch.randn(1, 1, 96), torch.randn(5, 96)]
     with torch.inference_mode():
         want = [{name: alone(name, x) for name in names} for x in inputs]
         assert packed_linear.group_shared_inputs(model, lambda: model(inputs[0])) == 1
@@ -376,12 +376,13 @@ def test_linears_on_the_same_input_are_one_product_with_each_members_own_bits(on
         for x, expected in zip(inputs, want):
             for name in names:
                 assert torch.equal(getattr(model, name)(x), expected[name]), name
-        assert products == [5] * len(inputs)  # 3 + 1 + 1 panels: one product of the whole group per input
+        # A single row: one product of the whole group (3 + 1 + 1 panels); more rows: one a member.
+        assert products == [5, 5, 3, 1, 1]
         # Equal values in another tensor: the group's product is computed anew.
-        assert torch.equal(model.k(inputs[0].clone()), want[0]["k"]) and products == [5] * 4
+        assert torch.equal(model.k(inputs[0].clone()), want[0]["k"]) and products[5:] == [5]
     # Outside inference mode a tensor counts its in-place changes: a member sees the change.
     x = torch.randn(1, 96)
     with torch.no_grad():
         model.q(x)
         x.mul_(2)
-        assert torch.equal(model.k(x), alone("k", x)) and products == [5] * 6  # q's product, then k's anew
+        assert torch.equal(model.k(x), alone("k", x)) and products[6:] == [5, 5]  # q's product, then k's anew
