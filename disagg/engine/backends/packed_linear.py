@@ -170,7 +170,8 @@ def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
     another on the same input tensor (see SharedInput); returns how many groups."""
     calls: list[tuple[PackedLinear, torch.Tensor]] = []
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.few_rows.dim() == 3 and m.shared is None]
-    hooks = [m.register_forward_pre_hook(lambda module, args: calls.append((module, args[0]))) for m in linears]
+    # A linear called with its input as a keyword shows no positional argument: it joins no group.
+    hooks = [m.register_forward_pre_hook(lambda module, args: calls.append((module, args[0] if args else None))) for m in linears]
     try:
         run()
     finally:
@@ -178,7 +179,7 @@ def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
             hook.remove()
     groups: list[list[PackedLinear]] = []
     for (module, x), (previous, previous_x) in zip(calls[1:], calls[:-1]):
-        if x is previous_x and module.in_features == previous.in_features:
+        if x is not None and x is previous_x and module.in_features == previous.in_features:
             if groups and groups[-1][-1] is previous:
                 groups[-1].append(module)
             else:
