@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 PANEL = 24  # NR in small_gemm.c: output columns per panel
-# A product is shared between two cores from this weight size up: SmolLM-135M's
+# A row's product is shared between two cores from this weight size up: SmolLM-135M's
 # q, o, gate, up, down and LM head (1.3-113 MB) are; its k and v alone (442 KB,
 # 5% of the bytes; shared with q where `packed_linear` groups them) and the test
 # suite's tiny models are not, as handing part of a small weight to the helper
@@ -38,10 +38,10 @@ PANEL = 24  # NR in small_gemm.c: output columns per panel
 SPLIT_MIN_BYTES = 1 << 20
 # Products of up to this many rows are shared. Only one: a step of one sequence
 # leaves the other core idle but for the next prompt's prefill. Sharing every
-# product (2-64 rows) made a decode step 1.2-1.27x faster alone in its process,
-# but `disagg serve` slower under load, where the prefill worker needs that
-# core: at 16-64 streams, fewer tokens/s and TTFT p50 at 32 streams 8.0 s
-# against 4.6-5.9 (docs/benchmarks.md). Benchmarks and tests raise it.
+# product (2-64 rows) made a decode step 1.2-1.28x faster alone in its process,
+# but in `disagg serve`, where the prefill worker needs that core under load, it
+# gave fewer tokens/s at 32 and 64 streams than single rows, and TTFT p50 at 32
+# streams over vLLM's (docs/benchmarks.md). Benchmarks and tests raise it.
 SPLIT_MAX_ROWS = 1
 
 
@@ -73,7 +73,7 @@ class SmallGemm:
         self._thread = threading.local()  # per calling thread: whether it may run on more than one CPU
 
     def helper_jobs(self) -> int:
-        """How many products' halves the helper thread has computed so far."""
+        """How many products the helper thread has computed a share of so far."""
         return self._helper_jobs()
 
     def limit_caller_panels(self, panels: int) -> None:
