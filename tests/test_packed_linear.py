@@ -380,9 +380,14 @@ def test_linears_on_the_same_input_are_one_product_with_each_members_own_bits(on
         assert products == [5, 5, 3, 1, 1]
         # Equal values in another tensor: the group's product is computed anew.
         assert torch.equal(model.k(inputs[0].clone()), want[0]["k"]) and products[5:] == [5]
+        # A member called again on the tensor it took its slice of (a buffer the model refills
+        # in place, under inference mode, would look the same): computed anew.
+        x = inputs[1]
+        assert torch.equal(model.q(x), want[1]["q"]) and torch.equal(model.q(x), want[1]["q"]) and products[6:] == [5, 5]
+        assert torch.equal(model.k(x), want[1]["k"]) and torch.equal(model.v(x), want[1]["v"]) and products[8:] == []
     # Outside inference mode a tensor counts its in-place changes: a member sees the change.
     x = torch.randn(1, 96)
     with torch.no_grad():
         model.q(x)
         x.mul_(2)
-        assert torch.equal(model.k(x), alone("k", x)) and products[6:] == [5, 5]  # q's product, then k's anew
+        assert torch.equal(model.k(x), alone("k", x)) and products[8:] == [5, 5]  # q's product, then k's anew

@@ -24,8 +24,9 @@ for a decode step's few rows, the kernel's panels (float32, one torch thread,
 an AVX2 CPU with a C compiler) or else the transposed weight for one row.
 Both are copies; the original is dropped unless something else holds it (a
 tied embedding). Linears that the model calls one after another on the same
-input (q, k and v; gate and up) are found at start-up (`group_shared_inputs`)
-and then read as one weight: one kernel call over their panels laid end to end. float32 on any x86 CPU; bfloat16 where oneDNN packs it
+input (q, k and v; gate and up) are found at start-up (`group_shared_inputs`),
+and a single row reads them as one weight: one kernel call over their panels
+laid end to end. float32 on any x86 CPU; bfloat16 where oneDNN packs it
 (AVX-512 or AVX-NE-CONVERT; not on this AVX2 host, where bf16 keeps
 transformers' linears).
 """
@@ -74,6 +75,7 @@ class PackedLinear(nn.Module):
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.shared: SharedInput | None = None  # with the linears that read the same input, if any
+        self.shared_start = 0  # this linear's first column in the group's product
 
     @property
     def weight(self) -> torch.Tensor:
@@ -85,12 +87,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.shared is not None and rows.shape[0] == 1 and not torch.compiler.is_compiling():
-            return self.shared.output(self, x, rows).reshape(*x.shape[:-1], self.out_features)
-        # Compiled, the product is one opaque call (Inductor would otherwise want
-        # the packed weight as a frozen constant); eager, the plain function.
-        product = torch.ops.disagg.packed_linear if torch.compiler.is_compiling() else packed_product
-        return product(rows, self.packed, self.few_rows, self.bias).reshape(*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling():
+            # One opaque call (Inductor would otherwise want the packed weight as a frozen constant).
+            out = torch.ops.disagg.packed_linear(rows, self.packed, self.few_rows, self.bias)
+        elif self.shared is not None and rows.shape[0] == 1:
+            out = self.shared.output(self, x, rows)
+        else:
+            out = packed_product(rows, self.packed, self.few_rows, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def packed_product(rows: torch.Tensor, packed: torch.Tensor, few_rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -127,37 +131,40 @@ class SharedInput:
     A member's columns come out the same bits as its own product: the kernel
     computes each panel the same way wherever it stands, and a member without a
     bias starts from 0. The product is kept for the input tensor it was computed
-    from; a member called on any other tensor, or on the same one modified in
-    place since (where the tensor counts its versions: not under inference mode,
-    where the start-up logits check stands for it), computes the group's product
-    anew (correct, only slower)."""
+    from, until every other member has taken its slice once; a member called on
+    any other tensor, a second time, or on the same tensor modified in place
+    since (where the tensor counts its versions: not under inference mode, where
+    the start-up logits check stands for it), computes the group's product anew
+    (correct, only slower)."""
 
     def __init__(self, members: list["PackedLinear"]):
-        counts = [member.few_rows.shape[0] for member in members]
         self.panels = torch.cat([member.few_rows for member in members])  # [sum of the members' panels, in, 24]
         self.width = self.panels.shape[0] * small_gemm.PANEL
-        self.columns: dict[int, tuple[int, int]] = {}  # id(member) -> (first column, out_features)
         self.bias = self.panels.new_zeros(self.width) if any(member.bias is not None for member in members) else None
+        self.members = frozenset(members)
         start = 0
-        for member, count in zip(members, counts):
+        for member in members:
+            count = member.few_rows.shape[0]
             member.few_rows = self.panels[start : start + count]  # a view: the separate copy is freed
-            member.shared = self
-            first = start * small_gemm.PANEL
-            self.columns[id(member)] = (first, member.out_features)
+            member.shared, member.shared_start = self, start * small_gemm.PANEL
             if member.bias is not None:
-                self.bias[first : first + member.out_features] = member.bias
+                self.bias[member.shared_start : member.shared_start + member.out_features] = member.bias
             start += count
-        # (input tensor, its version, the product): one attribute, replaced whole, so
-        # that a thread never reads another thread's product for its own input.
-        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        # (input tensor, its version, the product, the members yet to take their slice):
+        # one attribute, replaced whole, so that a thread never reads another thread's
+        # product for its own input.
+        self._last: tuple[torch.Tensor, int, torch.Tensor, frozenset] | None = None
 
     def output(self, member: "PackedLinear", x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """member's product of rows (x reshaped), from the group's product of x."""
         last, version = self._last, _version(x)
-        if last is None or last[0] is not x or last[1] != version:
-            last = self._last = (x, version, small_gemm.kernel().product(rows, self.panels, self.width, self.bias))
-        start, width = self.columns[id(member)]
-        return last[2][:, start : start + width].contiguous()
+        if last is not None and last[0] is x and last[1] == version and member in last[3]:
+            product, waiting = last[2], last[3] - {member}
+        else:
+            product, waiting = small_gemm.kernel().product(rows, self.panels, self.width, self.bias), self.members - {member}
+        self._last = (x, version, product, waiting) if waiting else None
+        start = member.shared_start
+        return product[:, start : start + member.out_features].contiguous()
 
 
 def _version(x: torch.Tensor) -> int:

@@ -165,7 +165,7 @@ static long last_caller_id; /* whose CPUs the helper has been given */
 static cpu_set_t helper_cpus;
 static long cpus_changes;
 static pthread_mutex_t cpus_lock = PTHREAD_MUTEX_INITIALIZER;
-static atomic_long posted, helper_jobs;
+static atomic_long helper_jobs;
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -181,6 +181,8 @@ static long now_ns(void) {
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
+
+static unsigned long long current_ticket(void) { return TICKET(atomic_load_explicit(&claims, memory_order_acquire)); }
 
 /* Claims one panel of job `ticket` from the front (caller) or the back (helper); -1 when none is left. */
 static long claim(unsigned long long ticket, int from_back) {
@@ -207,27 +209,26 @@ static void follow_caller_cpus(long *applied) {
 
 static void *helper(void *unused) {
     (void)unused;
-    long seen = 0, applied_cpus = 0;
+    unsigned long long seen = 0; /* the ticket of the last job looked at */
+    long applied_cpus = 0;
     for (;;) {
         long spin_until = now_ns() + SPIN_NS;
-        for (long spins = 1; atomic_load_explicit(&posted, memory_order_acquire) == seen; spins++) {
+        for (long spins = 1; current_ticket() == seen; spins++) {
             _mm_pause();
             if (spins % SPIN_CHECK != 0)
                 continue;
             sched_yield();
             if (now_ns() > spin_until) {
                 pthread_mutex_lock(&sleep_lock);
-                while (atomic_load_explicit(&posted, memory_order_acquire) == seen)
+                while (current_ticket() == seen)
                     pthread_cond_wait(&wake, &sleep_lock);
                 pthread_mutex_unlock(&sleep_lock);
             }
         }
-        seen = atomic_load_explicit(&posted, memory_order_acquire);
+        seen = current_ticket();
         follow_caller_cpus(&applied_cpus);
-        /* The job is the one `posted` announced or a later one: claims carry their own ticket. */
-        unsigned long long ticket = TICKET(atomic_load_explicit(&claims, memory_order_acquire));
         long panel, computed = 0;
-        while ((panel = claim(ticket, 1)) >= 0) {
+        while ((panel = claim(seen, 1)) >= 0) {
             /* The job cannot change under a claimed panel: its caller waits for it. */
             panel_range(job.x, job.M, job.K, job.panels, job.N, job.bias, job.y, panel, panel + 1);
             computed++;
@@ -244,7 +245,6 @@ static void forget_helper_in_child(void) {
     helper_state = 0;
     last_caller_id = 0;
     cpus_changes = 0;
-    atomic_store(&posted, 0);
     atomic_store(&claims, 0);
     atomic_store(&helper_done, 0);
     atomic_store(&helper_jobs, 0);
@@ -295,8 +295,7 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
     atomic_store_explicit(&helper_done, 0, memory_order_relaxed);
     unsigned long long ticket = (TICKET(atomic_load_explicit(&claims, memory_order_relaxed)) + 1) & ((1ULL << (64 - 2 * PANEL_BITS)) - 1);
     atomic_store_explicit(&claims, CLAIMS(ticket, 0, count), memory_order_release); /* publishes the job */
-    atomic_fetch_add_explicit(&posted, 1, memory_order_release);
-    pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks `posted` under this lock */
+    pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks the ticket under this lock */
     pthread_cond_signal(&wake);
     pthread_mutex_unlock(&sleep_lock);
     long panel, mine = 0;
