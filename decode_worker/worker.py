@@ -364,8 +364,10 @@ def open_nixl_sink(backend: Backend, nixl_backend: str = "UCX"):
 
     info = backend.info
     dtype = getattr(torch, info.dtype)
-    geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, dtype.itemsize, info.max_seq_len)
     cache = getattr(backend, "cache", None)
+    # The cache's own positions per slot: a compiled step's cache has a scratch position past max_seq_len.
+    positions = cache.keys[0].shape[2] if cache is not None else info.max_seq_len
+    geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, dtype.itemsize, positions)
     if cache is not None and cache.keys[0].device.type == "cpu":
         return NixlSink(geometry, cache.keys, cache.values, backend=nixl_backend)
     log.info("KV transport: the slot cache is not in host memory; NIXL reads into a host staging buffer first")

@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 
 import grpc
@@ -59,6 +60,15 @@ class Process:
     http_port: int | None = None  # the router's, when it serves HTTP
 
 
+class _Launched(typing.NamedTuple):
+    """A part started but not yet known to have bound its ports."""
+
+    name: str
+    port_file: str
+    command: list[str]
+    popen: subprocess.Popen
+
+
 class LocalCluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
@@ -74,8 +84,14 @@ class LocalCluster:
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(threads), *spec.worker_args]
         decode_args = common + ["--batch-size", str(spec.batch_size), *compile_flag(spec.compile), *spec.decode_args] + (["--colocated"] if spec.colocated else [])
-        decode = [self._spawn(f"decode-{i}", "decode_worker", decode_args) for i in range(spec.decode_workers)]
-        prefill = decode if spec.colocated else [self._spawn(f"prefill-{i}", "prefill_worker", common + spec.prefill_args) for i in range(spec.prefill_workers)]
+        # Every worker is started before any is waited for: each spends seconds importing
+        # torch before it binds its port, and those imports can run side by side.
+        launched = [self._launch(f"decode-{i}", "decode_worker", decode_args) for i in range(spec.decode_workers)]
+        if not spec.colocated:
+            launched += [self._launch(f"prefill-{i}", "prefill_worker", common + spec.prefill_args) for i in range(spec.prefill_workers)]
+        workers = self._bind_all(launched)
+        decode = workers[: spec.decode_workers]
+        prefill = decode if spec.colocated else workers[spec.decode_workers :]
         router_args = ["--model", spec.model, *spec.router_args]
         if spec.http_port is not None:
             router_args += ["--http-port", str(spec.http_port)]
@@ -103,12 +119,32 @@ class LocalCluster:
             common += compile_flag(spec.compile)
         return self._spawn(f"{role}-extra-{len(self.processes)}", f"{role}_worker", common)
 
-    def _spawn(self, name: str, module: str, args: list[str], port: int = 0, timeout: float = 60.0) -> Process:
+    def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> Process:
         """Starts a part on the given port (0: one it picks itself) and waits for
         it to announce its bound ports, so no two processes race for one port."""
+        return self._bound(self._launch(name, module, args, port))
+
+    def _launch(self, name: str, module: str, args: list[str], port: int = 0) -> _Launched:
         port_file = os.path.join(self._port_dir, f"{name}.json")
         command = [sys.executable, "-m", module, "--port", str(port), "--metrics-port", "-1", "--port-file", port_file, *args]
-        popen = self._popen(name, command)
+        return _Launched(name, port_file, command, self._popen(name, command))
+
+    def _bind_all(self, launched: list[_Launched]) -> list[Process]:
+        """Each launched part once bound; if one fails, the others not yet bound are
+        killed (stop() knows only the bound ones)."""
+        try:
+            return [self._bound(part) for part in launched]
+        except BaseException:
+            bound = {id(p.popen) for p in self.processes}
+            for part in launched:
+                if id(part.popen) not in bound and part.popen.poll() is None:
+                    part.popen.kill()
+                    part.popen.wait()
+            raise
+
+    def _bound(self, launched: _Launched, timeout: float = 60.0) -> Process:
+        """The launched part once it has written the ports it bound."""
+        name, port_file, command, popen = launched
         deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):
             if popen.poll() is not None:

@@ -9,6 +9,7 @@ and loaded the way any user's checkpoint is loaded.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -158,10 +159,21 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("DISAGG_CACHE", pathlib.Path.home() / ".cache" / "disagg"))
 
 
+def checkpoint_path(spec: TinyModelSpec = DEFAULT_SPEC, root: pathlib.Path | None = None) -> pathlib.Path:
+    """Where spec's checkpoint is cached (made or not)."""
+    return (root or cache_dir() / "models") / f"tiny-{spec.architecture}-{spec.cache_key()}"
+
+
 def ensure_tiny_model(spec: TinyModelSpec = DEFAULT_SPEC, root: pathlib.Path | None = None) -> pathlib.Path:
     """The cached checkpoint for spec, made on first use."""
-    path = (root or cache_dir() / "models") / f"tiny-{spec.architecture}-{spec.cache_key()}"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        make_tiny_model(path, spec)
+    path = checkpoint_path(spec, root)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that want the same checkpoint at once (workers starting side by side, the
+    # tests' background builder) make it once: the others wait for the first.
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            make_tiny_model(path, spec)
     return path

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from disagg.kv import DEFAULT, TRANSPORTS, resolve
-from disagg.tinymodel import TinyModelSpec, cache_dir, ensure_tiny_model
+from disagg.tinymodel import TinyModelSpec, cache_dir, checkpoint_path, ensure_tiny_model
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 # What a worker started without --kv-transport uses here.
@@ -26,8 +26,39 @@ TEST_MODELS = {
 
 @functools.cache
 def tiny_model(name: str = "llama") -> str:
-    # Made once per machine (cached under DISAGG_CACHE); a few seconds each.
-    return str(ensure_tiny_model(TEST_MODELS[name], root=cache_dir() / "test-models"))
+    # Made once per machine (cached under DISAGG_CACHE); about ten seconds each.
+    return str(ensure_tiny_model(TEST_MODELS[name], root=checkpoints_root()))
+
+
+def checkpoints_root() -> pathlib.Path:
+    return cache_dir() / "test-models"
+
+
+# On a machine that has none of them yet (CI), a second process trains the test
+# checkpoints while the first tests run, on the core they leave idle. In the order
+# the suite first needs them, after llama, which the first test trains itself;
+# a test that needs one being trained waits for it (ensure_tiny_model's lock).
+BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama")
+_builder = None
+
+
+def pytest_sessionstart(session) -> None:
+    global _builder
+    import os
+    import subprocess
+    import sys
+
+    missing = [name for name in BACKGROUND_ORDER if not checkpoint_path(TEST_MODELS[name], checkpoints_root()).exists()]
+    if len(missing) > 1:
+        script = f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); import conftest; [conftest.tiny_model(n) for n in {missing!r}]"
+        quiet = subprocess.DEVNULL  # a checkpoint it fails to make, the test that needs it makes, and says why
+        _builder = subprocess.Popen([sys.executable, "-c", script], stdout=quiet, stderr=quiet, preexec_fn=lambda: os.nice(5))
+
+
+def pytest_sessionfinish(session) -> None:
+    if _builder is not None and _builder.poll() is None:
+        _builder.kill()  # a checkpoint only half made is never used: it is saved under another name first
+        _builder.wait()
 
 
 class Reference:

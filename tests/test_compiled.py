@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from conftest import reference, tiny_model
 from disagg.engine.backends import load_backend
@@ -20,7 +21,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 def test_compiled_bucketed_decode_equals_generate(architecture, device):
     ref = reference(architecture)
     backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", device=device, max_seq_len=128, compile=True, batch_buckets=(2, 4, 6), token_buckets=(32, 64, 128))
+    graphs = counters["stats"]["unique_graphs"]
     backend.allocate_slots(6)
+    # Every bucket is a shape of one graph, the last KV-length bucket (the cache's whole length) too.
+    assert counters["stats"]["unique_graphs"] - graphs == 1
     assert backend.cache.keys[0].shape[0] == 7 and backend.cache.keys[0].device.type == device  # the scratch slot the padding rows write
     max_new = [6, 11, 17, 40]
     # Slots 1, 4, 2, 5: padding rows (0 and 3) sit between decoding rows; the

@@ -122,6 +122,12 @@ class CompiledDecode:
                 torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device),
                 self._kv_positions[:kv_len],
             )
+            if rows > 1:
+                # Said outright: left to `dynamic=True`, some models' first graph took the
+                # first bucket's rows as fixed (Gemma 2's eager attention) and the next
+                # bucket compiled again. One row stays a graph of its own (size 1 specializes).
+                for rows_dim in inputs[:3]:
+                    torch._dynamo.mark_dynamic(rows_dim, 0)
             if self._cuda_graphs is None:
                 self._graph(*inputs)
             else:

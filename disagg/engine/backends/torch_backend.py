@@ -177,8 +177,12 @@ class TorchBackend(Backend):
     def allocate_slots(self, num_slots: int) -> int:
         """The slot cache; compiled, also every decode bucket (before the worker serves)."""
         info = self.info
-        scratch = 1 if self.compile else 0  # where a compiled step's padding rows write
-        self.cache = SlotKvCache.allocate(info.num_layers, num_slots + scratch, info.kv_heads, info.max_seq_len, info.head_dim, self.dtype, self.device)
+        # Compiled: a scratch slot, where the padding rows write, and a scratch position,
+        # never written or read: it keeps every KV-length bucket's view of the cache
+        # non-contiguous, the last bucket too, so all buckets share one graph (a view
+        # spanning a whole dimension takes other guards in Dynamo and compiled anew).
+        scratch = 1 if self.compile else 0
+        self.cache = SlotKvCache.allocate(info.num_layers, num_slots + scratch, info.kv_heads, info.max_seq_len + scratch, info.head_dim, self.dtype, self.device)
         self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)  # penalties: 5 bytes per slot and vocabulary entry
         if self.compile:
             self.compiled = CompiledDecode(self.model, self.plans, self.cache, num_slots, self.config.batch_buckets, self.config.token_buckets, info.max_seq_len)
