@@ -260,20 +260,26 @@ class NixlSink(_Reader):
     the KV lands straight in the slot, no copy on this side."""
 
     def __init__(self, geometry: KvGeometry, keys: list[torch.Tensor], values: list[torch.Tensor], poll_seconds: float = POLL_SECONDS, backend: str = "UCX"):
-        self._caches = [(k, v) for k, v in zip(keys, values)]
-        super().__init__(geometry, [t for pair in self._caches for t in pair], poll_seconds, backend)
+        regions = [t for pair in zip(keys, values) for t in pair]  # layer by layer, K then V: the staging order
+        # Each region's first byte, kept as an array: a pull's descriptors are then a few
+        # vector operations, not a Python loop over every layer and kind (~0.2 ms a pull).
+        self._region_starts = np.array([t.data_ptr() for t in regions], dtype=np.uint64)
+        super().__init__(geometry, regions, poll_seconds, backend)
 
     def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Strided (address, length, device, stride, count) rows, one per layer and kind
         (address: the staged KV's first byte); each expands to kv_heads descriptors."""
         g = self.geometry
         run = g.run_bytes(prompt_len)
-        local, remote = [], []
-        for layer, pair in enumerate(self._caches):
-            for kind, cache in enumerate(pair):
-                local.append((g.slot_address(cache.data_ptr(), slot), run, 0, g.slot_head_stride, g.kv_heads))
-                remote.append((address + g.staging_offset(layer, kind, prompt_len), run, 0, run, g.kv_heads))
-        return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64), len(local) * g.kv_heads
+        regions = len(self._region_starts)
+        local = np.empty((regions, 5), dtype=np.uint64)
+        local[:, 0] = self._region_starts + np.uint64(g.slot_address(0, slot))
+        local[:, 1:] = (run, 0, g.slot_head_stride, g.kv_heads)
+        remote = np.empty((regions, 5), dtype=np.uint64)
+        # staging_offset(layer, kind) is (2 * layer + kind) layer-kind spans: the region's index.
+        remote[:, 0] = np.uint64(address) + np.arange(regions, dtype=np.uint64) * np.uint64(g.layer_kind_bytes(prompt_len))
+        remote[:, 1:] = (run, 0, run, g.kv_heads)
+        return local, remote, regions * g.kv_heads
 
 
 class NixlHostStagingSink(_Reader):
