@@ -49,7 +49,7 @@ def pytest_sessionstart(session) -> None:
     import sys
 
     missing = [name for name in BACKGROUND_ORDER if not checkpoint_path(TEST_MODELS[name], checkpoints_root()).exists()]
-    if len(missing) > 1:
+    if len(missing) > 1:  # one alone, the test that needs it trains as fast
         script = f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); import conftest; [conftest.tiny_model(n) for n in {missing!r}]"
         quiet = subprocess.DEVNULL  # a checkpoint it fails to make, the test that needs it makes, and says why
         _builder = subprocess.Popen([sys.executable, "-c", script], stdout=quiet, stderr=quiet, preexec_fn=lambda: os.nice(5))
