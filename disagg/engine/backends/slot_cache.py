@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from . import slot_attention
+
 
 # Called as on_layer(layer_idx, keys, values) with tensors [kv_heads, tokens, head_dim].
 LayerKvCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -131,6 +133,9 @@ class DecodeStep:
     # Rows [first, first + n) of the cache are read as a view, not a gathered
     # copy, when the slots are one contiguous run.
     contiguous_from: int | None = None
+    # Either way, the whole span of every slot, tagged for slot_attention to read
+    # each row's slot in place (True); else the view, or the rows' spans gathered.
+    read_in_place: bool = False
 
 
 class _DecodeLayer(_Layer):
@@ -146,6 +151,8 @@ class _DecodeLayer(_Layer):
         self.keys[step.slots, :, step.positions] = key_states[:, :, 0]
         self.values[step.slots, :, step.positions] = value_states[:, :, 0]
         span = slice(self.start, step.kv_len)
+        if step.read_in_place:  # contiguous or not: the kernel reads a span in place faster than SDPA reads a view
+            return slot_attention.tag(self.keys[:, :, span], self.values[:, :, span], step.slots)
         if step.contiguous_from is not None:
             rows = slice(step.contiguous_from, step.contiguous_from + step.slots.numel())
             return self.keys[rows, :, span], self.values[rows, :, span]

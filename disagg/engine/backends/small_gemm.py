@@ -141,22 +141,24 @@ def kernel() -> SmallGemm | None:
     return None
 
 
-def built() -> pathlib.Path:
-    """Where this source's library is cached (named by a hash of the source and the flags)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / "small_gemm" / f"small_gemm-{key}.so"
+def built(source: pathlib.Path = SOURCE, flags: tuple[str, ...] = FLAGS, libraries: tuple[str, ...] = ()) -> pathlib.Path:
+    """Where this source's library is cached (named by a hash of the source, the flags and the libraries)."""
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags + libraries).encode()).hexdigest()[:16]
+    return cache_dir() / source.stem / f"{source.stem}-{key}.so"
 
 
-def build(compiler: str | None) -> pathlib.Path:
-    """The shared library, compiled unless the cache already holds this source's."""
-    target = built()
+def build(compiler: str | None, source: pathlib.Path = SOURCE, flags: tuple[str, ...] = FLAGS, libraries: tuple[str, ...] = ()) -> pathlib.Path:
+    """The shared library, compiled unless the cache already holds this source's
+    (slot_attention.c is built the same way). libraries ("-lm") go after the
+    source, where a linker that drops unneeded libraries still sees them needed."""
+    target = built(source, flags, libraries)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compiled beside the target and renamed into place: processes starting together never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = pathlib.Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, "-o", str(partial), str(source), *libraries], check=True, capture_output=True, timeout=120)
         os.replace(partial, target)
-    log.info("built the few-row linear kernel: %s", target)
+    log.info("built %s: %s", source.name, target)
     return target

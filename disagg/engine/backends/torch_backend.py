@@ -18,7 +18,7 @@ from disagg.kv.codec import KvKind, dtype_name
 from ..model_files import eos_token_ids
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
-from . import architectures, row_masks
+from . import architectures, row_masks, slot_attention
 from .compiled import CompiledDecode
 from .packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
@@ -95,6 +95,7 @@ class TorchBackend(Backend):
         self.cache: SlotKvCache | None = None
         self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
         self.compiled: CompiledDecode | None = None  # when compiling, once the slots exist
+        self.reads_in_place = False  # eager steps read scattered slots in place (slot_attention), once checked
         if config.prepack is not False and can_prepack(self.device, self.dtype):
             self._prepack()
         elif config.prepack is not False and self.device.type == "cpu":
@@ -190,6 +191,8 @@ class TorchBackend(Backend):
             seconds = self.compiled.warm_up()
             log.info("decode step compiled in %.1fs", seconds)
             self._check_compiled_equals_eager(num_slots)
+        else:
+            self.reads_in_place = self._check_reads_in_place(num_slots)
         return self.cache.nbytes
 
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
@@ -218,16 +221,52 @@ class TorchBackend(Backend):
         if far_apart(eager, compiled):
             architectures.refuse(self.model.config, "its compiled decode step does not equal the eager one (run with --no-compile)")
 
+    @torch.inference_mode()
+    def _check_reads_in_place(self, num_slots: int) -> bool:
+        """Whether eager steps read scattered slots in place (`slot_attention`): where
+        the kernel serves this model's attention and a step over slots 0 and 2, rows
+        at different positions (past a 16-token sliding window where the slots are
+        that long), gives the gathered step's logits. Runs at start-up, when every
+        slot is free."""
+        if num_slots < 3 or self.dtype != torch.float32 or self.device.type != "cpu" or self.model.config._attn_implementation != "sdpa":
+            return False
+        if slot_attention.kernel() is None:
+            return False
+        slot_attention.install()
+        generator = torch.Generator().manual_seed(0)
+        for cache in (*self.cache.keys, *self.cache.values):
+            cache[:3].copy_(torch.randn(cache[:3].shape, generator=generator))
+        last = self.info.max_seq_len - 1
+        positions = torch.tensor([min(40, last), min(23, last)])
+        inputs = StepInputs(
+            slots=torch.tensor([0, 2]), positions=positions, input_ids=torch.tensor([1, 2]), params=torch.zeros(2, 7),
+            seeds=torch.zeros(2, dtype=torch.long), steps=torch.zeros(2, dtype=torch.long),
+            kv_len=int(positions.max()) + 1, contiguous_from=None, min_position=int(positions.min()),
+        )
+        gathered = self._eager_logits(inputs, read_in_place=False)
+        try:
+            in_place = self._eager_logits(inputs, read_in_place=True)
+        except (RuntimeError, ValueError) as exc:
+            log.info("decode attention gathers scattered slots: reading them in place fails for this model: %s", exc)
+            return False
+        # Far tighter than far_apart: the same arithmetic but the order of a few sums.
+        if (gathered - in_place).abs().max() > 1e-4 * gathered.abs().max() + 1e-5:
+            log.info("decode attention gathers scattered slots: reading them in place changes this model's logits")
+            return False
+        log.info("decode attention reads scattered slots in place")
+        return True
+
     def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step over the active slots."""
         if self.compiled is not None:
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         return self._eager_logits(inputs)
 
-    def _eager_logits(self, inputs: StepInputs) -> torch.Tensor:
+    def _eager_logits(self, inputs: StepInputs, read_in_place: bool | None = None) -> torch.Tensor:
         min_position = inputs.min_position if inputs.min_position is not None else int(inputs.positions.min())
         positions = inputs.positions.to(self.device)
-        step = DecodeStep(inputs.slots.to(self.device), positions, inputs.kv_len, min_position, inputs.contiguous_from)
+        read_in_place = self.reads_in_place if read_in_place is None else read_in_place
+        step = DecodeStep(inputs.slots.to(self.device), positions, inputs.kv_len, min_position, inputs.contiguous_from, read_in_place)
         cache = DecodeCache(self.plans, self.cache, step)
         out = self.model(inputs.input_ids.to(self.device)[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True)
         return out.logits[:, -1]

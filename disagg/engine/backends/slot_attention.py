@@ -1,0 +1,136 @@
+"""A decode step's attention read in place from the slot KV cache (`slot_attention.c`).
+
+transformers' attention takes each row's keys and values as one batch. When a
+step's slots are one contiguous run, the cache hands it a view; otherwise
+`_DecodeLayer.update` copies every row's span out of the cache (index_select)
+and SDPA reads the copy again. Under load the slots are scattered (requests
+end at different steps), and at 16 rows the copies and SDPA took ~20 ms of a
+~100 ms float32 step on this project's CPU.
+
+With this module the layer returns its whole cache span instead (every slot,
+no copy), tagged with the rows' slots, and transformers' "sdpa" attention
+function, wrapped here, reads each row's own slot where it lies. A call the
+kernel does not serve (softcapping, sinks, a position bias, dropout, a float
+mask, more than one query position, another dtype) gathers the rows and runs
+transformers' sdpa unchanged. Used for float32 on an AVX2 CPU where the C
+compiler builds it (as `small_gemm`), for models whose attention is "sdpa";
+`TorchBackend` checks at start-up that a step read in place gives the logits
+of a gathered one, and otherwise keeps the gather.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import small_gemm
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("slot_attention.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+LIBRARIES = ("-lmvec", "-lm")  # glibc's vector expf
+# Keyword arguments that change the attention's arithmetic: a call with any of them set goes to transformers' sdpa.
+UNSERVED = ("softcap", "sinks", "s_aux", "position_bias", "sliding_window_size", "alibi")
+
+
+class SlotAttention:
+    def __init__(self, library: ctypes.CDLL):
+        self._call = library.slot_attention
+        long, pointer = ctypes.c_long, ctypes.c_void_p
+        self._call.argtypes = [pointer, long, long, long, long, pointer, pointer, long, long, long, pointer, long, long, pointer, ctypes.c_float, pointer, pointer]
+        self._call.restype = None
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """query [n, q_heads, d]; keys/values [slots, kv_heads, length, d] (a span of
+        the cache, d contiguous, the same strides); slots [n] int64; mask [n, length]
+        bool or None -> [n, q_heads, d]."""
+        n, q_heads, d = query.shape
+        _, kv_heads, length, _ = keys.shape
+        # The C side reads raw pointers: anything off here would read past the buffers, not fail.
+        if keys.stride() != values.stride() or keys.shape != values.shape or keys.stride(3) != 1 or q_heads % kv_heads or keys.shape[3] != d:
+            raise ValueError(f"slot_attention: keys {tuple(keys.shape)} {keys.stride()} values {tuple(values.shape)} {values.stride()} query {tuple(query.shape)}")
+        if slots.shape != (n,) or slots.dtype != torch.long or (mask is not None and mask.shape != (n, length)):
+            raise ValueError(f"slot_attention: slots {tuple(slots.shape)} {slots.dtype}, mask {None if mask is None else tuple(mask.shape)} for {n} rows of {length}")
+        query, slots = query.contiguous(), slots.contiguous()
+        mask = None if mask is None else mask.contiguous().view(torch.uint8)
+        out = torch.empty(n, q_heads, d, dtype=torch.float32)
+        scratch = torch.empty(q_heads // kv_heads * (length + d), dtype=torch.float32)
+        self._call(
+            query.data_ptr(), n, q_heads, kv_heads, d, keys.data_ptr(), values.data_ptr(),
+            keys.stride(0), keys.stride(1), keys.stride(2), slots.data_ptr(), 0, length,
+            None if mask is None else mask.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(),
+        )
+        return out
+
+
+@functools.cache
+def kernel() -> SlotAttention | None:
+    """The kernel, or None where it cannot run here (logged once)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler and not small_gemm.built(SOURCE, FLAGS, LIBRARIES).exists():
+        log.info("decode attention reads gathered slots: no C compiler found (set CC)")
+        return None
+    try:
+        return SlotAttention(ctypes.CDLL(str(small_gemm.build(compiler, SOURCE, FLAGS, LIBRARIES))))
+    except subprocess.CalledProcessError as exc:
+        log.warning("decode attention reads gathered slots: %s failed: %s", compiler, exc.stderr.decode(errors="replace").strip()[-500:])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("decode attention reads gathered slots: building or loading the kernel failed: %s", exc)
+    return None
+
+
+def tag(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Marks a layer's whole cache span (every slot) as read in place by the rows of `slots`."""
+    keys.disagg_slots = values.disagg_slots = slots
+    return keys, values
+
+
+def _served(query, key, value, attention_mask, dropout, kwargs) -> bool:
+    n = query.shape[0]
+    return (
+        query.dtype == key.dtype == value.dtype == torch.float32
+        and query.device.type == "cpu"
+        and query.shape[2] == 1
+        and not dropout
+        and all(kwargs.get(name) is None for name in UNSERVED)
+        and query.shape[-1] == key.shape[-1] == value.shape[-1]
+        and query.shape[1] % key.shape[1] == 0
+        and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1) and attention_mask.shape[0] in (1, n) and attention_mask.shape[3] == key.shape[2]))
+    )
+
+
+def _wrap(sdpa):
+    @functools.wraps(sdpa)
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        slots = getattr(key, "disagg_slots", None)
+        if slots is None:
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        if not _served(query, key, value, attention_mask, dropout, kwargs):
+            key, value = key.index_select(0, slots), value.index_select(0, slots)
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        n, q_heads, _, d = query.shape
+        mask = None if attention_mask is None else attention_mask.expand(n, 1, 1, key.shape[2]).reshape(n, key.shape[2])
+        scale = scaling if scaling is not None else d**-0.5
+        out = kernel().attend(query.reshape(n, q_heads, d), key, value, slots, mask, scale)
+        return out.view(n, 1, q_heads, d), None  # [n, q_length, heads, d], as transformers' sdpa returns it
+
+    attention.disagg_slot_reads = True
+    return attention
+
+
+def install() -> None:
+    """Idempotent: wraps transformers' "sdpa" attention function once per process (its local slot, as row_masks does)."""
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if not getattr(sdpa, "disagg_slot_reads", False):
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _wrap(sdpa)

@@ -1,0 +1,94 @@
+"""The decode attention that reads each row's slot in place (slot_attention), against SDPA over gathered rows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model
+from disagg.engine.backends import load_backend, slot_attention
+from disagg.engine.backends.base import StepInputs
+
+kernel = slot_attention.kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="slot_attention needs an AVX2 CPU and a C compiler")
+
+
+def gathered_sdpa(query, keys, values, slots, mask, scale):
+    """What transformers' sdpa computes for one query per row, after the rows' spans are gathered."""
+    n, q_heads, d = query.shape
+    kv_heads = keys.shape[1]
+    k, v = keys.index_select(0, slots), values.index_select(0, slots)
+    grouped = query.view(n, kv_heads, q_heads // kv_heads, d)  # query head i reads KV head i // group
+    attn_mask = None if mask is None else mask[:, None, None, :]
+    return F.scaled_dot_product_attention(grouped, k, v, attn_mask=attn_mask, scale=scale).reshape(n, q_heads, d)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40, 4])  # 40 and 4: the loops' tails past 16 and 8 lanes
+@pytest.mark.parametrize("masked", [True, False])
+def test_kernel_equals_sdpa_over_gathered_rows(head_dim, masked):
+    generator = torch.Generator().manual_seed(head_dim)
+    cache_keys = torch.randn(7, 2, 50, head_dim, generator=generator)
+    cache_values = torch.randn(7, 2, 50, head_dim, generator=generator)
+    start, length = 6, 37  # a span of the cache, as a sliding layer reads it
+    keys, values = cache_keys[:, :, start : start + length], cache_values[:, :, start : start + length]
+    slots = torch.tensor([1, 4, 5])
+    query = torch.randn(3, 6, head_dim, generator=generator)  # 6 query heads over 2 KV heads
+    mask = None
+    if masked:  # each row sees up to its own position
+        mask = torch.arange(length)[None, :] <= torch.tensor([36, 20, 0])[:, None]
+    got = kernel.attend(query, keys, values, slots, mask, 0.3)
+    torch.testing.assert_close(got, gathered_sdpa(query, keys, values, slots, mask, 0.3), rtol=1e-5, atol=2e-6)
+
+
+def test_kernel_refuses_shapes_it_would_read_past():
+    keys = torch.zeros(4, 2, 8, 16)
+    with pytest.raises(ValueError, match="slot_attention"):
+        kernel.attend(torch.zeros(2, 6, 16), keys, torch.zeros(4, 2, 9, 16), torch.tensor([0, 1]), None, 1.0)
+    with pytest.raises(ValueError, match="slot_attention"):
+        kernel.attend(torch.zeros(2, 6, 16), keys, keys, torch.tensor([0, 1], dtype=torch.int32), None, 1.0)
+
+
+def test_a_call_the_kernel_does_not_serve_gathers_and_runs_sdpa():
+    """A float mask (an additive bias) is not the kernel's: the wrapped sdpa gathers the rows instead."""
+    slot_attention.install()
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    generator = torch.Generator().manual_seed(1)
+    cache_keys, cache_values = torch.randn(5, 1, 9, 8, generator=generator), torch.randn(5, 1, 9, 8, generator=generator)
+    slots = torch.tensor([0, 3])
+    keys, values = slot_attention.tag(cache_keys[:, :, :6], cache_values[:, :, :6], slots)
+    query = torch.randn(2, 2, 1, 8, generator=generator)
+    bias = torch.randn(2, 1, 1, 6, generator=generator)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 2, True, False
+    out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, keys, values, bias, scaling=0.5)
+    expected = F.scaled_dot_product_attention(query.view(2, 1, 2, 8), keys.index_select(0, slots), values.index_select(0, slots), attn_mask=bias, scale=0.5)
+    torch.testing.assert_close(out, expected.reshape(2, 1, 2, 8), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,in_place", [("llama", True), ("mistral-sw", True), ("qwen2", True), ("gptj", False), ("gemma2-sw", False)])
+def test_backend_reads_slots_in_place_where_the_model_attends_with_sdpa(name, in_place):
+    """sdpa models read in place, and a step over scattered slots (past the sliding
+    window) gives the gathered step's logits; eager-attention models keep the gather."""
+    backend = load_backend("torch", model=tiny_model(name), dtype="float32")
+    backend.allocate_slots(6)
+    assert backend.reads_in_place is in_place
+    if not in_place:
+        return
+    generator = torch.Generator().manual_seed(2)
+    for cache in (*backend.cache.keys, *backend.cache.values):
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    positions = torch.tensor([30, 3, 17])
+    inputs = StepInputs(
+        slots=torch.tensor([0, 3, 5]), positions=positions, input_ids=torch.tensor([5, 6, 7]), params=torch.zeros(3, 7),
+        seeds=torch.zeros(3, dtype=torch.long), steps=torch.zeros(3, dtype=torch.long), kv_len=31, contiguous_from=None, min_position=3,
+    )
+    with torch.inference_mode():
+        in_place_logits = backend._eager_logits(inputs, read_in_place=True)
+        gathered = backend._eager_logits(inputs, read_in_place=False)
+    torch.testing.assert_close(in_place_logits, gathered, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_keeps_the_gather():
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="bfloat16")
+    backend.allocate_slots(4)
+    assert backend.reads_in_place is False
