@@ -11,7 +11,12 @@ one core: `small_gemm` computes one row on two cores where it may),
 cores, not only single rows),
 `prepacked-ungrouped` (the same with every linear its own product: q, k
 and v, and gate and up, are otherwise one product each),
-`prepacked-onednn` (the same without the kernel: oneDNN, and MKL for one row), `compiled` (buckets; CUDA graphs on CUDA). The roofline is the weights' bytes over the memory read
+`prepacked-onednn` (the same without the kernel: oneDNN, and MKL for one row),
+`prepacked-gathered` (the same with the decode attention over rows gathered
+from the cache, or a view of it, and PyTorch's SDPA: `slot_attention` reads
+each row's slot in place otherwise), `compiled` (buckets; CUDA graphs on CUDA).
+With `--scattered` the rows are every other slot, as under load, where the
+slots are not one contiguous run. The roofline is the weights' bytes over the memory read
 bandwidth measured here (a sum over a buffer larger than the caches, on the
 same threads), the least time a batch-1 step can take; the weights are
 every parameter but the input embedding table, of which a step reads a row.
@@ -23,6 +28,7 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --dtype float32 --batch 1 --variants prepacked-1core,prepacked
     python bench/decode_step.py --dtype float32 --batch 1,8 --variants prepacked-ungrouped,prepacked
     python bench/decode_step.py --dtype float32 --batch 2,8,16 --variants prepacked,prepacked-shared
+    python bench/decode_step.py --dtype float32 --batch 1,8,16,32 --variants prepacked-gathered,prepacked --scattered
 """
 
 from __future__ import annotations
@@ -78,16 +84,16 @@ def step_weight_bytes(path: str, dtype: str) -> int:
     return total if tied else total - embedding.numel() * embedding.element_size()
 
 
-def step_inputs(batch: int, context: int, vocab: int, device: torch.device) -> StepInputs:
+def step_inputs(batch: int, context: int, vocab: int, device: torch.device, scattered: bool = False) -> StepInputs:
     return StepInputs(
-        slots=torch.arange(batch),
+        slots=torch.arange(batch) * (2 if scattered else 1),
         positions=torch.full((batch,), context - 1),
         input_ids=torch.randint(0, vocab, (batch,), device=device),
         params=torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]] * batch),  # greedy
         seeds=torch.zeros(batch, dtype=torch.long),
         steps=torch.zeros(batch, dtype=torch.long),
         kv_len=context,
-        contiguous_from=0,
+        contiguous_from=None if scattered and batch > 1 else 0,
         min_position=context - 1,
     )
 
@@ -137,6 +143,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", default="eager,prepacked,compiled")
     parser.add_argument("--batch-buckets", default="", help="compiled variants' batch buckets (default: the engine's); must end at the largest --batch")
+    parser.add_argument("--scattered", action="store_true", help="rows in every other slot (not one contiguous run)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the compile's progress
@@ -144,8 +151,10 @@ def main() -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
-    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "prepacked-ungrouped": dict(compile=False, prepack=True), "prepacked-shared": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
+    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "prepacked-ungrouped": dict(compile=False, prepack=True), "prepacked-shared": dict(compile=False, prepack=True), "prepacked-gathered": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
     names = args.variants.split(",")
+    if args.scattered and any(name.startswith("compiled") for name in names):
+        parser.error("--scattered: the compiled step's rows are its first slots (a bucket), never scattered")
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
     for name in names:
@@ -153,14 +162,16 @@ def main() -> None:
         with few_row_kernel(name != "prepacked-onednn"), linear_groups(name != "prepacked-ungrouped"):
             backend = backends[name] = TorchBackend(config)
         started = time.perf_counter()
-        backend.allocate_slots(max(batches))  # compiled: buckets from --batch-buckets
+        backend.allocate_slots(max(batches) * (2 if args.scattered else 1))  # compiled: buckets from --batch-buckets
+        if name == "prepacked-gathered":
+            backend.reads_in_place = False
         print(f"{name}: slots ready in {time.perf_counter() - started:.1f}s", flush=True)
         for cache in (*backend.cache.keys, *backend.cache.values):
             cache.normal_()
     weight_bytes = step_weight_bytes(path, args.dtype)
     bandwidth = read_bandwidth(device)
     roofline = weight_bytes / bandwidth
-    result = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {}}
+    result = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "scattered": args.scattered, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {}}
     print(f"weights {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: roofline {roofline * 1e3:.2f} ms per step")
     if device.type == "cpu" and args.threads == 1 and len(os.sched_getaffinity(0)) > 1:
         # small_gemm computes a single row on two cores: its roofline is what two cores read.
@@ -172,7 +183,7 @@ def main() -> None:
     vocab = backends[names[0]].info.vocab_size
     baseline = names[0]
     for batch in batches:
-        inputs = step_inputs(batch, args.context, vocab, device)
+        inputs = step_inputs(batch, args.context, vocab, device, args.scattered)
         times = {name: [] for name in names}
         for name, backend in backends.items():
             time_step(backend, inputs, device)  # warm

@@ -12,7 +12,9 @@
  * (query head i reads KV head i / group, as transformers' repeat_kv expands them):
  *     s[t] = (q . k[t]) * scale where mask[r][t], else -inf
  *     out  = sum_t exp(s[t] - max s) v[t] / sum_t exp(s[t] - max s)
- * The exponentials come from glibc's vector expf (libmvec, within a few ulp).
+ * The dots go four positions at a time (one horizontal sum for four), the
+ * exponentials through glibc's vector expf (libmvec, within a few ulp), and the
+ * weighted values are summed in registers, 32 columns at a time.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -41,6 +43,29 @@ static inline float dot(const float *a, const float *b, long d) {
     return hsum(_mm256_add_ps(s0, s1)) + tail;
 }
 
+/* The four dots q . k[t + j], j < 4, rows pos_stride apart, as one vector of 4. */
+static inline __m128 dot4(const float *q, const float *k, long pos_stride, long d) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= d; i += 8) {
+        __m256 qi = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + i), a0);
+        a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + pos_stride + i), a1);
+        a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 2 * pos_stride + i), a2);
+        a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 3 * pos_stride + i), a3);
+    }
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    if (i < d) {
+        float tail[4] = {0, 0, 0, 0};
+        for (long j = 0; j < 4; j++)
+            for (long c = i; c < d; c++)
+                tail[j] += q[c] * k[j * pos_stride + c];
+        sums = _mm_add_ps(sums, _mm_loadu_ps(tail));
+    }
+    return sums;
+}
+
 /* scores[0, n) <- exp(scores - top), returns their sum (masked entries are -inf: exp gives 0). */
 static float exp_shifted(float *scores, long n, float top) {
     __m256 shift = _mm256_set1_ps(top), total = _mm256_setzero_ps();
@@ -58,48 +83,70 @@ static float exp_shifted(float *scores, long n, float top) {
     return sum;
 }
 
-/* acc[0, d) += p * v[0, d) */
-static inline void axpy(float *acc, float p, const float *v, long d) {
-    __m256 pv = _mm256_set1_ps(p);
+/* out[0, d) = sum_t p[t] v[t] / sum, the sums held in registers 32 columns at a time. */
+static void weighted_values(const float *p, const float *v, long length, long pos_stride, long d, float sum, float *out) {
+    __m256 divisor = _mm256_set1_ps(sum);
     long i = 0;
-    for (; i + 8 <= d; i += 8)
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-    for (; i < d; i++)
-        acc[i] += p * v[i];
+    for (; i + 32 <= d; i += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (long t = 0; t < length; t++) {
+            if (p[t] == 0.0f)
+                continue;
+            __m256 pt = _mm256_set1_ps(p[t]);
+            const float *vt = v + t * pos_stride + i;
+            a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), a0);
+            a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), a1);
+            a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), a2);
+            a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), a3);
+        }
+        _mm256_storeu_ps(out + i, _mm256_div_ps(a0, divisor));
+        _mm256_storeu_ps(out + i + 8, _mm256_div_ps(a1, divisor));
+        _mm256_storeu_ps(out + i + 16, _mm256_div_ps(a2, divisor));
+        _mm256_storeu_ps(out + i + 24, _mm256_div_ps(a3, divisor));
+    }
+    for (; i + 8 <= d; i += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (long t = 0; t < length; t++)
+            if (p[t] != 0.0f)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * pos_stride + i), a);
+        _mm256_storeu_ps(out + i, _mm256_div_ps(a, divisor));
+    }
+    for (; i < d; i++) {
+        float a = 0.0f;
+        for (long t = 0; t < length; t++)
+            a += p[t] * v[t * pos_stride + i];
+        out[i] = a / sum;
+    }
 }
 
 /* q: [rows, q_heads, d] contiguous; keys/values: the layer's cache, element strides
  * slot_stride, head_stride, pos_stride (d contiguous); slots: [rows]; each row reads
  * positions [start, start + length) of its slot; mask: [rows][length] bytes (1: attend),
  * or NULL (every position); out: [rows, q_heads, d] contiguous; scratch: group *
- * (length + d) floats. A row whose mask hides every position gets NaN, as SDPA gives. */
+ * length floats. A row whose mask hides every position gets NaN, as SDPA gives. */
 void slot_attention(const float *q, long rows, long q_heads, long kv_heads, long d, const float *keys, const float *values,
                     long slot_stride, long head_stride, long pos_stride, const long *slots, long start, long length,
                     const unsigned char *mask, float scale, float *out, float *scratch) {
     long group = q_heads / kv_heads;
-    float *scores = scratch, *acc = scratch + group * length;
     for (long r = 0; r < rows; r++) {
         const unsigned char *m = mask ? mask + r * length : 0;
         for (long h = 0; h < kv_heads; h++) {
             long base = slots[r] * slot_stride + h * head_stride + start * pos_stride;
             const float *k = keys + base, *v = values + base;
-            const float *qh = q + (r * q_heads + h * group) * d;
             for (long g = 0; g < group; g++) {
-                float *s = scores + g * length, top = -INFINITY;
-                for (long t = 0; t < length; t++) {
-                    s[t] = (!m || m[t]) ? dot(qh + g * d, k + t * pos_stride, d) * scale : -INFINITY;
+                const float *qg = q + (r * q_heads + h * group + g) * d;
+                float *s = scratch + g * length, top = -INFINITY;
+                long t = 0;
+                for (; t + 4 <= length; t += 4)
+                    _mm_storeu_ps(s + t, dot4(qg, k + t * pos_stride, pos_stride, d));
+                for (; t < length; t++)
+                    s[t] = dot(qg, k + t * pos_stride, d);
+                for (t = 0; t < length; t++) {
+                    s[t] = (!m || m[t]) ? s[t] * scale : -INFINITY;
                     top = s[t] > top ? s[t] : top;
                 }
                 float sum = exp_shifted(s, length, top);
-                float *a = acc + g * d;
-                for (long i = 0; i < d; i++)
-                    a[i] = 0.0f;
-                for (long t = 0; t < length; t++)
-                    if (s[t] != 0.0f)
-                        axpy(a, s[t], v + t * pos_stride, d);
-                float *o = out + (r * q_heads + h * group + g) * d;
-                for (long i = 0; i < d; i++)
-                    o[i] = a[i] / sum;
+                weighted_values(s, v, length, pos_stride, d, sum, out + (r * q_heads + h * group + g) * d);
             }
         }
     }

@@ -63,7 +63,7 @@ class SlotAttention:
         query, slots = query.contiguous(), slots.contiguous()
         mask = None if mask is None else mask.contiguous().view(torch.uint8)
         out = torch.empty(n, q_heads, d, dtype=torch.float32)
-        scratch = torch.empty(q_heads // kv_heads * (length + d), dtype=torch.float32)
+        scratch = torch.empty(q_heads // kv_heads * length, dtype=torch.float32)
         self._call(
             query.data_ptr(), n, q_heads, kv_heads, d, keys.data_ptr(), values.data_ptr(),
             keys.stride(0), keys.stride(1), keys.stride(2), slots.data_ptr(), 0, length,

@@ -202,47 +202,41 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def _check_compiled_equals_eager(self, num_slots: int) -> None:
         """Refuses a model whose compiled step disagrees with its eager one: the
-        model-support sweep verified the eager slot cache, not the bucketed graph.
-        Runs at start-up, when every slot is free: rows at different positions, past
-        a 16-token sliding window where the slots are that long."""
-        rows = min(num_slots, 2)
-        generator = torch.Generator().manual_seed(0)
-        for cache in (*self.cache.keys, *self.cache.values):
-            cache[:rows].copy_(torch.randn(cache[:rows].shape, generator=generator))
-        last = self.info.max_seq_len - 1
-        positions = torch.tensor([min(40, last), min(23, last)][:rows])
-        inputs = StepInputs(
-            slots=torch.arange(rows), positions=positions, input_ids=torch.tensor([1, 2][:rows]), params=torch.zeros(rows, 7),
-            seeds=torch.zeros(rows, dtype=torch.long), steps=torch.zeros(rows, dtype=torch.long),
-            kv_len=int(positions.max()) + 1, contiguous_from=0, min_position=int(positions.min()),
-        )
+        model-support sweep verified the eager slot cache, not the bucketed graph."""
+        inputs = self._probe_step(list(range(min(num_slots, 2))))
         eager = self._eager_logits(inputs)
         compiled = self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         if far_apart(eager, compiled):
             architectures.refuse(self.model.config, "its compiled decode step does not equal the eager one (run with --no-compile)")
 
+    def _probe_step(self, slots: list[int]) -> StepInputs:
+        """A start-up check's step (every slot free): random KV in the slots up to the
+        last of `slots`, which stand at different positions, past a 16-token sliding
+        window where the slots are that long."""
+        generator = torch.Generator().manual_seed(0)
+        for cache in (*self.cache.keys, *self.cache.values):
+            cache[: slots[-1] + 1].copy_(torch.randn(cache[: slots[-1] + 1].shape, generator=generator))
+        last = self.info.max_seq_len - 1
+        rows = len(slots)
+        positions = torch.tensor([min(40, last), min(23, last)][:rows])
+        contiguous = slots == list(range(slots[0], slots[0] + rows))
+        return StepInputs(
+            slots=torch.tensor(slots), positions=positions, input_ids=torch.tensor([1, 2][:rows]), params=torch.zeros(rows, 7),
+            seeds=torch.zeros(rows, dtype=torch.long), steps=torch.zeros(rows, dtype=torch.long),
+            kv_len=int(positions.max()) + 1, contiguous_from=slots[0] if contiguous else None, min_position=int(positions.min()),
+        )
+
     @torch.inference_mode()
     def _check_reads_in_place(self, num_slots: int) -> bool:
-        """Whether eager steps read scattered slots in place (`slot_attention`): where
-        the kernel serves this model's attention and a step over slots 0 and 2, rows
-        at different positions (past a 16-token sliding window where the slots are
-        that long), gives the gathered step's logits. Runs at start-up, when every
-        slot is free."""
+        """Whether eager steps read the slots in place (`slot_attention`): where the
+        kernel serves this model's attention and a step over slots 0 and 2 gives the
+        gathered step's logits."""
         if num_slots < 3 or self.dtype != torch.float32 or self.device.type != "cpu" or self.model.config._attn_implementation != "sdpa":
             return False
         if slot_attention.kernel() is None:
             return False
         slot_attention.install()
-        generator = torch.Generator().manual_seed(0)
-        for cache in (*self.cache.keys, *self.cache.values):
-            cache[:3].copy_(torch.randn(cache[:3].shape, generator=generator))
-        last = self.info.max_seq_len - 1
-        positions = torch.tensor([min(40, last), min(23, last)])
-        inputs = StepInputs(
-            slots=torch.tensor([0, 2]), positions=positions, input_ids=torch.tensor([1, 2]), params=torch.zeros(2, 7),
-            seeds=torch.zeros(2, dtype=torch.long), steps=torch.zeros(2, dtype=torch.long),
-            kv_len=int(positions.max()) + 1, contiguous_from=None, min_position=int(positions.min()),
-        )
+        inputs = self._probe_step([0, 2])
         gathered = self._eager_logits(inputs, read_in_place=False)
         try:
             in_place = self._eager_logits(inputs, read_in_place=True)
