@@ -5,10 +5,11 @@ model over the slots, then greedy sampling) with every row at `--context`
 positions, for each of `--variants`, measured interleaved: `eager`
 (transformers' linears, MKL), `prepacked` (eager with `packed_linear`'s
 weights and, float32 on one thread, `small_gemm`'s kernel for up to 64 rows:
-the CPU default), `prepacked-1core` (the same with a single row kept on
-one core: `small_gemm` computes one row on two cores where it may),
-`prepacked-shared` (the same with every product of up to 64 rows on two
-cores, not only single rows),
+the CPU default, every product of up to 64 rows on two cores, the helper at
+the lowest priority), `prepacked-1core` (the same on one core),
+`prepacked-single-shared` (only single rows on two cores, the default before
+2026-11-24), `prepacked-shared` (the same as `prepacked`, kept for older
+commands),
 `prepacked-ungrouped` (the same with every linear its own product: q, k
 and v, and gate and up, are otherwise one product each),
 `prepacked-onednn` (the same without the kernel: oneDNN, and MKL for one row),
@@ -98,7 +99,7 @@ def step_inputs(batch: int, context: int, vocab: int, device: torch.device, scat
     )
 
 
-def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device, one_core: bool = False, shared_rows: int = 1) -> float:
+def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device, one_core: bool = False, shared_rows: int = small_gemm.SPLIT_MAX_ROWS) -> float:
     kernel = small_gemm.kernel()
     if kernel is not None:
         kernel.split_here(not one_core)
@@ -151,7 +152,7 @@ def main() -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
-    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "prepacked-ungrouped": dict(compile=False, prepack=True), "prepacked-shared": dict(compile=False, prepack=True), "prepacked-gathered": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
+    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "prepacked-ungrouped": dict(compile=False, prepack=True), "prepacked-shared": dict(compile=False, prepack=True), "prepacked-single-shared": dict(compile=False, prepack=True), "prepacked-gathered": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
     names = args.variants.split(",")
     if args.scattered and any(name.startswith("compiled") for name in names):
         parser.error("--scattered: the compiled step's rows are its first slots (a bucket), never scattered")
@@ -189,7 +190,7 @@ def main() -> None:
             time_step(backend, inputs, device)  # warm
         for _ in range(args.repeats):
             for name, backend in backends.items():
-                times[name].append(time_step(backend, inputs, device, one_core=name == "prepacked-1core", shared_rows=64 if name == "prepacked-shared" else 1))
+                times[name].append(time_step(backend, inputs, device, one_core=name == "prepacked-1core", shared_rows=1 if name == "prepacked-single-shared" else 64))
         medians = {name: statistics.median(times[name]) for name in names}
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
         cells = [f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)" for name, median in medians.items()]

@@ -284,6 +284,50 @@ def test_a_forked_child_splits_rows_with_a_helper_of_its_own(splittable):
 
 
 @needs_kernel
+@two_cpus
+def test_the_helper_runs_at_the_lowest_priority(splittable):
+    # SCHED_IDLE: it takes only a core nothing else wants (the prefill worker's, when it has no prompt).
+    kernel, panels, x = splittable
+    kernel.split_here(True)
+    in_new_thread(lambda: kernel.product(x, panels, 160, None))
+    assert kernel.helper_idle()
+
+
+@needs_kernel
+@two_cpus
+def test_a_caller_takes_back_the_panels_of_a_helper_that_lost_its_core(monkeypatch):
+    """A helper asleep right after each claim: the caller computes its panel itself and
+    returns; when the helper wakes, the next products (other inputs, other outputs) keep
+    their own bits, and what the late helper computed is dropped."""
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
+    kernel = small_gemm.kernel()
+    torch.manual_seed(0)
+    weight = torch.randn(240, 64)  # ten panels
+    panels = kernel.pack(weight)
+
+    def product(x, split: bool):
+        kernel.split_here(split)
+        return kernel.product(x, panels, 240, None)
+
+    late_before, jobs_before = kernel.late_panels(), kernel.helper_jobs()
+    kernel.stall_helper(0.3)
+    try:
+        inputs = [torch.randn(rows, 64) for rows in (1, 5, 8)]
+        for x in inputs:  # the helper holds at most one panel: the caller does the rest at once
+            assert torch.equal(in_new_thread(lambda: product(x, True)), in_new_thread(lambda: product(x, False)))
+    finally:
+        kernel.stall_helper(0)
+    deadline = time.monotonic() + 10
+    while kernel.late_panels() == late_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kernel.late_panels() > late_before  # it did claim, and its result was not used
+    for rows in (3, 64):  # after the late helper woke, with it computing again
+        x = torch.randn(rows, 64)
+        assert torch.equal(in_new_thread(lambda: product(x, True)), in_new_thread(lambda: product(x, False)))
+    assert kernel.helper_jobs() >= jobs_before
+
+
+@needs_kernel
 def test_a_packed_linear_on_one_thread_uses_the_kernel_up_to_64_rows(one_thread, monkeypatch):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 160)

@@ -30,6 +30,8 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #define NR 24
@@ -126,19 +128,30 @@ void small_gemm(const float *x, long M, long K, const float *panels, long N, con
  * 30 GB/s where one reads 18. Each output column is computed exactly as
  * small_gemm computes it, whoever computes it, so the result is the same bits.
  *
+ * The helper runs at the lowest priority (SCHED_IDLE): it only ever takes a
+ * core that nothing else wants, so it never slows another process (the prefill
+ * worker beside a decode worker, and the other way round), and a worker gets the
+ * other core whenever that one is idle.
+ *
  * The panels are claimed one at a time: the caller from the front, the helper
- * from the back, until they meet. Neither waits for the other to start, so a
- * helper that is slow to wake, or whose core is busy with another process (a
- * prefill), costs the caller at most the one panel it is computing; the caller
- * does the rest. Both claims and the job's number live in one 64-bit word,
- * changed by compare-and-swap: a claim made for a finished job fails.
+ * from the back, until they meet. Both claims and the job's number (its ticket)
+ * live in one 64-bit word, changed by compare-and-swap: a claim made for a
+ * finished job fails. The caller never waits for the helper, which may be
+ * preempted at any moment: the helper computes into a buffer of its own and
+ * marks each panel READY in the panel's state word (ticket and state, by
+ * compare-and-swap); the caller, once no panel is left to claim, copies every
+ * READY panel into y and computes any other the helper claimed (TAKEN), so a
+ * helper that lost its core costs at most one panel computed twice. A helper
+ * that resumes late on a finished job writes only to its own buffer and its
+ * compare-and-swap fails; it reads the input from a copy that stays mapped (x
+ * may be freed once the caller returns) and weights that live as long as the
+ * model.
  *
  * The helper spins for up to SPIN_NS after each job (a decode step calls ~200
  * products tens of microseconds apart, and waking a sleeping thread costs more
- * than that), then sleeps until the next one. Both spins yield the CPU every
- * few microseconds, so when the scheduler puts the caller and the helper on one
- * core neither holds it for a time slice while the other waits. One caller at a
- * time: a second concurrent caller computes alone. */
+ * than that), then sleeps until the next one; it yields the CPU every few
+ * microseconds while it spins. One caller at a time: a second concurrent caller
+ * computes alone. */
 #define SPIN_NS 2000000L
 
 /* The claims word: the job's ticket (bits 40-63), the next panel from the front
@@ -149,14 +162,22 @@ void small_gemm(const float *x, long M, long K, const float *panels, long N, con
 #define FRONT(w) (((w) >> PANEL_BITS) & MAX_PANELS)
 #define BACK(w) ((w) & MAX_PANELS)
 #define CLAIMS(ticket, front, back) (((unsigned long long)(ticket) << (2 * PANEL_BITS)) | ((unsigned long long)(front) << PANEL_BITS) | (unsigned long long)(back))
+/* A panel's state word: the low 24 bits of its job's ticket, then OPEN, READY or TAKEN. */
+enum { OPEN = 0, READY = 1, TAKEN = 2 };
+#define STATE(ticket, state) ((unsigned)(((ticket) & 0xFFFFFFu) << 8) | (unsigned)(state))
 
-static struct {
-    const float *x, *panels, *bias;
-    float *y;
+struct job {
+    const float *x, *panels, *bias; /* x: the caller's copy (x_copy) */
+    float *helper_y;                /* [M, N], row stride N, as y */
+    _Atomic unsigned *states;       /* one per panel */
     long M, K, N;
-} job;
+};
+static struct job job;
+/* Buffers that only grow, and are never freed: a helper that resumes late may still read or write the old ones. */
+static float *x_copy, *helper_y;
+static _Atomic unsigned *panel_states;
+static long x_capacity, y_capacity, states_capacity;
 static _Atomic unsigned long long claims;
-static atomic_long helper_done; /* panels of the current job the helper has finished */
 /* Callers by a number of their own (thread-local: a pthread_t is reused once its thread ends). */
 static __thread long caller_id;
 static atomic_long callers;
@@ -170,7 +191,10 @@ static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
 static int helper_state; /* 0: not started, 1: running, -1: could not start */
+static int helper_idle_priority; /* whether the helper runs as SCHED_IDLE */
 static long caller_panel_limit = MAX_PANELS; /* tests: the caller leaves the rest to the helper */
+static atomic_long helper_stall_ns; /* tests: the helper sleeps this long after each claim */
+static atomic_long late_panels;     /* panels the helper computed and found taken back */
 static pthread_t helper_thread;
 
 /* Every SPIN_CHECK pauses (a few microseconds) a spinning thread yields and checks the clock. */
@@ -192,7 +216,7 @@ static long claim(unsigned long long ticket, int from_back) {
         if (TICKET(word) != ticket || front >= back)
             return -1;
         unsigned long long next = from_back ? CLAIMS(ticket, front, back - 1) : CLAIMS(ticket, front + 1, back);
-        if (atomic_compare_exchange_weak_explicit(&claims, &word, next, memory_order_acq_rel, memory_order_acquire))
+        if (atomic_compare_exchange_weak_explicit(&claims, &word, next, memory_order_seq_cst, memory_order_acquire))
             return from_back ? (long)back - 1 : (long)front;
     }
 }
@@ -209,6 +233,8 @@ static void follow_caller_cpus(long *applied) {
 
 static void *helper(void *unused) {
     (void)unused;
+    struct sched_param lowest = {0};
+    helper_idle_priority = pthread_setschedparam(pthread_self(), SCHED_IDLE, &lowest) == 0;
     unsigned long long seen = 0; /* the ticket of the last job looked at */
     long applied_cpus = 0;
     for (;;) {
@@ -226,13 +252,21 @@ static void *helper(void *unused) {
             }
         }
         seen = current_ticket();
+        /* Read before the first claim: a claim of job `seen` succeeds only while that job
+         * is unfinished, and its caller writes the next job only once it is finished. */
+        struct job mine = job;
         follow_caller_cpus(&applied_cpus);
         long panel, computed = 0;
         while ((panel = claim(seen, 1)) >= 0) {
-            /* The job cannot change under a claimed panel: its caller waits for it. */
-            panel_range(job.x, job.M, job.K, job.panels, job.N, job.bias, job.y, panel, panel + 1);
-            computed++;
-            atomic_fetch_add_explicit(&helper_done, 1, memory_order_release);
+            long stall = atomic_load_explicit(&helper_stall_ns, memory_order_relaxed);
+            if (stall) /* tests: a helper that loses its core right after a claim */
+                nanosleep(&(struct timespec){stall / 1000000000L, stall % 1000000000L}, 0);
+            panel_range(mine.x, mine.M, mine.K, mine.panels, mine.N, mine.bias, mine.helper_y, panel, panel + 1);
+            unsigned open = STATE(seen, OPEN);
+            if (atomic_compare_exchange_strong(&mine.states[panel], &open, STATE(seen, READY)))
+                computed++;
+            else
+                atomic_fetch_add_explicit(&late_panels, 1, memory_order_relaxed);
         }
         if (computed)
             atomic_fetch_add_explicit(&helper_jobs, 1, memory_order_relaxed);
@@ -246,8 +280,8 @@ static void forget_helper_in_child(void) {
     last_caller_id = 0;
     cpus_changes = 0;
     atomic_store(&claims, 0);
-    atomic_store(&helper_done, 0);
     atomic_store(&helper_jobs, 0);
+    atomic_store(&late_panels, 0);
     pthread_mutex_init(&sleep_lock, 0);
     pthread_mutex_init(&caller_lock, 0);
     pthread_mutex_init(&cpus_lock, 0);
@@ -271,6 +305,25 @@ static void give_helper_my_cpus(void) {
     pthread_mutex_unlock(&cpus_lock);
 }
 
+/* Grows a buffer that is never freed (see above) to hold `need` elements; 0 if out of memory. */
+static int grow(void **buffer, long *capacity, long need, long size) {
+    if (need <= *capacity)
+        return 1;
+    long count = need > 2 * *capacity ? need : 2 * *capacity;
+    void *bigger = aligned_alloc(64, (size_t)((count * size + 63) / 64 * 64));
+    if (!bigger)
+        return 0;
+    *buffer = bigger, *capacity = count; /* the old one is left to a late helper */
+    return 1;
+}
+
+/* Puts panel p of the helper's buffer into y. */
+static void copy_panel(const float *from, float *y, long M, long N, long p) {
+    long first = p * NR, ncols = N - first < NR ? N - first : NR;
+    for (long m = 0; m < M; m++)
+        memcpy(y + m * N + first, from + m * N + first, (size_t)ncols * sizeof(float));
+}
+
 /* Returns 1 if the helper was offered a share of the product, 0 if the caller computed it alone. */
 int small_gemm_split(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y) {
     long count = (N + NR - 1) / NR;
@@ -285,16 +338,19 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
         if (helper_state == 1)
             pthread_detach(helper_thread);
     }
-    if (helper_state < 0) {
+    if (helper_state < 0 || !grow((void **)&x_copy, &x_capacity, M * K, sizeof(float)) || !grow((void **)&helper_y, &y_capacity, M * N, sizeof(float)) ||
+        !grow((void **)&panel_states, &states_capacity, count, sizeof(unsigned))) {
         pthread_mutex_unlock(&caller_lock);
         small_gemm(x, M, K, panels, N, bias, y);
         return 0;
     }
     give_helper_my_cpus();
-    job.x = x, job.M = M, job.K = K, job.panels = panels, job.N = N, job.bias = bias, job.y = y;
-    atomic_store_explicit(&helper_done, 0, memory_order_relaxed);
+    memcpy(x_copy, x, (size_t)(M * K) * sizeof(float));
     unsigned long long ticket = (TICKET(atomic_load_explicit(&claims, memory_order_relaxed)) + 1) & ((1ULL << (64 - 2 * PANEL_BITS)) - 1);
-    atomic_store_explicit(&claims, CLAIMS(ticket, 0, count), memory_order_release); /* publishes the job */
+    for (long p = 0; p < count; p++)
+        atomic_store_explicit(&panel_states[p], STATE(ticket, OPEN), memory_order_relaxed);
+    job = (struct job){x_copy, panels, bias, helper_y, panel_states, M, K, N};
+    atomic_store_explicit(&claims, CLAIMS(ticket, 0, count), memory_order_seq_cst); /* publishes the job */
     pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks the ticket under this lock */
     pthread_cond_signal(&wake);
     pthread_mutex_unlock(&sleep_lock);
@@ -303,15 +359,35 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
         panel_range(x, M, K, panels, N, bias, y, panel, panel + 1);
         mine++;
     }
-    /* Every panel is claimed, or left to the helper: wait for the helper's. */
-    for (long spins = 1; atomic_load_explicit(&helper_done, memory_order_acquire) != count - mine; spins++) {
-        _mm_pause();
+    int patient = caller_panel_limit < MAX_PANELS; /* tests: wait for the helper's panels, never take them */
+    unsigned long long word;
+    for (long spins = 1; word = atomic_load_explicit(&claims, memory_order_acquire), FRONT(word) < BACK(word); spins++) {
+        _mm_pause(); /* only while the caller's share is limited: the helper claims the rest */
         if (spins % SPIN_CHECK == 0)
             sched_yield();
+    }
+    for (long p = (long)BACK(word); p < count; p++) {
+        unsigned open = STATE(ticket, OPEN);
+        for (long spins = 1; patient && atomic_load_explicit(&panel_states[p], memory_order_acquire) == open; spins++)
+            if (spins % SPIN_CHECK == 0)
+                sched_yield();
+        if (atomic_compare_exchange_strong(&panel_states[p], &open, STATE(ticket, TAKEN)))
+            panel_range(x, M, K, panels, N, bias, y, p, p + 1);
+        else
+            copy_panel(helper_y, y, M, N, p);
     }
     pthread_mutex_unlock(&caller_lock);
     return 1;
 }
+
+/* Whether the helper thread runs at the lowest priority (SCHED_IDLE), as it asks to; 0 before it starts (for tests). */
+int small_gemm_helper_idle(void) { return helper_idle_priority; }
+
+/* Tests: the helper sleeps `ns` after each panel it claims (0: never), as if it lost its core. */
+void small_gemm_stall_helper(long ns) { atomic_store(&helper_stall_ns, ns); }
+
+/* Tests: how many panels the helper computed after its caller had computed them itself. */
+long small_gemm_late_panels(void) { return atomic_load(&late_panels); }
 
 /* Tests: the caller of a split product computes at most `panels` of it (0: no limit), so
  * that the helper computes the rest whatever the scheduler does. */

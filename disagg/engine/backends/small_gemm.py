@@ -36,26 +36,27 @@ PANEL = 24  # NR in small_gemm.c: output columns per panel
 # costs about what reading it does, and the helper then spins on a core that
 # other processes want.
 SPLIT_MIN_BYTES = 1 << 20
-# Products of up to this many rows are shared. Only one: a step of one sequence
-# leaves the other core idle but for the next prompt's prefill. Sharing every
-# product (2-64 rows) made a decode step 1.2-1.28x faster alone in its process,
-# but in `disagg serve`, where the prefill worker needs that core under load, it
-# gave fewer tokens/s at 32 and 64 streams than single rows, and TTFT p50 at 32
-# streams over vLLM's (docs/benchmarks.md). Benchmarks and tests raise it.
-SPLIT_MAX_ROWS = 1
+# Products of up to this many rows are shared: every product the kernel computes.
+# The helper runs at the lowest priority (SCHED_IDLE), so it only takes a core
+# nothing else wants: in `disagg serve` the decode worker's steps use the prefill
+# worker's core while it has no prompt, and the prefill worker's prompts the
+# decode worker's core while it has no step. (When the helper ran at normal
+# priority, sharing 2-64 rows cost tokens/s at 32 and 64 streams, where the
+# prefill worker needs its core: docs/benchmarks.md.)
+SPLIT_MAX_ROWS = 64
 
 
 class SmallGemm:
     """The loaded kernel: `pack` once per weight, then `product` per call.
 
-    A single row (SPLIT_MAX_ROWS: a decode step of one sequence, bound by
-    reading the weights) times a weight of SPLIT_MIN_BYTES or more is computed
-    on two cores, the caller's and a helper thread's, when the calling thread
-    may run on more than one CPU (`small_gemm_split`; the same bits: two cores
-    read faster than one). The two threads claim panels one at a time, so a
-    helper whose core is busy (a prefill beside the decode) leaves its share to
-    the caller. A thread pinned to one CPU (`--device-cpus`) keeps its rows on
-    that CPU.
+    Up to SPLIT_MAX_ROWS rows times a weight of SPLIT_MIN_BYTES or more are
+    computed on two cores, the caller's and a helper thread's, when the calling
+    thread may run on more than one CPU (`small_gemm_split`; the same bits: two
+    cores read and multiply faster than one). The helper runs at the lowest
+    priority and the two claim panels one at a time, so a helper whose core is
+    busy (a prefill beside the decode) leaves its share to the caller, which
+    never waits for it. A thread pinned to one CPU (`--device-cpus`) keeps its
+    rows on that CPU.
     """
 
     def __init__(self, library: ctypes.CDLL):
@@ -70,6 +71,12 @@ class SmallGemm:
         self._helper_cpus.argtypes, self._helper_cpus.restype = [], ctypes.c_ulonglong
         self._limit_caller_panels = library.small_gemm_limit_caller_panels
         self._limit_caller_panels.argtypes, self._limit_caller_panels.restype = [ctypes.c_long], None
+        self._helper_idle = library.small_gemm_helper_idle
+        self._helper_idle.argtypes, self._helper_idle.restype = [], ctypes.c_int
+        self._stall_helper = library.small_gemm_stall_helper
+        self._stall_helper.argtypes, self._stall_helper.restype = [ctypes.c_long], None
+        self._late_panels = library.small_gemm_late_panels
+        self._late_panels.argtypes, self._late_panels.restype = [], ctypes.c_long
         self._thread = threading.local()  # per calling thread: whether it may run on more than one CPU
 
     def helper_jobs(self) -> int:
@@ -80,6 +87,18 @@ class SmallGemm:
         """Tests: the caller of a split product computes at most this many panels
         (0: no limit) and the helper the rest, whenever it gets a core."""
         self._limit_caller_panels(panels)
+
+    def helper_idle(self) -> bool:
+        """Whether the helper thread runs at the lowest priority (SCHED_IDLE); False before it starts."""
+        return bool(self._helper_idle())
+
+    def stall_helper(self, seconds: float) -> None:
+        """Tests: the helper sleeps this long after each panel it claims (0: never), as if it lost its core."""
+        self._stall_helper(int(seconds * 1e9))
+
+    def late_panels(self) -> int:
+        """How many panels the helper computed after its caller had computed them itself."""
+        return self._late_panels()
 
     def helper_cpus(self) -> set[int]:
         """The CPUs (below 64) the helper thread may run on: its last caller's; empty before it starts."""
