@@ -342,6 +342,36 @@ def test_a_packed_linear_on_one_thread_uses_the_kernel_up_to_64_rows(one_thread,
     assert calls == [1, 8, 64]  # 65 rows (a prefill's) go to oneDNN
 
 
+@needs_kernel
+@two_cpus
+def test_a_prefill_s_rows_go_through_the_kernel_in_shared_blocks_of_64(one_thread, monkeypatch, helper_computes):
+    """Where the kernel shares a weight with its helper, a prefill's 65 or more rows are
+    blocks of 64 through it (each on two cores), with each row's bits as 64 rows alone give."""
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # the test's weight is smaller than a real model's
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160)
+    packed = PackedLinear(linear)
+    kernel = helper_computes
+    x = torch.randn(150, 96)
+    calls = []
+    monkeypatch.setattr(kernel, "product", lambda *args, **kw: calls.append(args[0].shape[0]) or type(kernel).product(kernel, *args, **kw))
+    shares = kernel.splits_here()
+    try:
+        kernel.split_here(True)
+        jobs_before = kernel.helper_jobs()
+        got = packed(x)
+        assert calls == [64, 64, 22] and kernel.helper_jobs() - jobs_before == 3  # the helper computed part of each
+        kernel.split_here(False)
+        alone = torch.cat([packed(block) for block in x.split(64)])
+        assert torch.equal(got, alone)
+        torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+        calls.clear()
+        packed(x)  # a thread that does not share: oneDNN takes the prefill
+        assert calls == []
+    finally:
+        kernel.split_here(shares)
+
+
 def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("DISAGG_CACHE", str(tmp_path))

@@ -42,7 +42,8 @@ from torch import nn
 from . import small_gemm
 
 # Up to this many rows go through small_gemm's kernel (faster than oneDNN at 64 rows
-# still, measured; a prefill's hundreds of rows are oneDNN's).
+# still, measured); a prefill's hundreds of rows in blocks of this many where the
+# kernel shares them between two cores, else through oneDNN.
 SMALL_ROWS = 64
 
 
@@ -99,14 +100,30 @@ class PackedLinear(nn.Module):
 
 def packed_product(rows: torch.Tensor, packed: torch.Tensor, few_rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[n, in] x the weight -> [n, out]: up to SMALL_ROWS rows through the kernel's
-    panels (3-d), else one row over the transposed weight (2-d), else oneDNN."""
+    panels (3-d); more (a prefill's) too, in blocks of SMALL_ROWS, where the kernel
+    shares them with its helper; else one row over the transposed weight (2-d), else oneDNN."""
     n = rows.shape[0]
     if few_rows.dim() == 3 and n <= SMALL_ROWS:
         return small_gemm.kernel().product(rows, few_rows, packed.shape[0], bias)
+    if few_rows.dim() == 3 and small_gemm.kernel().shares(few_rows):
+        return prefill_blocks(rows.contiguous(), few_rows, packed.shape[0], bias)
     if few_rows.dim() == 2 and n == 1:
         out = rows @ few_rows
         return out + bias if bias is not None else out
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
+def prefill_blocks(rows: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """A prefill's rows through the kernel SMALL_ROWS at a time, each block shared
+    with the helper. Why blocks: the kernel reads a block's rows again for every 24
+    output columns, so a block must stay in the caches; and blocks of 64 rows on two
+    cores compute 1.6-1.7x as fast as oneDNN on one, or 0.97x when the helper gets
+    no core (SmolLM's layers, 1,024 rows, docs/benchmarks.md)."""
+    kernel = small_gemm.kernel()
+    out = rows.new_empty(rows.shape[0], out_features)
+    for start in range(0, rows.shape[0], SMALL_ROWS):
+        kernel.product(rows[start : start + SMALL_ROWS], panels, out_features, bias, out=out[start : start + SMALL_ROWS])
+    return out
 
 
 @torch.library.custom_op("disagg::packed_linear", mutates_args=())

@@ -117,6 +117,10 @@ class SmallGemm:
             answer = self._thread.splits = len(os.sched_getaffinity(0)) > 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) > 1
         return answer
 
+    def shares(self, panels: torch.Tensor) -> bool:
+        """Whether a product over these panels of up to SPLIT_MAX_ROWS rows, from this thread, is shared with the helper."""
+        return panels.numel() * 4 >= SPLIT_MIN_BYTES and self.splits_here()
+
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
         """nn.Linear's weight [out, in] -> panels [ceil(out / 24), in, 24], the columns past `out` zero."""
@@ -126,16 +130,19 @@ class SmallGemm:
         padded[:out_features] = weight
         return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
 
-    def product(self, rows: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """rows [n, in] float32 -> [n, out]."""
+    def product(self, rows: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [n, in] float32 -> [n, out] (into `out`, contiguous, if given)."""
         rows = rows.contiguous()
         n, in_features = rows.shape
         # The C side reads raw pointers: a shape it was not packed for would read past the buffers, not fail.
         fits = panels.shape[1] == in_features and out_features <= panels.shape[0] * PANEL and (bias is None or bias.shape == (out_features,))
         if not fits or rows.dtype != torch.float32 or not panels.is_contiguous():
             raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)}")
-        out = torch.empty(n, out_features, dtype=torch.float32)
-        call = self._split if n <= SPLIT_MAX_ROWS and panels.numel() * 4 >= SPLIT_MIN_BYTES and self.splits_here() else self._call
+        if out is None:
+            out = torch.empty(n, out_features, dtype=torch.float32)
+        elif out.shape != (n, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"small_gemm: out {tuple(out.shape)} {out.dtype} is not a contiguous [{n}, {out_features}] float32")
+        call = self._split if n <= SPLIT_MAX_ROWS and self.shares(panels) else self._call
         call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
 

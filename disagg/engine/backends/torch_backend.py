@@ -105,7 +105,8 @@ class TorchBackend(Backend):
     def _prepack(self) -> None:
         """Prepacks the linears; refuses a model whose logits they change (one that
         uses a linear's weight in some way `PackedLinear` does not serve)."""
-        # Each product path: one row, a few (the decode step's), and more than SMALL_ROWS (a prefill's, oneDNN).
+        # Each product path: one row, a few (the decode step's), and more than SMALL_ROWS (a prefill's:
+        # the kernel's shared blocks, or oneDNN, as this thread may use one core or more).
         prompts = ([0], [0, 1, 2, 3], [0] * min(SMALL_ROWS + 1, self.info.max_seq_len))
         plain = [self.prefill_logits(prompt, lambda *kv: None) for prompt in prompts]
         log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model))
