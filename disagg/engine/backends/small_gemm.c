@@ -191,9 +191,10 @@ static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
 static int helper_state; /* 0: not started, 1: running, -1: could not start */
-static int helper_idle_priority; /* whether the helper runs as SCHED_IDLE */
+static atomic_int helper_priority; /* 1: the helper runs as SCHED_IDLE; -1: it could not (normal priority); 0: not yet known */
 static long caller_panel_limit = MAX_PANELS; /* tests: the caller leaves the rest to the helper */
 static atomic_long helper_stall_ns; /* tests: the helper sleeps this long after each claim */
+static atomic_int caller_awaits_claim; /* tests: the caller starts once the helper has claimed a panel */
 static atomic_long late_panels;     /* panels the helper computed and found taken back */
 static pthread_t helper_thread;
 
@@ -234,7 +235,7 @@ static void follow_caller_cpus(long *applied) {
 static void *helper(void *unused) {
     (void)unused;
     struct sched_param lowest = {0};
-    helper_idle_priority = pthread_setschedparam(pthread_self(), SCHED_IDLE, &lowest) == 0;
+    atomic_store(&helper_priority, pthread_setschedparam(pthread_self(), SCHED_IDLE, &lowest) == 0 ? 1 : -1);
     unsigned long long seen = 0; /* the ticket of the last job looked at */
     long applied_cpus = 0;
     for (;;) {
@@ -282,6 +283,7 @@ static void forget_helper_in_child(void) {
     atomic_store(&claims, 0);
     atomic_store(&helper_jobs, 0);
     atomic_store(&late_panels, 0);
+    atomic_store(&helper_priority, 0);
     pthread_mutex_init(&sleep_lock, 0);
     pthread_mutex_init(&caller_lock, 0);
     pthread_mutex_init(&cpus_lock, 0);
@@ -327,7 +329,10 @@ static void copy_panel(const float *from, float *y, long M, long N, long p) {
 /* Returns 1 if the helper was offered a share of the product, 0 if the caller computed it alone. */
 int small_gemm_split(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y) {
     long count = (N + NR - 1) / NR;
-    if (count < 2 || count > MAX_PANELS || pthread_mutex_trylock(&caller_lock) != 0) {
+    /* A helper at normal priority (where SCHED_IDLE is refused) shares single rows only: more
+     * would take the core from the process beside this one whenever it has work (measured). */
+    int shares = M == 1 || atomic_load_explicit(&helper_priority, memory_order_relaxed) >= 0;
+    if (!shares || count < 2 || count > MAX_PANELS || pthread_mutex_trylock(&caller_lock) != 0) {
         small_gemm(x, M, K, panels, N, bias, y);
         return 0;
     }
@@ -354,6 +359,9 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
     pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks the ticket under this lock */
     pthread_cond_signal(&wake);
     pthread_mutex_unlock(&sleep_lock);
+    for (long spins = 1; atomic_load_explicit(&caller_awaits_claim, memory_order_relaxed) && BACK(atomic_load(&claims)) == (unsigned long long)count; spins++)
+        if (spins % SPIN_CHECK == 0) /* tests: until the helper holds a panel */
+            sched_yield();
     long panel, mine = 0;
     while (mine < caller_panel_limit && (panel = claim(ticket, 0)) >= 0) {
         panel_range(x, M, K, panels, N, bias, y, panel, panel + 1);
@@ -381,10 +389,13 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
 }
 
 /* Whether the helper thread runs at the lowest priority (SCHED_IDLE), as it asks to; 0 before it starts (for tests). */
-int small_gemm_helper_idle(void) { return helper_idle_priority; }
+int small_gemm_helper_idle(void) { return atomic_load(&helper_priority) == 1; }
 
 /* Tests: the helper sleeps `ns` after each panel it claims (0: never), as if it lost its core. */
 void small_gemm_stall_helper(long ns) { atomic_store(&helper_stall_ns, ns); }
+
+/* Tests: the caller of a split product starts once the helper has claimed a panel (0: at once). */
+void small_gemm_await_helper_claim(int on) { atomic_store(&caller_awaits_claim, on); }
 
 /* Tests: how many panels the helper computed after its caller had computed them itself. */
 long small_gemm_late_panels(void) { return atomic_load(&late_panels); }
