@@ -16,8 +16,11 @@ SmolLM-135M layers whose weights do not fit in the caches; docs/benchmarks.md):
 - Faster still, from 1 to 64 rows on one thread, is the project's own float32
   kernel (`small_gemm.c`): the weight packed in panels read as one stream,
   4 rows at a time from L1. 30 SmolLM layers' linears: 1.3-1.5x oneDNN's
-  speed at 1 row, 1.6x at 8 and 16, 1.1-1.2x at 64. A single row is shared
-  between two cores where the calling thread may use two (1.5x faster again).
+  speed at 1 row, 1.6x at 8 and 16, 1.1-1.2x at 64. Where the calling thread
+  may use two cores, each product is shared with the kernel's helper thread,
+  at the lowest priority (1.3-1.4x faster again at 8-32 rows, 1.5x at one,
+  when the other core is idle), and a prefill's rows go through it too, 64
+  at a time (1.6x oneDNN's speed with the other core idle, 0.97x without).
 
 So each linear keeps the oneDNN-packed weight for the rows of a prefill, plus,
 for a decode step's few rows, the kernel's panels (float32, one torch thread,

@@ -16,7 +16,11 @@ transformers' own:
   own position in its slot and returns the slot rows' prefix. Rows stand at
   different positions, so the query offset is a per-row tensor; `row_masks`
   teaches transformers' mask builders to read it. A sliding-window layer
-  returns only the positions its window can still see.
+  returns only the positions its window can still see. Where `slot_attention`
+  serves the model (float32 "sdpa" on an AVX2 CPU), the layer returns the span
+  of every slot instead, tagged with the rows' slots, and the attention reads
+  each row's slot in place; otherwise a view when the rows' slots are one
+  contiguous run, else the rows gathered.
 """
 
 from __future__ import annotations
