@@ -119,19 +119,19 @@ static void weighted_values(const float *p, const float *v, long length, long po
     }
 }
 
-/* q: [rows, q_heads, d] contiguous; keys/values: the layer's cache, element strides
- * slot_stride, head_stride, pos_stride (d contiguous); slots: [rows]; each row reads
- * positions [start, start + length) of its slot; mask: [rows][length] bytes (1: attend),
+/* q: [rows, q_heads, d] contiguous; keys/values: a span of the layer's cache (its
+ * first position), element strides slot_stride, head_stride, pos_stride (d
+ * contiguous); slots: [rows]; each row reads the span's `length` positions of its slot; mask: [rows][length] bytes (1: attend),
  * or NULL (every position); out: [rows, q_heads, d] contiguous; scratch: group *
  * length floats. A row whose mask hides every position gets NaN, as SDPA gives. */
 void slot_attention(const float *q, long rows, long q_heads, long kv_heads, long d, const float *keys, const float *values,
-                    long slot_stride, long head_stride, long pos_stride, const long *slots, long start, long length,
+                    long slot_stride, long head_stride, long pos_stride, const long *slots, long length,
                     const unsigned char *mask, float scale, float *out, float *scratch) {
     long group = q_heads / kv_heads;
     for (long r = 0; r < rows; r++) {
         const unsigned char *m = mask ? mask + r * length : 0;
         for (long h = 0; h < kv_heads; h++) {
-            long base = slots[r] * slot_stride + h * head_stride + start * pos_stride;
+            long base = slots[r] * slot_stride + h * head_stride;
             const float *k = keys + base, *v = values + base;
             for (long g = 0; g < group; g++) {
                 const float *qg = q + (r * q_heads + h * group + g) * d;

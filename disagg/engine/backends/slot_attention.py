@@ -22,18 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 import pathlib
-import shutil
-import subprocess
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import small_gemm
-
-log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("slot_attention.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
@@ -46,7 +40,7 @@ class SlotAttention:
     def __init__(self, library: ctypes.CDLL):
         self._call = library.slot_attention
         long, pointer = ctypes.c_long, ctypes.c_void_p
-        self._call.argtypes = [pointer, long, long, long, long, pointer, pointer, long, long, long, pointer, long, long, pointer, ctypes.c_float, pointer, pointer]
+        self._call.argtypes = [pointer, long, long, long, long, pointer, pointer, long, long, long, pointer, long, pointer, ctypes.c_float, pointer, pointer]
         self._call.restype = None
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -66,7 +60,7 @@ class SlotAttention:
         scratch = torch.empty(q_heads // kv_heads * length, dtype=torch.float32)
         self._call(
             query.data_ptr(), n, q_heads, kv_heads, d, keys.data_ptr(), values.data_ptr(),
-            keys.stride(0), keys.stride(1), keys.stride(2), slots.data_ptr(), 0, length,
+            keys.stride(0), keys.stride(1), keys.stride(2), slots.data_ptr(), length,
             None if mask is None else mask.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(),
         )
         return out
@@ -75,19 +69,8 @@ class SlotAttention:
 @functools.cache
 def kernel() -> SlotAttention | None:
     """The kernel, or None where it cannot run here (logged once)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler and not small_gemm.built(SOURCE, FLAGS, LIBRARIES).exists():
-        log.info("decode attention reads gathered slots: no C compiler found (set CC)")
-        return None
-    try:
-        return SlotAttention(ctypes.CDLL(str(small_gemm.build(compiler, SOURCE, FLAGS, LIBRARIES))))
-    except subprocess.CalledProcessError as exc:
-        log.warning("decode attention reads gathered slots: %s failed: %s", compiler, exc.stderr.decode(errors="replace").strip()[-500:])
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("decode attention reads gathered slots: building or loading the kernel failed: %s", exc)
-    return None
+    library = small_gemm.load_library(SOURCE, FLAGS, LIBRARIES, "decode attention gathers scattered slots")
+    return SlotAttention(library) if library is not None else None
 
 
 def tag(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

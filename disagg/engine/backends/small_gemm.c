@@ -162,7 +162,10 @@ void small_gemm(const float *x, long M, long K, const float *panels, long N, con
 #define FRONT(w) (((w) >> PANEL_BITS) & MAX_PANELS)
 #define BACK(w) ((w) & MAX_PANELS)
 #define CLAIMS(ticket, front, back) (((unsigned long long)(ticket) << (2 * PANEL_BITS)) | ((unsigned long long)(front) << PANEL_BITS) | (unsigned long long)(back))
-/* A panel's state word: the low 24 bits of its job's ticket, then OPEN, READY or TAKEN. */
+/* A panel's state word: the low 24 bits of its job's ticket, then OPEN, READY or TAKEN.
+ * Tickets wrap at 2^24: a helper would have to be held off between reading a ticket
+ * and its claim for 16M products (hours at a decode step's ~2,000 a second, while
+ * SCHED_IDLE still gets a slice of each scheduling period) to take one job for another. */
 enum { OPEN = 0, READY = 1, TAKEN = 2 };
 #define STATE(ticket, state) ((unsigned)(((ticket) & 0xFFFFFFu) << 8) | (unsigned)(state))
 

@@ -156,20 +156,28 @@ class SmallGemm:
 @functools.cache
 def kernel() -> SmallGemm | None:
     """The kernel, or None where it cannot run here (logged once)."""
+    library = load_library(SOURCE, FLAGS, (), "few-row linear kernel not used")
+    return SmallGemm(library) if library is not None else None
+
+
+def load_library(source: pathlib.Path, flags: tuple[str, ...], libraries: tuple[str, ...], unused: str) -> ctypes.CDLL | None:
+    """A C source of this package built (once, cached) and loaded, or None with one
+    log line starting with `unused` where it cannot run here: no AVX2, no compiler
+    and nothing cached, or a build that fails (slot_attention.c loads the same way)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        log.info("few-row linear kernel not used: the CPU has no AVX2 (PyTorch reports %s)", capability)
+        log.info("%s: the CPU has no AVX2 (PyTorch reports %s)", unused, capability)
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler and not built().exists():
-        log.info("few-row linear kernel not used: no C compiler found (set CC)")
+    if not compiler and not built(source, flags, libraries).exists():
+        log.info("%s: no C compiler found (set CC)", unused)
         return None
     try:
-        return SmallGemm(ctypes.CDLL(str(build(compiler))))
+        return ctypes.CDLL(str(build(compiler, source, flags, libraries)))
     except subprocess.CalledProcessError as exc:
-        log.warning("few-row linear kernel not used: %s failed: %s", compiler, exc.stderr.decode(errors="replace").strip()[-500:])
+        log.warning("%s: %s failed: %s", unused, compiler, exc.stderr.decode(errors="replace").strip()[-500:])
     except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("few-row linear kernel not used: building or loading it failed: %s", exc)
+        log.warning("%s: building or loading it failed: %s", unused, exc)
     return None
 
 
@@ -180,8 +188,8 @@ def built(source: pathlib.Path = SOURCE, flags: tuple[str, ...] = FLAGS, librari
 
 
 def build(compiler: str | None, source: pathlib.Path = SOURCE, flags: tuple[str, ...] = FLAGS, libraries: tuple[str, ...] = ()) -> pathlib.Path:
-    """The shared library, compiled unless the cache already holds this source's
-    (slot_attention.c is built the same way). libraries ("-lm") go after the
+    """The shared library, compiled unless the cache already holds this source's.
+    libraries ("-lm") go after the
     source, where a linker that drops unneeded libraries still sees them needed."""
     target = built(source, flags, libraries)
     if target.exists():
