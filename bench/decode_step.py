@@ -3,10 +3,13 @@
 For each batch size, the median time of one `TorchBackend.decode_step` (the
 model over the slots, then greedy sampling) with every row at `--context`
 positions, for each of `--variants`, measured interleaved: `eager`
-(transformers' linears, MKL), `prepacked` (eager with `packed_linear`'s
-weights and, float32 on one thread, `small_gemm`'s kernel for up to 64 rows:
-the CPU default, every product of up to 64 rows on two cores, the helper at
-the lowest priority), `prepacked-1core` (the same on one core),
+(transformers' linears, MKL), `native` (the CPU default for Llama, Mistral
+and Qwen2 in float32: the whole step in one call into `native_step.c`, over
+the prepacked weights), `native-1core` (the same on one core), `prepacked`
+(the step through transformers' modules with `packed_linear`'s weights and,
+float32 on one thread, `small_gemm`'s kernel for up to 64 rows: every product
+of up to 64 rows on two cores, the helper at the lowest priority; the default
+before 2026-11-24 and still for other models), `prepacked-1core` (the same on one core),
 `prepacked-single-shared` (only single rows on two cores, the default before
 2026-11-24), `prepacked-shared` (the same as `prepacked`, kept for older
 commands),
@@ -30,6 +33,7 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --dtype float32 --batch 1,8 --variants prepacked-ungrouped,prepacked
     python bench/decode_step.py --dtype float32 --batch 2,8,16 --variants prepacked,prepacked-shared
     python bench/decode_step.py --dtype float32 --batch 1,8,16,32 --variants prepacked-gathered,prepacked --scattered
+    python bench/decode_step.py --dtype float32 --batch 1,8,16,32,64 --variants prepacked,native --scattered
 """
 
 from __future__ import annotations
@@ -152,7 +156,15 @@ def main() -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
-    options = {"eager": dict(compile=False, prepack=False), "prepacked": dict(compile=False, prepack=True), "prepacked-onednn": dict(compile=False, prepack=True), "prepacked-1core": dict(compile=False, prepack=True), "prepacked-ungrouped": dict(compile=False, prepack=True), "prepacked-shared": dict(compile=False, prepack=True), "prepacked-single-shared": dict(compile=False, prepack=True), "prepacked-gathered": dict(compile=False, prepack=True), "compiled": dict(compile=True, prepack=False), "compiled-prepacked": dict(compile=True, prepack=True)}
+    through_modules = dict(compile=False, prepack=True, native_step=False)
+    options = {
+        "eager": dict(compile=False, prepack=False),
+        **{name: through_modules for name in ("prepacked", "prepacked-onednn", "prepacked-1core", "prepacked-ungrouped", "prepacked-shared", "prepacked-single-shared", "prepacked-gathered")},
+        "native": dict(compile=False, prepack=True),
+        "native-1core": dict(compile=False, prepack=True),
+        "compiled": dict(compile=True, prepack=False),
+        "compiled-prepacked": dict(compile=True, prepack=True),
+    }
     names = args.variants.split(",")
     if args.scattered and any(name.startswith("compiled") for name in names):
         parser.error("--scattered: the compiled step's rows are its first slots (a bucket), never scattered")
@@ -190,7 +202,7 @@ def main() -> None:
             time_step(backend, inputs, device)  # warm
         for _ in range(args.repeats):
             for name, backend in backends.items():
-                times[name].append(time_step(backend, inputs, device, one_core=name == "prepacked-1core", shared_rows=1 if name == "prepacked-single-shared" else 64))
+                times[name].append(time_step(backend, inputs, device, one_core=name.endswith("-1core"), shared_rows=1 if name == "prepacked-single-shared" else 64))
         medians = {name: statistics.median(times[name]) for name in names}
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
         cells = [f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)" for name, median in medians.items()]

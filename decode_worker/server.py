@@ -102,7 +102,7 @@ def parse_kv_chunk(raw: bytes) -> tuple[wpb.KvChunk, memoryview | None] | Unpars
 
 def backend_options(config) -> dict:
     neuron = {**config.neuron, "async_mode": config.async_mode}
-    torch_options = dict(compile=config.compile, prepack=config.prepack, batch_buckets=config.batch_buckets, token_buckets=config.token_buckets)
+    torch_options = dict(compile=config.compile, prepack=config.prepack, native_step=config.native_step, batch_buckets=config.batch_buckets, token_buckets=config.token_buckets)
     return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=config.slots_before_load(), neuron=neuron, torch=torch_options)
 
 

@@ -63,6 +63,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="keep each linear layer's weight in oneDNN's packed layout (prefills) and in panels for the project's few-row float32 kernel (decode steps; built with the system's C compiler on first use; else transposed for one-row steps): 1.06-1.5x faster decode steps on this CPU than oneDNN alone, for a second copy of those weights; "
         "--no-prepack uses transformers' own linears (default: on CPU)",
     )
+    compiled.add_argument(
+        "--native-step",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each eager decode step of a Llama, Mistral or Qwen2 model as one call into the project's C step over the prepacked weights (float32, an AVX2 CPU), checked at start-up against transformers' own step; "
+        "--no-native-step runs it through transformers' modules (default: wherever it serves the model)",
+    )
     compiled.add_argument("--batch-buckets", type=bucket_list, default=None, help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
@@ -174,6 +181,7 @@ def worker_fields(args) -> tuple[dict, dict]:
         nixl_backend=args.nixl_backend,
         compile=args.compile,
         prepack=args.prepack,
+        native_step=args.native_step,
         batch_buckets=args.batch_buckets or (),
         token_buckets=args.token_buckets or (),
     )

@@ -18,7 +18,7 @@ from disagg.kv.codec import KvKind, dtype_name
 from ..model_files import eos_token_ids
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
-from . import architectures, row_masks, slot_attention
+from . import architectures, native_step, row_masks, slot_attention
 from .compiled import CompiledDecode
 from .packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
@@ -43,6 +43,8 @@ class TorchBackendConfig:
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
     # Linear weights laid out for few-row products (`packed_linear`). None: on CPU.
     prepack: bool | None = None
+    # Eager decode steps as one call into native_step.c. None: wherever it serves the model (and a start-up step agrees).
+    native_step: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -96,6 +98,7 @@ class TorchBackend(Backend):
         self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
         self.compiled: CompiledDecode | None = None  # when compiling, once the slots exist
         self.reads_in_place = False  # eager steps read scattered slots in place (slot_attention), once checked
+        self.native: native_step.NativeDecode | None = None  # eager steps in one C call, once checked
         if config.prepack is not False and can_prepack(self.device, self.dtype):
             self._prepack()
         elif config.prepack is not False and self.device.type == "cpu":
@@ -194,6 +197,8 @@ class TorchBackend(Backend):
             self._check_compiled_equals_eager(num_slots)
         else:
             self.reads_in_place = self._check_reads_in_place(num_slots)
+            if self.config.native_step is not False:
+                self.native = self._check_native_step(num_slots)
         return self.cache.nbytes
 
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
@@ -251,10 +256,35 @@ class TorchBackend(Backend):
         log.info("decode attention reads scattered slots in place")
         return True
 
+    @torch.inference_mode()
+    def _check_native_step(self, num_slots: int) -> native_step.NativeDecode | None:
+        """The native decode step, where native_step.c serves this model and a step over
+        two slots (scattered where there are three) gives transformers' logits."""
+        reason = "it runs on CUDA" if self.device.type != "cpu" else native_step.unserved(self.model, self.plans)
+        if reason is None:
+            try:
+                native = native_step.NativeDecode(self.model, self.plans, self.cache)
+            except ValueError as exc:
+                reason = str(exc)
+        if reason is not None:
+            log.info("decode step runs through transformers' modules: the native step does not serve this model: %s", reason)
+            return None
+        inputs = self._probe_step([0, 2] if num_slots >= 3 else list(range(min(num_slots, 2))))
+        reference = self._eager_logits(inputs, read_in_place=False)
+        logits = native.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+        # As tight as the in-place attention's check: the same arithmetic, sums in another order.
+        if (reference - logits).abs().max() > 1e-4 * reference.abs().max() + 1e-5:
+            log.info("decode step runs through transformers' modules: the native step changes this model's logits")
+            return None
+        log.info("decode step runs natively (native_step.c): one call per step")
+        return native
+
     def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step over the active slots."""
         if self.compiled is not None:
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+        if self.native is not None:
+            return self.native.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         return self._eager_logits(inputs)
 
     def _eager_logits(self, inputs: StepInputs, read_in_place: bool | None = None) -> torch.Tensor:

@@ -1,0 +1,203 @@
+/* One decode step of a Llama-shaped model in one call (float32): every layer,
+ * the final norm and the LM head, for the few rows of a continuous batch.
+ *
+ * Built by native_step.py with -mavx2 -mfma -ffp-contract=off and called through
+ * ctypes (which releases the GIL for the call); the products and the attention
+ * are small_gemm.c's and slot_attention.c's own functions, handed over as
+ * pointers, so the helper thread that shares the products is the one process-wide.
+ *
+ * Why: in transformers' modules, at one row, the products take ~18 of a ~34 ms
+ * step on this project's CPU (reading 538 MB at ~30 GB/s); the rest is ~800
+ * small aten calls and the Python between them. Here the rest is a few loops
+ * over a few KB per layer.
+ *
+ * The arithmetic follows transformers' Llama, Mistral and Qwen2 modules, in
+ * their order of operations (no fused multiply-adds outside the kernels:
+ * -ffp-contract=off keeps a * b + c two roundings, as PyTorch computes it):
+ *     h = rmsnorm(x) = w * (x * (1 / sqrt(mean(x^2) + eps)))
+ *     q, k, v = h Wq, h Wk, h Wv  (one product over their panels end to end)
+ *     q, k = q cos + rotate_half(q) sin, the same for k; k and v into the slot
+ *     x = x + attention(q, the slot's keys and values) Wo
+ *     x = x + (silu(h Wgate) * (h Wup)) Wdown,  h = rmsnorm(x) with the second norm
+ *     logits = rmsnorm(x) Wlm
+ * The sums differ from PyTorch's only in order (the norm's mean, the kernels'
+ * dots) and silu's exp comes from glibc's vector expf, not Sleef's: native_step.py
+ * checks the logits against transformers' own step at start-up.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+__m256 _ZGVdN8v_expf(__m256 x); /* libmvec's expf over 8 lanes, AVX2 */
+
+typedef void (*product_fn)(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y);
+typedef int (*split_product_fn)(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y);
+typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_heads, long d, const float *keys, const float *values,
+                             long slot_stride, long head_stride, long pos_stride, const long *slots, long length,
+                             const unsigned char *mask, float scale, float *out, float *scratch);
+
+#define NR 24
+#define BLOCK_ROWS 64 /* rows per kernel call: small_gemm's blocks stay in the caches */
+
+/* One product's weights: panels of NR columns (small_gemm's layout), N output columns, an optional bias. */
+struct weights {
+    const float *panels, *bias;
+    long n;
+    int shared; /* shared with the kernel's helper thread (small_gemm_split) where the caller may */
+};
+
+struct layer {
+    const float *attn_norm, *mlp_norm;
+    struct weights qkv; /* q, k and v end to end */
+    long q_col, k_col, v_col;
+    struct weights o;
+    struct weights gate_up; /* gate and up end to end */
+    long gate_col, up_col;
+    struct weights down;
+    float *keys, *values; /* the layer's slot cache [slots, kv_heads, positions, head_dim] */
+    long window;          /* a sliding layer's window; 0: full attention */
+};
+
+struct model {
+    long layers, hidden, q_heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    long slot_stride, head_stride, pos_stride; /* the caches' strides, in floats */
+    const float *embed;                        /* [vocab, hidden] */
+    const float *final_norm;
+    struct weights lm_head;
+    product_fn product;
+    split_product_fn split_product;
+    attention_fn attention;
+    const struct layer *layer;
+};
+
+static void product(const struct model *m, int may_share, const float *x, long rows, long k, const struct weights *w, float *y) {
+    for (long r = 0; r < rows; r += BLOCK_ROWS) {
+        long n = rows - r < BLOCK_ROWS ? rows - r : BLOCK_ROWS;
+        if (may_share && w->shared)
+            m->split_product(x + r * k, n, k, w->panels, w->n, w->bias, y + r * w->n);
+        else
+            m->product(x + r * k, n, k, w->panels, w->n, w->bias, y + r * w->n);
+    }
+}
+
+/* out = weight * (x * (1 / sqrt(mean(x^2) + eps))), per row, as LlamaRMSNorm. */
+static void rms_norm(const float *x, long rows, long h, const float *weight, float eps, float *out) {
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * h;
+        float *o = out + r * h;
+        __m256 acc = _mm256_setzero_ps();
+        long i = 0;
+        for (; i + 8 <= h; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        for (; i < h; i++)
+            sum += xr[i] * xr[i];
+        float inverse = 1.0f / sqrtf(sum / (float)h + eps);
+        for (i = 0; i < h; i++)
+            o[i] = weight[i] * (xr[i] * inverse);
+    }
+}
+
+/* out[0, heads * d) = x rotated: x cos + rotate_half(x) sin per head, rotate_half(x) = (-x2, x1). */
+static void rotate(const float *x, long heads, long d, const float *cos, const float *sin, float *out) {
+    long half = d / 2;
+    for (long h = 0; h < heads; h++) {
+        const float *xh = x + h * d;
+        float *o = out + h * d;
+        for (long i = 0; i < half; i++) {
+            o[i] = xh[i] * cos[i] + (-xh[i + half]) * sin[i];
+            o[i + half] = xh[i + half] * cos[i + half] + xh[i] * sin[i + half];
+        }
+    }
+}
+
+/* act[0, n) = silu(gate) * up = gate / (1 + exp(-gate)) * up, as PyTorch's silu. */
+static void silu_times(const float *gate, const float *up, long n, float *act) {
+    __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = _ZGVdN8v_expf(_mm256_xor_ps(g, sign));
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++)
+        act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+static void add_into(float *x, const float *y, long n) {
+    for (long i = 0; i < n; i++)
+        x[i] = x[i] + y[i];
+}
+
+/* The widest product a row of the step holds at once: q, k and v, or gate and up. */
+static long widest(const struct model *m) {
+    long most = 0;
+    for (long l = 0; l < m->layers; l++) {
+        most = m->layer[l].qkv.n > most ? m->layer[l].qkv.n : most;
+        most = m->layer[l].gate_up.n > most ? m->layer[l].gate_up.n : most;
+    }
+    return most;
+}
+
+/* The floats of workspace a step of `rows` rows over `kv_len` positions needs (see native_step). */
+long native_step_workspace(const struct model *m, long rows, long kv_len) {
+    long q_dim = m->q_heads * m->head_dim, mask_floats = (rows * kv_len + 3) / 4;
+    return rows * (3 * m->hidden + widest(m) + 2 * q_dim + m->intermediate) + (m->q_heads / m->kv_heads) * kv_len + mask_floats;
+}
+
+/* One step: row r is token ids[r] at position positions[r] of slot slots[r]; cos and sin
+ * [rows, head_dim] its rotary angles (transformers' rotary module's output); every
+ * position below kv_len of a row's slot is written (the rows' positions included,
+ * once this step writes them). logits: [rows, lm_head.n]; work: native_step_workspace
+ * floats. may_share: whether products may be shared with the helper thread (the
+ * calling thread may run on more than one CPU). */
+void native_step(const struct model *m, long rows, const long *ids, const long *slots, const long *positions, const float *cos,
+                 const float *sin, long kv_len, int may_share, float *logits, float *work) {
+    long hidden = m->hidden, d = m->head_dim, q_dim = m->q_heads * d;
+    float *x = work, *h = x + rows * hidden, *mixed = h + rows * hidden, *wide = mixed + rows * hidden;
+    float *q = wide + rows * widest(m), *attended = q + rows * q_dim, *act = attended + rows * q_dim;
+    float *scores = act + rows * m->intermediate;
+    unsigned char *mask = (unsigned char *)(scores + (m->q_heads / m->kv_heads) * kv_len);
+    long min_position = positions[0];
+    for (long r = 0; r < rows; r++) {
+        memcpy(x + r * hidden, m->embed + ids[r] * hidden, (size_t)hidden * sizeof(float));
+        min_position = positions[r] < min_position ? positions[r] : min_position;
+    }
+    for (long l = 0; l < m->layers; l++) {
+        const struct layer *L = &m->layer[l];
+        rms_norm(x, rows, hidden, L->attn_norm, m->eps, h);
+        product(m, may_share, h, rows, hidden, &L->qkv, wide);
+        for (long r = 0; r < rows; r++) {
+            const float *row = wide + r * L->qkv.n, *c = cos + r * d, *s = sin + r * d;
+            long at = slots[r] * m->slot_stride + positions[r] * m->pos_stride;
+            rotate(row + L->q_col, m->q_heads, d, c, s, q + r * q_dim);
+            for (long kv = 0; kv < m->kv_heads; kv++) {
+                rotate(row + L->k_col + kv * d, 1, d, c, s, L->keys + at + kv * m->head_stride);
+                memcpy(L->values + at + kv * m->head_stride, row + L->v_col + kv * d, (size_t)d * sizeof(float));
+            }
+        }
+        /* A sliding layer's rows see positions > position - window: skip what none of them sees. */
+        long start = L->window && min_position - L->window + 1 > 0 ? min_position - L->window + 1 : 0, length = kv_len - start;
+        for (long r = 0; r < rows; r++)
+            for (long t = 0; t < length; t++)
+                mask[r * length + t] = start + t <= positions[r] && (!L->window || start + t > positions[r] - L->window);
+        m->attention(q, rows, m->q_heads, m->kv_heads, d, L->keys + start * m->pos_stride, L->values + start * m->pos_stride, m->slot_stride,
+                     m->head_stride, m->pos_stride, slots, length, mask, m->scale, attended, scores);
+        product(m, may_share, attended, rows, q_dim, &L->o, mixed);
+        add_into(x, mixed, rows * hidden);
+        rms_norm(x, rows, hidden, L->mlp_norm, m->eps, h);
+        product(m, may_share, h, rows, hidden, &L->gate_up, wide);
+        for (long r = 0; r < rows; r++)
+            silu_times(wide + r * L->gate_up.n + L->gate_col, wide + r * L->gate_up.n + L->up_col, m->intermediate, act + r * m->intermediate);
+        product(m, may_share, act, rows, m->intermediate, &L->down, mixed);
+        add_into(x, mixed, rows * hidden);
+    }
+    rms_norm(x, rows, hidden, m->final_norm, m->eps, h);
+    product(m, may_share, h, rows, hidden, &m->lm_head, logits);
+}

@@ -1,0 +1,189 @@
+"""A Llama-shaped model's decode step in one C call (`native_step.c`).
+
+Profiled at one row on this project's CPU (float32, SmolLM-135M's shape), the
+eager step through transformers' modules took ~34 ms, of which the products
+(`small_gemm`) took ~18: the other ~16 were some 800 small aten calls (norms,
+rotary, KV writes, masks) and the Python between them. `native_step.c` runs
+the whole step (every layer, the final norm, the LM head) in one call over the
+same prepacked weights, the same slot cache and the same kernels (the products
+shared with small_gemm's helper thread, the attention read in place by
+slot_attention), so what is left besides the products is a few loops per layer.
+
+Served: transformers' Llama, Mistral and Qwen2 (the decoder-layer classes of
+`SERVED`: pre-norm RMSNorm, rotary q and k, SiLU-gated MLP, no logit scaling;
+sliding windows and biases included) in float32 on an AVX2 CPU with a C
+compiler, every linear packed for the kernel. Anything else keeps the eager
+step. `TorchBackend` also checks at start-up that a native step gives the
+logits of transformers' own step, and keeps the eager step if it does not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import pathlib
+
+import torch
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+
+from . import slot_attention, small_gemm
+from .packed_linear import PackedLinear, SharedInput
+from .slot_cache import LayerPlan, SlotKvCache
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("native_step.c")
+# No fused multiply-adds outside the kernels: a * b + c rounds twice, as PyTorch computes it.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
+LIBRARIES = ("-lmvec", "-lm")  # glibc's vector expf (silu)
+
+# Decoder layers whose arithmetic native_step.c follows, with their norm class.
+SERVED = {
+    modeling_llama.LlamaDecoderLayer: modeling_llama.LlamaRMSNorm,
+    modeling_mistral.MistralDecoderLayer: modeling_mistral.MistralRMSNorm,
+    modeling_qwen2.Qwen2DecoderLayer: modeling_qwen2.Qwen2RMSNorm,
+}
+ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+
+
+class _Weights(ctypes.Structure):
+    _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_long), ("shared", ctypes.c_int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
+        ("qkv", _Weights), ("q_col", ctypes.c_long), ("k_col", ctypes.c_long), ("v_col", ctypes.c_long),
+        ("o", _Weights),
+        ("gate_up", _Weights), ("gate_col", ctypes.c_long), ("up_col", ctypes.c_long),
+        ("down", _Weights),
+        ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("window", ctypes.c_long),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.c_long), ("hidden", ctypes.c_long), ("q_heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
+        ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("slot_stride", ctypes.c_long), ("head_stride", ctypes.c_long), ("pos_stride", ctypes.c_long),
+        ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", _Weights),
+        ("product", ctypes.c_void_p), ("split_product", ctypes.c_void_p), ("attention", ctypes.c_void_p),
+        ("layer", ctypes.POINTER(_Layer)),
+    ]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = small_gemm.load_library(SOURCE, FLAGS, LIBRARIES, "decode step runs through transformers' modules")
+    if library is None:
+        return None
+    library.native_step_workspace.argtypes, library.native_step_workspace.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long], ctypes.c_long
+    pointer, long = ctypes.c_void_p, ctypes.c_long
+    library.native_step.argtypes = [pointer, long, pointer, pointer, pointer, pointer, pointer, long, ctypes.c_int, pointer, pointer]
+    library.native_step.restype = None
+    return library
+
+
+def unserved(model, plans: list[LayerPlan]) -> str | None:
+    """Why native_step.c cannot run this model's decode step, or None if it can."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not all(type(layer) in SERVED for layer in layers):
+        return f"{type(model).__name__}'s decoder layers are not Llama's, Mistral's or Qwen2's"
+    if type(inner.norm) is not SERVED[type(layers[0])] or not all(type(layer.input_layernorm) is type(layer.post_attention_layernorm) is SERVED[type(layer)] for layer in layers):
+        return "its norms are not the RMSNorm of its decoder layers"
+    if getattr(model.config, "hidden_act", None) != "silu":
+        return f"its MLP's activation is {getattr(model.config, 'hidden_act', None)!r}, not silu"
+    if any({name for name, _ in layer.self_attn.named_children()} != ATTENTION_PARTS or {name for name, _ in layer.mlp.named_children()} != MLP_PARTS for layer in layers):
+        return "its attention or MLP holds parts other than Llama's"
+    linears = [model.lm_head] + [getattr(part, name) for layer in layers for part, names in ((layer.self_attn, ATTENTION_PARTS - {"act_fn"}), (layer.mlp, MLP_PARTS - {"act_fn"})) for name in names]
+    if not all(isinstance(linear, PackedLinear) and linear.few_rows.dim() == 3 for linear in linears):
+        return "its linears are not packed for the few-row kernel (float32, one torch thread, an AVX2 CPU)"
+    if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
+        return "it has layers that are neither full nor sliding-window attention"
+    if len({layer.self_attn.scaling for layer in layers}) != 1 or len({norm.variance_epsilon for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)} | {inner.norm.variance_epsilon}) != 1:
+        return "its layers differ in attention scale or norm epsilon"
+    if small_gemm.kernel() is None or slot_attention.kernel() is None or _library() is None:
+        return "its kernels cannot be built here"
+    return None
+
+
+def _grouped(members: list[PackedLinear]) -> SharedInput:
+    """The members' panels end to end, as one product: their group, made if the start-up pass did not."""
+    group = members[0].shared
+    if group is None and all(member.shared is None for member in members):
+        group = SharedInput(members)
+    if group is None or group.members != frozenset(members):
+        raise ValueError("linears grouped otherwise")
+    return group
+
+
+def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> _Weights:
+    return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, int(panels.numel() * 4 >= small_gemm.SPLIT_MIN_BYTES))
+
+
+class NativeDecode:
+    """The decode step of a served model (see `unserved`) over the slot cache."""
+
+    def __init__(self, model, plans: list[LayerPlan], cache: SlotKvCache):
+        inner, config = model.model, model.config
+        self.library, self.rotary, self.kernel = _library(), inner.rotary_emb, small_gemm.kernel()
+        self.embed = inner.embed_tokens.weight.detach().contiguous()
+        first_attention = inner.layers[0].self_attn
+        head_dim = first_attention.head_dim
+        q_heads = first_attention.q_proj.out_features // head_dim
+        kv_heads = first_attention.k_proj.out_features // head_dim
+        layers = (_Layer * len(inner.layers))()
+        self._keep = [self.embed]  # everything the C side points at lives as long as this object
+        for i, (layer, plan) in enumerate(zip(inner.layers, plans)):
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = _grouped([attention.q_proj, attention.k_proj, attention.v_proj]), _grouped([mlp.gate_proj, mlp.up_proj])
+            keys, values = cache.keys[i], cache.values[i]
+            if keys.stride() != values.stride() or not keys.is_contiguous() or keys.shape[1:] != (kv_heads, keys.shape[2], head_dim):
+                raise ValueError(f"layer {i}'s slot cache {tuple(keys.shape)} is not [slots, {kv_heads}, positions, {head_dim}] contiguous")
+            norms = [norm.weight.detach().contiguous() for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+            self._keep += [qkv, gate_up, *norms, keys, values]
+            layers[i] = _Layer(
+                norms[0].data_ptr(), norms[1].data_ptr(),
+                _weights(qkv.panels, qkv.bias, qkv.width), attention.q_proj.shared_start, attention.k_proj.shared_start, attention.v_proj.shared_start,
+                _weights(attention.o_proj.few_rows, attention.o_proj.bias, attention.o_proj.out_features),
+                _weights(gate_up.panels, gate_up.bias, gate_up.width), mlp.gate_proj.shared_start, mlp.up_proj.shared_start,
+                _weights(mlp.down_proj.few_rows, mlp.down_proj.bias, mlp.down_proj.out_features),
+                keys.data_ptr(), values.data_ptr(), (plan.window or 0) if plan.is_sliding else 0,
+            )
+        final_norm, lm_head = inner.norm.weight.detach().contiguous(), model.lm_head
+        self._keep += [final_norm, layers]
+        self.vocab = lm_head.out_features
+        kernels = small_gemm.kernel()._call, small_gemm.kernel()._split, slot_attention.kernel()._call
+        pointers = [ctypes.cast(function, ctypes.c_void_p).value for function in kernels]
+        keys = cache.keys[0]
+        self.slots, self.max_positions = keys.shape[0], keys.shape[2]
+        self.model = _Model(
+            len(inner.layers), config.hidden_size, q_heads, kv_heads, head_dim, mlp.gate_proj.out_features,
+            inner.norm.variance_epsilon, first_attention.scaling, keys.stride(0), keys.stride(1), keys.stride(2),
+            self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.few_rows, lm_head.bias, self.vocab),
+            *pointers, layers,
+        )
+
+    def logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[n, vocab]: the next-token logits of one step; row i is token input_ids[i] at
+        positions[i] of slot slots[i] (its K/V line written there)."""
+        slots, positions, input_ids = (t.to(torch.long).contiguous() for t in (slots, positions, input_ids))
+        n = slots.shape[0]
+        # The C side reads raw pointers: a slot, position or token id out of range would read past the buffers, not fail.
+        ranges = torch.stack([slots.min(), slots.max(), positions.min(), positions.max(), input_ids.min(), input_ids.max()]).tolist() if n else []
+        if not n or positions.shape != (n,) or input_ids.shape != (n,) or not (0 <= ranges[0] <= ranges[1] < self.slots and 0 <= ranges[2] <= ranges[3] < kv_len <= self.max_positions and 0 <= ranges[4] <= ranges[5] < self.embed.shape[0]):
+            raise ValueError(f"native step: slots {tuple(slots.shape)}, positions {tuple(positions.shape)}, ids {tuple(input_ids.shape)}, kv_len {kv_len}")
+        cos, sin = self.rotary(self.embed[:1], positions[:, None])  # [n, 1, head_dim] each
+        cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+        logits = torch.empty(n, self.vocab, dtype=torch.float32)
+        work = torch.empty(self.library.native_step_workspace(ctypes.byref(self.model), n, kv_len), dtype=torch.float32)
+        self.library.native_step(
+            ctypes.byref(self.model), n, input_ids.data_ptr(), slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            kv_len, int(self.kernel.splits_here()), logits.data_ptr(), work.data_ptr(),
+        )
+        return logits

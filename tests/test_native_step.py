@@ -1,0 +1,111 @@
+"""The decode step in one C call (native_step), against transformers' own step over the same slot cache."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from disagg.engine.backends import load_backend, native_step, small_gemm
+from disagg.engine.backends.base import StepInputs
+
+pytestmark = pytest.mark.skipif(small_gemm.kernel() is None, reason="the native step needs an AVX2 CPU and a C compiler")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The kernels serve a backend built on one torch thread (the workers' default here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def step_inputs(slots: list[int], positions: list[int], ids: list[int]) -> StepInputs:
+    rows = len(slots)
+    return StepInputs(
+        slots=torch.tensor(slots), positions=torch.tensor(positions), input_ids=torch.tensor(ids), params=torch.zeros(rows, 7),
+        seeds=torch.zeros(rows, dtype=torch.long), steps=torch.zeros(rows, dtype=torch.long),
+        kv_len=max(positions) + 1, contiguous_from=None, min_position=min(positions),
+    )
+
+
+def random_cache(backend, seed: int = 2) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for cache in (*backend.cache.keys, *backend.cache.values):
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+
+
+def both_steps(backend, inputs: StepInputs):
+    """(transformers' logits and the K/V it wrote, the native step's), each from the same cache."""
+    saved = [t.clone() for t in (*backend.cache.keys, *backend.cache.values)]
+    with torch.inference_mode():
+        reference = backend._eager_logits(inputs, read_in_place=False)
+        reference_kv = [t.clone() for t in (*backend.cache.keys, *backend.cache.values)]
+        for tensor, old in zip((*backend.cache.keys, *backend.cache.values), saved):
+            tensor.copy_(old)
+        native = backend.native.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+    return reference, reference_kv, native, [*backend.cache.keys, *backend.cache.values]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sw"])  # qwen2: q, k and v biases; mistral-sw: a 16-token window
+def test_native_step_equals_transformers_step_over_scattered_slots(name):
+    backend = load_backend("torch", model=tiny_model(name), dtype="float32")
+    backend.allocate_slots(6)
+    assert backend.native is not None
+    random_cache(backend)
+    # Rows at different positions, in scattered slots, past the window (30 - 16 > 3) and at position 0.
+    inputs = step_inputs([0, 3, 4, 5], [30, 3, 0, 17], [5, 6, 7, 8])
+    reference, reference_kv, native, native_kv = both_steps(backend, inputs)
+    torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
+    for ours, theirs in zip(native_kv, reference_kv):  # the same K/V lines written, nothing else touched
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_more_rows_than_one_kernel_block():
+    """70 rows: the products go through the kernel 64 rows at a time."""
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=64)
+    backend.allocate_slots(72)
+    random_cache(backend)
+    slots = list(range(1, 71))
+    inputs = step_inputs(slots, [(7 * slot) % 60 for slot in slots], [slot % 50 for slot in slots])
+    reference, _, native, _ = both_steps(backend, inputs)
+    torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gptj", "gemma2-sw", "bloom"])
+def test_other_architectures_keep_transformers_step(name):
+    backend = load_backend("torch", model=tiny_model(name), dtype="float32")
+    backend.allocate_slots(4)
+    assert backend.native is None
+    assert native_step.unserved(backend.model, backend.plans) is not None
+
+
+def test_no_native_step_keeps_transformers_step():
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", torch={"native_step": False})
+    backend.allocate_slots(4)
+    assert backend.native is None
+
+
+def test_bfloat16_keeps_transformers_step():
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="bfloat16")
+    backend.allocate_slots(4)
+    assert backend.native is None
+
+
+def test_a_native_step_that_changes_the_logits_is_not_used(monkeypatch):
+    """The start-up check: a native step off by 1e-3 of the logits' scale keeps transformers' step."""
+    right = native_step.NativeDecode.logits
+    monkeypatch.setattr(native_step.NativeDecode, "logits", lambda self, *args: right(self, *args) * (1 + 1e-3))
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(4)
+    assert backend.native is None
+
+
+@pytest.mark.parametrize("field,value", [("slots", [0, 9]), ("positions", [3, 40]), ("input_ids", [0, 10**6]), ("input_ids", [-1, 0])])
+def test_out_of_range_rows_are_refused_before_the_c_side_reads_them(field, value):
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(4)
+    rows = {"slots": torch.tensor([0, 1]), "positions": torch.tensor([3, 4]), "input_ids": torch.tensor([1, 2])}
+    rows[field] = torch.tensor(value)
+    with pytest.raises(ValueError, match="native step"):
+        backend.native.logits(rows["slots"], rows["positions"], rows["input_ids"], 8)
