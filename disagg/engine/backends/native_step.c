@@ -7,9 +7,9 @@
  * pointers, so the helper thread that shares the products is the one process-wide.
  *
  * Why: in transformers' modules, at one row, the products take ~18 of a ~34 ms
- * step on this project's CPU (reading 538 MB at ~30 GB/s); the rest is ~800
- * small aten calls and the Python between them. Here the rest is a few loops
- * over a few KB per layer.
+ * step on this project's CPU (reading 538 MB at ~30 GB/s); the rest is
+ * hundreds of small aten calls and the Python between them. Here the rest is a
+ * few loops over a few KB per layer.
  *
  * The arithmetic follows transformers' Llama, Mistral and Qwen2 modules, in
  * their order of operations (no fused multiply-adds outside the kernels:

@@ -2,7 +2,7 @@
 
 Profiled at one row on this project's CPU (float32, SmolLM-135M's shape), the
 eager step through transformers' modules took ~34 ms, of which the products
-(`small_gemm`) took ~18: the other ~16 were some 800 small aten calls (norms,
+(`small_gemm`) took ~18: the other ~16 were hundreds of small aten calls (norms,
 rotary, KV writes, masks) and the Python between them. `native_step.c` runs
 the whole step (every layer, the final norm, the LM head) in one call over the
 same prepacked weights, the same slot cache and the same kernels (the products
