@@ -67,8 +67,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--native-step",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run each eager decode step of a Llama, Mistral or Qwen2 model as one call into the project's C step over the prepacked weights (float32, an AVX2 CPU), checked at start-up against transformers' own step; "
-        "--no-native-step runs it through transformers' modules (default: wherever it serves the model)",
+        help="run each eager decode step, and each prefill of up to 512 tokens, of a Llama, Mistral or Qwen2 model as one call into the project's C step over the prepacked weights (float32, an AVX2 CPU), checked at start-up against transformers' own; "
+        "--no-native-step runs them through transformers' modules (default: wherever it serves the model)",
     )
     compiled.add_argument("--batch-buckets", type=bucket_list, default=None, help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")

@@ -33,4 +33,4 @@ class WorkerConfig:
     batch_buckets: tuple[int, ...] = ()  # () : powers of two up to the slot count
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
     prepack: bool | None = None  # torch backend: linear weights laid out for few-row products; None: on CPU
-    native_step: bool | None = None  # torch backend: the decode step in one C call (native_step); None: where it serves the model
+    native_step: bool | None = None  # torch backend: decode steps and short prefills in one C call (native_step); None: where it serves the model

@@ -55,7 +55,7 @@ async def serve(config: PrefillWorkerConfig) -> None:
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], PrefillMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     log.info("prefill worker on port %d: loading %s", server.port, config.model)
-    options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1, neuron=config.neuron, torch=dict(prepack=config.prepack))
+    options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1, neuron=config.neuron, torch=dict(prepack=config.prepack, native_step=config.native_step))
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **options))
     servicer.worker = await stop_on_failure(server, lambda: PrefillWorker(backend, config, metrics))
     await server.set_serving(True)

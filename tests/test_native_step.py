@@ -42,7 +42,7 @@ def both_steps(backend, inputs: StepInputs):
         reference_kv = [t.clone() for t in (*backend.cache.keys, *backend.cache.values)]
         for tensor, old in zip((*backend.cache.keys, *backend.cache.values), saved):
             tensor.copy_(old)
-        native = backend.native.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+        native = backend.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
     return reference, reference_kv, native, [*backend.cache.keys, *backend.cache.values]
 
 
@@ -94,8 +94,8 @@ def test_bfloat16_keeps_transformers_step():
 
 def test_a_native_step_that_changes_the_logits_is_not_used(monkeypatch):
     """The start-up check: a native step off by 1e-3 of the logits' scale keeps transformers' step."""
-    right = native_step.NativeDecode.logits
-    monkeypatch.setattr(native_step.NativeDecode, "logits", lambda self, *args: right(self, *args) * (1 + 1e-3))
+    right = native_step.NativeModel.decode_logits
+    monkeypatch.setattr(native_step.NativeModel, "decode_logits", lambda self, *args: right(self, *args) * (1 + 1e-3))
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
     backend.allocate_slots(4)
     assert backend.native is None
@@ -108,4 +108,68 @@ def test_out_of_range_rows_are_refused_before_the_c_side_reads_them(field, value
     rows = {"slots": torch.tensor([0, 1]), "positions": torch.tensor([3, 4]), "input_ids": torch.tensor([1, 2])}
     rows[field] = torch.tensor(value)
     with pytest.raises(ValueError, match="native step"):
-        backend.native.logits(rows["slots"], rows["positions"], rows["input_ids"], 8)
+        backend.native.decode_logits(rows["slots"], rows["positions"], rows["input_ids"], 8)
+
+
+def both_prefills(backend, prompt: list[int]):
+    """(transformers' logits and per-layer K/V, the native prefill's) for one prompt."""
+    reference_kv, native_kv = {}, {}
+    with torch.inference_mode():
+        native = backend.native_prefill.prefill_logits(prompt, lambda layer, k, v: native_kv.setdefault(layer, (k, v)))
+        saved, backend.native_prefill = backend.native_prefill, None
+        try:
+            reference = backend.prefill_logits(prompt, lambda layer, k, v: reference_kv.setdefault(layer, (k.clone(), v.clone())))
+        finally:
+            backend.native_prefill = saved
+    return reference, reference_kv, native, native_kv
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sw"])
+def test_native_prefill_equals_transformers_prefill(name):
+    backend = load_backend("torch", model=tiny_model(name), dtype="float32")
+    assert backend.native_prefill is not None
+    prompt = [(13 * i + 5) % backend.info.vocab_size for i in range(70)]  # past the 16-token window, over one 64-row block
+    reference, reference_kv, native, native_kv = both_prefills(backend, prompt)
+    torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
+    assert sorted(native_kv) == list(range(backend.info.num_layers))
+    for layer, (keys, values) in reference_kv.items():
+        assert native_kv[layer][0].shape == keys.shape  # [kv_heads, tokens, head_dim]
+        torch.testing.assert_close(native_kv[layer][0], keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(native_kv[layer][1], values, rtol=1e-5, atol=1e-5)
+
+
+def test_long_prompts_prefill_through_transformers_modules(monkeypatch):
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    monkeypatch.setattr(native_step, "PREFILL_MAX_TOKENS", 8)
+    called = []
+    monkeypatch.setattr(backend.native_prefill, "prefill_logits", lambda *args: called.append(args) or torch.zeros(1, 1))
+    backend.prefill_logits(list(range(9)), lambda *kv: None)
+    assert not called
+    backend.prefill_logits(list(range(8)), lambda *kv: None)
+    assert len(called) == 1
+
+
+def test_an_exception_in_the_layer_callback_stops_the_native_prefill_and_is_raised():
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    seen = []
+
+    def on_layer(layer, keys, values):
+        seen.append(layer)
+        if layer == 1:
+            raise ConnectionError("the decode worker went away")
+
+    with pytest.raises(ConnectionError, match="went away"):
+        backend.prefill_logits([1, 2, 3], on_layer)
+    assert seen == [0, 1]  # stopped at the layer that failed
+    backend.prefill_logits([1, 2, 3], lambda *kv: None)  # and the next prompt runs
+
+
+def test_a_native_prefill_that_changes_the_kv_is_not_used(monkeypatch):
+    right = native_step.NativeModel.prefill_logits
+
+    def wrong_values(self, prompt, on_layer):
+        return right(self, prompt, lambda layer, k, v: on_layer(layer, k, v * (1 + 1e-3)))
+
+    monkeypatch.setattr(native_step.NativeModel, "prefill_logits", wrong_values)
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    assert backend.native_prefill is None

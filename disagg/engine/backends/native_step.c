@@ -1,5 +1,6 @@
 /* One decode step of a Llama-shaped model in one call (float32): every layer,
- * the final norm and the LM head, for the few rows of a continuous batch.
+ * the final norm and the LM head, for the few rows of a continuous batch; or one
+ * short prompt's prefill, its rows one slot of a K/V buffer of its own.
  *
  * Built by native_step.py with -mavx2 -mfma -ffp-contract=off and called through
  * ctypes (which releases the GIL for the call); the products and the attention
@@ -54,14 +55,23 @@ struct layer {
     struct weights gate_up; /* gate and up end to end */
     long gate_col, up_col;
     struct weights down;
-    float *keys, *values; /* the layer's slot cache [slots, kv_heads, positions, head_dim] */
-    long window;          /* a sliding layer's window; 0: full attention */
+    long window; /* a sliding layer's window; 0: full attention */
 };
+
+/* Where the step's K/V lines go and its attention reads: per layer [slots, kv_heads,
+ * positions, head_dim] with these strides (in floats); the decode worker's slot cache,
+ * or one prompt's K/V (one slot). */
+struct kv_cache {
+    float *const *keys, *const *values;
+    long slot_stride, head_stride, pos_stride;
+};
+
+/* Called once a layer's K/V lines are written (a prefill hands them on while later layers compute); nonzero stops the step. */
+typedef int (*layer_done_fn)(long layer);
 
 struct model {
     long layers, hidden, q_heads, kv_heads, head_dim, intermediate;
     float eps, scale;
-    long slot_stride, head_stride, pos_stride; /* the caches' strides, in floats */
     const float *embed;                        /* [vocab, hidden] */
     const float *final_norm;
     struct weights lm_head;
@@ -145,50 +155,54 @@ static long widest(const struct model *m) {
     return most;
 }
 
-/* The floats of workspace a step of `rows` rows over `kv_len` positions needs (see native_step). */
+/* The floats of workspace a step of `rows` rows needs (see native_step), its largest position below kv_len. */
 long native_step_workspace(const struct model *m, long rows, long kv_len) {
-    long q_dim = m->q_heads * m->head_dim, mask_floats = (rows * kv_len + 3) / 4;
-    return rows * (3 * m->hidden + widest(m) + 2 * q_dim + m->intermediate) + (m->q_heads / m->kv_heads) * kv_len + mask_floats;
+    long q_dim = m->q_heads * m->head_dim;
+    return rows * (3 * m->hidden + widest(m) + 2 * q_dim + m->intermediate) + (m->q_heads / m->kv_heads) * kv_len;
 }
 
 /* One step: row r is token ids[r] at position positions[r] of slot slots[r]; cos and sin
- * [rows, head_dim] its rotary angles (transformers' rotary module's output); every
- * position below kv_len of a row's slot is written (the rows' positions included,
- * once this step writes them). logits: [rows, lm_head.n]; work: native_step_workspace
+ * [rows, head_dim] its rotary angles (transformers' rotary module's output). Row r
+ * writes its K/V line at its position and attends over its slot's positions up to it
+ * (the last `window` of them in a sliding layer), so every earlier position of its
+ * slot must hold its K/V: a decode step's rows are in different slots; a prompt's
+ * rows are in one, in order, each attending over the lines the rows before it wrote.
+ * logits: [rows - logit_from, lm_head.n], the
+ * rows from logit_from on (a prompt needs its last only); work: native_step_workspace
  * floats. may_share: whether products may be shared with the helper thread (the
- * calling thread may run on more than one CPU). */
-void native_step(const struct model *m, long rows, const long *ids, const long *slots, const long *positions, const float *cos,
-                 const float *sin, long kv_len, int may_share, float *logits, float *work) {
+ * calling thread may run on more than one CPU). Returns 0, or 1 if layer_done (if
+ * given) stopped the step. */
+int native_step(const struct model *m, const struct kv_cache *cache, long rows, const long *ids, const long *slots, const long *positions,
+                const float *cos, const float *sin, int may_share, layer_done_fn layer_done, long logit_from, float *logits, float *work) {
     long hidden = m->hidden, d = m->head_dim, q_dim = m->q_heads * d;
     float *x = work, *h = x + rows * hidden, *mixed = h + rows * hidden, *wide = mixed + rows * hidden;
     float *q = wide + rows * widest(m), *attended = q + rows * q_dim, *act = attended + rows * q_dim;
-    float *scores = act + rows * m->intermediate;
-    unsigned char *mask = (unsigned char *)(scores + (m->q_heads / m->kv_heads) * kv_len);
-    long min_position = positions[0];
-    for (long r = 0; r < rows; r++) {
+    float *scores = act + rows * m->intermediate; /* the attention's: group * kv_len */
+    for (long r = 0; r < rows; r++)
         memcpy(x + r * hidden, m->embed + ids[r] * hidden, (size_t)hidden * sizeof(float));
-        min_position = positions[r] < min_position ? positions[r] : min_position;
-    }
     for (long l = 0; l < m->layers; l++) {
         const struct layer *L = &m->layer[l];
+        float *keys = cache->keys[l], *values = cache->values[l];
         rms_norm(x, rows, hidden, L->attn_norm, m->eps, h);
         product(m, may_share, h, rows, hidden, &L->qkv, wide);
         for (long r = 0; r < rows; r++) {
             const float *row = wide + r * L->qkv.n, *c = cos + r * d, *s = sin + r * d;
-            long at = slots[r] * m->slot_stride + positions[r] * m->pos_stride;
+            long at = slots[r] * cache->slot_stride + positions[r] * cache->pos_stride;
             rotate(row + L->q_col, m->q_heads, d, c, s, q + r * q_dim);
             for (long kv = 0; kv < m->kv_heads; kv++) {
-                rotate(row + L->k_col + kv * d, 1, d, c, s, L->keys + at + kv * m->head_stride);
-                memcpy(L->values + at + kv * m->head_stride, row + L->v_col + kv * d, (size_t)d * sizeof(float));
+                rotate(row + L->k_col + kv * d, 1, d, c, s, keys + at + kv * cache->head_stride);
+                memcpy(values + at + kv * cache->head_stride, row + L->v_col + kv * d, (size_t)d * sizeof(float));
             }
         }
-        /* A sliding layer's rows see positions > position - window: skip what none of them sees. */
-        long start = L->window && min_position - L->window + 1 > 0 ? min_position - L->window + 1 : 0, length = kv_len - start;
-        for (long r = 0; r < rows; r++)
-            for (long t = 0; t < length; t++)
-                mask[r * length + t] = start + t <= positions[r] && (!L->window || start + t > positions[r] - L->window);
-        m->attention(q, rows, m->q_heads, m->kv_heads, d, L->keys + start * m->pos_stride, L->values + start * m->pos_stride, m->slot_stride,
-                     m->head_stride, m->pos_stride, slots, length, mask, m->scale, attended, scores);
+        if (layer_done && layer_done(l))
+            return 1;
+        for (long r = 0; r < rows; r++) {
+            /* Positions up to the row's own; in a sliding layer those > position - window (transformers' sliding mask). */
+            long first = L->window && positions[r] - L->window + 1 > 0 ? positions[r] - L->window + 1 : 0;
+            long at = first * cache->pos_stride;
+            m->attention(q + r * q_dim, 1, m->q_heads, m->kv_heads, d, keys + at, values + at, cache->slot_stride, cache->head_stride,
+                         cache->pos_stride, slots + r, positions[r] + 1 - first, 0, m->scale, attended + r * q_dim, scores);
+        }
         product(m, may_share, attended, rows, q_dim, &L->o, mixed);
         add_into(x, mixed, rows * hidden);
         rms_norm(x, rows, hidden, L->mlp_norm, m->eps, h);
@@ -198,6 +212,8 @@ void native_step(const struct model *m, long rows, const long *ids, const long *
         product(m, may_share, act, rows, m->intermediate, &L->down, mixed);
         add_into(x, mixed, rows * hidden);
     }
-    rms_norm(x, rows, hidden, m->final_norm, m->eps, h);
-    product(m, may_share, h, rows, hidden, &m->lm_head, logits);
+    long kept = rows - logit_from;
+    rms_norm(x + logit_from * hidden, kept, hidden, m->final_norm, m->eps, h);
+    product(m, may_share, h, kept, hidden, &m->lm_head, logits);
+    return 0;
 }

@@ -1,4 +1,4 @@
-"""A Llama-shaped model's decode step in one C call (`native_step.c`).
+"""A Llama-shaped model's decode step, or prefill, in one C call (`native_step.c`).
 
 Profiled at one row on this project's CPU (float32, SmolLM-135M's shape), the
 eager step through transformers' modules took ~34 ms, of which the products
@@ -8,13 +8,18 @@ the whole step (every layer, the final norm, the LM head) in one call over the
 same prepacked weights, the same slot cache and the same kernels (the products
 shared with small_gemm's helper thread, the attention read in place by
 slot_attention), so what is left besides the products is a few loops per layer.
+A prompt of up to PREFILL_MAX_TOKENS runs the same way (its rows in one slot of
+a K/V buffer of its own, each attending over the rows before it), handing each
+layer's K/V on as soon as it is written; longer prompts keep transformers'
+modules, whose attention (SDPA, blocked) is faster there.
 
 Served: transformers' Llama, Mistral and Qwen2 (the decoder-layer classes of
 `SERVED`: pre-norm RMSNorm, rotary q and k, SiLU-gated MLP, no logit scaling;
 sliding windows and biases included) in float32 on an AVX2 CPU with a C
-compiler, every linear packed for the kernel. Anything else keeps the eager
-step. `TorchBackend` also checks at start-up that a native step gives the
-logits of transformers' own step, and keeps the eager step if it does not.
+compiler, every linear packed for the kernel. Anything else keeps the
+modules. `TorchBackend` also checks at start-up that a native step and a native
+prefill give the logits (and K/V) of transformers' own, and keeps the modules
+for whichever does not.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from transformers.models.qwen2 import modeling_qwen2
 
 from . import slot_attention, small_gemm
 from .packed_linear import PackedLinear, SharedInput
-from .slot_cache import LayerPlan, SlotKvCache
+from .slot_cache import LayerKvCallback, LayerPlan, SlotKvCache
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,11 @@ SERVED = {
 }
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+# Longer prompts go through transformers' modules: the C attention computes each row
+# alone over the rows before it (dots, not blocked products), which costs more than
+# SDPA's blocked attention once the prompt is long. SmolLM-135M's shape, float32:
+# native 1.27x faster at 64 tokens, 1.13x at 512, 0.95x at 1,024 (docs/benchmarks.md).
+PREFILL_MAX_TOKENS = 512
 
 
 class _Weights(ctypes.Structure):
@@ -60,16 +70,24 @@ class _Layer(ctypes.Structure):
         ("qkv", _Weights), ("q_col", ctypes.c_long), ("k_col", ctypes.c_long), ("v_col", ctypes.c_long),
         ("o", _Weights),
         ("gate_up", _Weights), ("gate_col", ctypes.c_long), ("up_col", ctypes.c_long),
-        ("down", _Weights),
-        ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("window", ctypes.c_long),
+        ("down", _Weights), ("window", ctypes.c_long),
     ]
+
+
+class _KvCache(ctypes.Structure):
+    _fields_ = [
+        ("keys", ctypes.POINTER(ctypes.c_void_p)), ("values", ctypes.POINTER(ctypes.c_void_p)),
+        ("slot_stride", ctypes.c_long), ("head_stride", ctypes.c_long), ("pos_stride", ctypes.c_long),
+    ]
+
+
+_LAYER_DONE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_long)
 
 
 class _Model(ctypes.Structure):
     _fields_ = [
         ("layers", ctypes.c_long), ("hidden", ctypes.c_long), ("q_heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
         ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("slot_stride", ctypes.c_long), ("head_stride", ctypes.c_long), ("pos_stride", ctypes.c_long),
         ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", _Weights),
         ("product", ctypes.c_void_p), ("split_product", ctypes.c_void_p), ("attention", ctypes.c_void_p),
         ("layer", ctypes.POINTER(_Layer)),
@@ -83,8 +101,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     library.native_step_workspace.argtypes, library.native_step_workspace.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long], ctypes.c_long
     pointer, long = ctypes.c_void_p, ctypes.c_long
-    library.native_step.argtypes = [pointer, long, pointer, pointer, pointer, pointer, pointer, long, ctypes.c_int, pointer, pointer]
-    library.native_step.restype = None
+    library.native_step.argtypes = [pointer, pointer, long, pointer, pointer, pointer, pointer, pointer, ctypes.c_int, _LAYER_DONE, long, pointer, pointer]
+    library.native_step.restype = ctypes.c_int
     return library
 
 
@@ -126,64 +144,111 @@ def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> _Weight
     return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, int(panels.numel() * 4 >= small_gemm.SPLIT_MIN_BYTES))
 
 
-class NativeDecode:
-    """The decode step of a served model (see `unserved`) over the slot cache."""
+def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor]) -> _KvCache:
+    """Per layer [slots, kv_heads, positions, head_dim] tensors, contiguous, all of one shape."""
+    shape = keys[0].shape
+    if any(t.shape != shape or not t.is_contiguous() or t.dtype != torch.float32 for t in (*keys, *values)):
+        raise ValueError(f"native step: a K/V cache that is not [slots, kv_heads, positions, head_dim] contiguous float32 in every layer ({tuple(shape)})")
+    pointers = [(ctypes.c_void_p * len(keys))(*[t.data_ptr() for t in tensors]) for tensors in (keys, values)]
+    cache = _KvCache(ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_void_p)), *keys[0].stride()[:3])
+    cache._keep = (pointers, keys, values)  # what the C side points at lives as long as the struct
+    return cache
 
-    def __init__(self, model, plans: list[LayerPlan], cache: SlotKvCache):
+
+class NativeModel:
+    """A served model's weights (see `unserved`) laid out for native_step.c: its decode
+    steps over the slot cache (`attach` it first), and its prompts' prefills."""
+
+    def __init__(self, model, plans: list[LayerPlan]):
         inner, config = model.model, model.config
         self.library, self.rotary, self.kernel = _library(), inner.rotary_emb, small_gemm.kernel()
         self.embed = inner.embed_tokens.weight.detach().contiguous()
         first_attention = inner.layers[0].self_attn
-        head_dim = first_attention.head_dim
-        q_heads = first_attention.q_proj.out_features // head_dim
-        kv_heads = first_attention.k_proj.out_features // head_dim
+        self.head_dim = first_attention.head_dim
+        q_heads = first_attention.q_proj.out_features // self.head_dim
+        self.kv_heads = first_attention.k_proj.out_features // self.head_dim
         layers = (_Layer * len(inner.layers))()
         self._keep = [self.embed]  # everything the C side points at lives as long as this object
         for i, (layer, plan) in enumerate(zip(inner.layers, plans)):
             attention, mlp = layer.self_attn, layer.mlp
             qkv, gate_up = _grouped([attention.q_proj, attention.k_proj, attention.v_proj]), _grouped([mlp.gate_proj, mlp.up_proj])
-            keys, values = cache.keys[i], cache.values[i]
-            if keys.stride() != values.stride() or not keys.is_contiguous() or keys.shape[1:] != (kv_heads, keys.shape[2], head_dim):
-                raise ValueError(f"layer {i}'s slot cache {tuple(keys.shape)} is not [slots, {kv_heads}, positions, {head_dim}] contiguous")
             norms = [norm.weight.detach().contiguous() for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-            self._keep += [qkv, gate_up, *norms, keys, values]
+            self._keep += [qkv, gate_up, *norms]
             layers[i] = _Layer(
                 norms[0].data_ptr(), norms[1].data_ptr(),
                 _weights(qkv.panels, qkv.bias, qkv.width), attention.q_proj.shared_start, attention.k_proj.shared_start, attention.v_proj.shared_start,
                 _weights(attention.o_proj.few_rows, attention.o_proj.bias, attention.o_proj.out_features),
                 _weights(gate_up.panels, gate_up.bias, gate_up.width), mlp.gate_proj.shared_start, mlp.up_proj.shared_start,
                 _weights(mlp.down_proj.few_rows, mlp.down_proj.bias, mlp.down_proj.out_features),
-                keys.data_ptr(), values.data_ptr(), (plan.window or 0) if plan.is_sliding else 0,
+                (plan.window or 0) if plan.is_sliding else 0,
             )
         final_norm, lm_head = inner.norm.weight.detach().contiguous(), model.lm_head
         self._keep += [final_norm, layers]
-        self.vocab = lm_head.out_features
+        self.layers, self.vocab = len(inner.layers), lm_head.out_features
         kernels = small_gemm.kernel()._call, small_gemm.kernel()._split, slot_attention.kernel()._call
         pointers = [ctypes.cast(function, ctypes.c_void_p).value for function in kernels]
-        keys = cache.keys[0]
-        self.slots, self.max_positions = keys.shape[0], keys.shape[2]
         self.model = _Model(
-            len(inner.layers), config.hidden_size, q_heads, kv_heads, head_dim, mlp.gate_proj.out_features,
-            inner.norm.variance_epsilon, first_attention.scaling, keys.stride(0), keys.stride(1), keys.stride(2),
+            self.layers, config.hidden_size, q_heads, self.kv_heads, self.head_dim, mlp.gate_proj.out_features,
+            inner.norm.variance_epsilon, first_attention.scaling,
             self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.few_rows, lm_head.bias, self.vocab),
             *pointers, layers,
         )
+        self.slot_cache: _KvCache | None = None
 
-    def logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def attach(self, cache: SlotKvCache) -> None:
+        """The decode worker's slot cache, where decode steps write and read."""
+        if cache.keys[0].shape[1:2] != (self.kv_heads,) or cache.keys[0].shape[3] != self.head_dim:
+            raise ValueError(f"native step: slot cache {tuple(cache.keys[0].shape)} is not [slots, {self.kv_heads}, positions, {self.head_dim}]")
+        self.slot_cache, self.slot_shape = _kv_cache(cache.keys, cache.values), cache.keys[0].shape
+
+    def decode_logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step; row i is token input_ids[i] at
-        positions[i] of slot slots[i] (its K/V line written there)."""
+        positions[i] of slot slots[i] (its K/V line written there; the slot's earlier
+        positions hold the sequence's K/V)."""
         slots, positions, input_ids = (t.to(torch.long).contiguous() for t in (slots, positions, input_ids))
-        n = slots.shape[0]
+        self._check_rows(slots, positions, input_ids, self.slot_shape[0], min(kv_len, self.slot_shape[2]))
+        return self._run(self.slot_cache, slots, positions, input_ids, int(positions.max()) + 1, 0, None)
+
+    def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback) -> torch.Tensor:
+        """[1, vocab]: the logits after the prompt; each layer's K/V [kv_heads, tokens,
+        head_dim] goes to on_layer as soon as it is written (before the layer's attention)."""
+        n = len(token_ids)
+        shape = (1, self.kv_heads, n, self.head_dim)
+        keys = [torch.empty(shape, dtype=torch.float32) for _ in range(self.layers)]
+        values = [torch.empty(shape, dtype=torch.float32) for _ in range(self.layers)]
+        input_ids, positions = torch.tensor(token_ids, dtype=torch.long), torch.arange(n)
+        self._check_rows(torch.zeros(n, dtype=torch.long), positions, input_ids, 1, n)
+        failure: list[BaseException] = []
+
+        def layer_done(layer: int) -> int:
+            # Called from C with the GIL taken back; an exception cannot cross ctypes, so it stops the step and is raised below.
+            try:
+                on_layer(layer, keys[layer][0], values[layer][0])
+                return 0
+            except BaseException as exc:
+                failure.append(exc)
+                return 1
+
+        logits = self._run(_kv_cache(keys, values), torch.zeros(n, dtype=torch.long), positions, input_ids, n, n - 1, _LAYER_DONE(layer_done))
+        if failure:
+            raise failure[0]
+        return logits
+
+    def _check_rows(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, num_slots: int, kv_len: int) -> None:
         # The C side reads raw pointers: a slot, position or token id out of range would read past the buffers, not fail.
+        n = slots.shape[0]
         ranges = torch.stack([slots.min(), slots.max(), positions.min(), positions.max(), input_ids.min(), input_ids.max()]).tolist() if n else []
-        if not n or positions.shape != (n,) or input_ids.shape != (n,) or not (0 <= ranges[0] <= ranges[1] < self.slots and 0 <= ranges[2] <= ranges[3] < kv_len <= self.max_positions and 0 <= ranges[4] <= ranges[5] < self.embed.shape[0]):
+        if not n or positions.shape != (n,) or input_ids.shape != (n,) or not (0 <= ranges[0] <= ranges[1] < num_slots and 0 <= ranges[2] <= ranges[3] < kv_len and 0 <= ranges[4] <= ranges[5] < self.embed.shape[0]):
             raise ValueError(f"native step: slots {tuple(slots.shape)}, positions {tuple(positions.shape)}, ids {tuple(input_ids.shape)}, kv_len {kv_len}")
-        cos, sin = self.rotary(self.embed[:1], positions[:, None])  # [n, 1, head_dim] each
+
+    def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done) -> torch.Tensor:
+        n = slots.shape[0]
+        cos, sin = self.rotary(self.embed[:1], positions[None])  # [1, n, head_dim] each
         cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
-        logits = torch.empty(n, self.vocab, dtype=torch.float32)
+        logits = torch.empty(n - logit_from, self.vocab, dtype=torch.float32)
         work = torch.empty(self.library.native_step_workspace(ctypes.byref(self.model), n, kv_len), dtype=torch.float32)
         self.library.native_step(
-            ctypes.byref(self.model), n, input_ids.data_ptr(), slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            kv_len, int(self.kernel.splits_here()), logits.data_ptr(), work.data_ptr(),
+            ctypes.byref(self.model), ctypes.byref(cache), n, input_ids.data_ptr(), slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            int(self.kernel.splits_here()), layer_done or _LAYER_DONE(), logit_from, logits.data_ptr(), work.data_ptr(),
         )
         return logits

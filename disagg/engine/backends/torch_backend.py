@@ -43,7 +43,8 @@ class TorchBackendConfig:
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
     # Linear weights laid out for few-row products (`packed_linear`). None: on CPU.
     prepack: bool | None = None
-    # Eager decode steps as one call into native_step.c. None: wherever it serves the model (and a start-up step agrees).
+    # Eager decode steps and prompts of up to PREFILL_MAX_TOKENS as one call into native_step.c.
+    # None: wherever it serves the model (and a start-up step agrees).
     native_step: bool | None = None
 
     def __post_init__(self):
@@ -74,6 +75,12 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
+def close(reference: torch.Tensor, other: torch.Tensor) -> bool:
+    """The same arithmetic with sums in another order (the kernels' checks at start-up):
+    within 1e-4 of the reference's scale, far tighter than far_apart."""
+    return bool((reference - other).abs().max() <= 1e-4 * reference.abs().max() + 1e-5)
+
+
 def far_apart(reference: torch.Tensor, other: torch.Tensor) -> bool:
     """Logits that differ by more than rounding: a wrong mask, position or product
     moves them by their own scale; rounding (bf16 most) by far less."""
@@ -98,11 +105,16 @@ class TorchBackend(Backend):
         self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
         self.compiled: CompiledDecode | None = None  # when compiling, once the slots exist
         self.reads_in_place = False  # eager steps read scattered slots in place (slot_attention), once checked
-        self.native: native_step.NativeDecode | None = None  # eager steps in one C call, once checked
+        self.native: native_step.NativeModel | None = None  # eager decode steps in one C call, once checked
+        self.native_prefill: native_step.NativeModel | None = None  # prompts in one C call, once checked
         if config.prepack is not False and can_prepack(self.device, self.dtype):
             self._prepack()
         elif config.prepack is not False and self.device.type == "cpu":
             log.info("linear layers not prepacked: oneDNN does not pack %s on this CPU", config.dtype)
+        # native_step.c over the prepacked weights, where it serves the model: prompts now, decode steps with the slots.
+        self.native_model = self._native_model() if config.native_step is not False else None
+        if self.native_model is not None:
+            self.native_prefill = self._check_native_prefill()
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
 
     def _prepack(self) -> None:
@@ -173,6 +185,8 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback) -> torch.Tensor:
         """[1, vocab]: the logits after the prompt; each layer's K/V goes to on_layer."""
+        if self.native_prefill is not None and len(token_ids) <= native_step.PREFILL_MAX_TOKENS:
+            return self.native_prefill.prefill_logits(token_ids, on_layer)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
         positions = torch.arange(len(token_ids), device=self.device)[None]  # [1, L]
         cache = PrefillCache(self.plans, on_layer)
@@ -197,7 +211,7 @@ class TorchBackend(Backend):
             self._check_compiled_equals_eager(num_slots)
         else:
             self.reads_in_place = self._check_reads_in_place(num_slots)
-            if self.config.native_step is not False:
+            if self.native_model is not None:
                 self.native = self._check_native_step(num_slots)
         return self.cache.nbytes
 
@@ -249,42 +263,63 @@ class TorchBackend(Backend):
         except (RuntimeError, ValueError) as exc:
             log.info("decode attention gathers scattered slots: reading them in place fails for this model: %s", exc)
             return False
-        # Far tighter than far_apart: the same arithmetic but the order of a few sums.
-        if (gathered - in_place).abs().max() > 1e-4 * gathered.abs().max() + 1e-5:
+        if not close(gathered, in_place):
             log.info("decode attention gathers scattered slots: reading them in place changes this model's logits")
             return False
         log.info("decode attention reads scattered slots in place")
         return True
 
-    @torch.inference_mode()
-    def _check_native_step(self, num_slots: int) -> native_step.NativeDecode | None:
-        """The native decode step, where native_step.c serves this model and a step over
-        two slots (scattered where there are three) gives transformers' logits."""
+    def _native_model(self) -> native_step.NativeModel | None:
+        """The model laid out for native_step.c, where it serves this model (else None, logged)."""
         reason = "it runs on CUDA" if self.device.type != "cpu" else native_step.unserved(self.model, self.plans)
         if reason is None:
             try:
-                native = native_step.NativeDecode(self.model, self.plans, self.cache)
+                return native_step.NativeModel(self.model, self.plans)
             except ValueError as exc:
                 reason = str(exc)
-        if reason is not None:
-            log.info("decode step runs through transformers' modules: the native step does not serve this model: %s", reason)
+        log.info("decode steps and prefills run through transformers' modules: the native step does not serve this model: %s", reason)
+        return None
+
+    @torch.inference_mode()
+    def _check_native_prefill(self) -> native_step.NativeModel | None:
+        """The native model for prompts, where a one-token prompt and one past a 16-token
+        sliding window give transformers' logits and K/V."""
+        for length in (1, min(40, native_step.PREFILL_MAX_TOKENS, self.info.max_seq_len)):
+            prompt = [(7 * i + 1) % self.info.vocab_size for i in range(length)]
+            reference_kv, native_kv = {}, {}
+            reference = self.prefill_logits(prompt, lambda layer, k, v: reference_kv.setdefault(layer, (k.clone(), v.clone())))
+            logits = self.native_model.prefill_logits(prompt, lambda layer, k, v: native_kv.setdefault(layer, (k, v)))
+            pairs = [(reference, logits)] + [(a, b) for layer in reference_kv for a, b in zip(reference_kv[layer], native_kv.get(layer, (None, None)))]
+            if set(native_kv) != set(reference_kv) or any(b is None or a.shape != b.shape or not close(a, b) for a, b in pairs):
+                log.info("prefills run through transformers' modules: the native prefill changes this model's logits or K/V")
+                return None
+        log.info("prompts of up to %d tokens prefill natively (native_step.c)", native_step.PREFILL_MAX_TOKENS)
+        return self.native_model
+
+    @torch.inference_mode()
+    def _check_native_step(self, num_slots: int) -> native_step.NativeModel | None:
+        """The native model for decode steps, where a step over two slots (scattered
+        where there are three) gives transformers' logits."""
+        try:
+            self.native_model.attach(self.cache)
+        except ValueError as exc:
+            log.info("decode steps run through transformers' modules: %s", exc)
             return None
         inputs = self._probe_step([0, 2] if num_slots >= 3 else list(range(min(num_slots, 2))))
         reference = self._eager_logits(inputs, read_in_place=False)
-        logits = native.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
-        # As tight as the in-place attention's check: the same arithmetic, sums in another order.
-        if (reference - logits).abs().max() > 1e-4 * reference.abs().max() + 1e-5:
-            log.info("decode step runs through transformers' modules: the native step changes this model's logits")
+        logits = self.native_model.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+        if not close(reference, logits):
+            log.info("decode steps run through transformers' modules: the native step changes this model's logits")
             return None
-        log.info("decode step runs natively (native_step.c): one call per step")
-        return native
+        log.info("decode steps run natively (native_step.c): one call per step")
+        return self.native_model
 
     def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step over the active slots."""
         if self.compiled is not None:
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         if self.native is not None:
-            return self.native.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+            return self.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         return self._eager_logits(inputs)
 
     def _eager_logits(self, inputs: StepInputs, read_in_place: bool | None = None) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""One prompt's prefill in one process: through transformers' modules against native_step.c.
+
+For each prompt length, the median time of `TorchBackend.prefill_logits` (the
+logits after the prompt, each layer's K/V handed to a callback) with the
+linears prepacked, through the modules (`--no-native-step`) and natively,
+measured interleaved, SmolLM-135M's shape with seeded weights, float32, one
+torch thread. `--one-core` keeps every product on the calling core (as under
+load, when the decode worker holds the other); otherwise the kernel's helper
+takes the idle core.
+
+    python bench/prefill_step.py --lengths 16,64,128,256,512
+    python bench/prefill_step.py --lengths 64,256 --one-core
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+
+from disagg.engine.backends import native_step, small_gemm  # noqa: E402
+from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="16,64,128,256,512")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--one-core", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(1)
+    path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
+    modules = TorchBackend(TorchBackendConfig(model=path, dtype="float32", native_step=False))
+    native = TorchBackend(TorchBackendConfig(model=path, dtype="float32"))
+    if native.native_prefill is None:
+        sys.exit("the native prefill does not serve this model here (see the log)")
+    native_step.PREFILL_MAX_TOKENS = max(int(n) for n in args.lengths.split(","))  # every length natively, to compare
+    small_gemm.kernel().split_here(not args.one_core)
+    for length in (int(n) for n in args.lengths.split(",")):
+        prompt = [(13 * i + 5) % native.info.vocab_size for i in range(length)]
+        times = {"modules": [], "native": []}
+        for _ in range(args.repeats + 1):
+            for name, backend in (("modules", modules), ("native", native)):
+                started = time.perf_counter()
+                backend.prefill_logits(prompt, lambda *kv: None)
+                times[name].append(time.perf_counter() - started)
+        medians = {name: statistics.median(values[1:]) * 1e3 for name, values in times.items()}
+        print(f"{length:5d} tokens: modules {medians['modules']:8.1f} ms   native {medians['native']:8.1f} ms   ({medians['modules'] / medians['native']:.2f}x faster)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
