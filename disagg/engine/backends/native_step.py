@@ -96,7 +96,7 @@ class _Model(ctypes.Structure):
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    library = small_gemm.load_library(SOURCE, FLAGS, LIBRARIES, "decode step runs through transformers' modules")
+    library = small_gemm.load_library(SOURCE, FLAGS, LIBRARIES, "decode steps and prefills run through transformers' modules")
     if library is None:
         return None
     library.native_step_workspace.argtypes, library.native_step_workspace.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long], ctypes.c_long
@@ -107,7 +107,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def unserved(model, plans: list[LayerPlan]) -> str | None:
-    """Why native_step.c cannot run this model's decode step, or None if it can."""
+    """Why native_step.c cannot run this model's decode steps and prefills, or None if it can."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not all(type(layer) in SERVED for layer in layers):
@@ -118,7 +118,7 @@ def unserved(model, plans: list[LayerPlan]) -> str | None:
         return f"its MLP's activation is {getattr(model.config, 'hidden_act', None)!r}, not silu"
     if any({name for name, _ in layer.self_attn.named_children()} != ATTENTION_PARTS or {name for name, _ in layer.mlp.named_children()} != MLP_PARTS for layer in layers):
         return "its attention or MLP holds parts other than Llama's"
-    linears = [model.lm_head] + [getattr(part, name) for layer in layers for part, names in ((layer.self_attn, ATTENTION_PARTS - {"act_fn"}), (layer.mlp, MLP_PARTS - {"act_fn"})) for name in names]
+    linears = [model.lm_head] + [getattr(part, name) for layer in layers for part, names in ((layer.self_attn, ATTENTION_PARTS), (layer.mlp, MLP_PARTS - {"act_fn"})) for name in names]
     if not all(isinstance(linear, PackedLinear) and linear.few_rows.dim() == 3 for linear in linears):
         return "its linears are not packed for the few-row kernel (float32, one torch thread, an AVX2 CPU)"
     if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
