@@ -173,3 +173,13 @@ def test_a_native_prefill_that_changes_the_kv_is_not_used(monkeypatch):
     monkeypatch.setattr(native_step.NativeModel, "prefill_logits", wrong_values)
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
     assert backend.native_prefill is None
+
+
+def test_rotary_angles_narrower_than_a_head_are_refused():
+    """A partial rotation (angles for part of each head): the C side would read past them, so the model is not served."""
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    rotary = backend.model.model.rotary_emb
+    full = rotary.forward
+    rotary.forward = lambda x, position_ids: tuple(t[..., : t.shape[-1] // 2] for t in full(x, position_ids))
+    with pytest.raises(ValueError, match="rotary angles cover"):
+        native_step.NativeModel(backend.model, backend.plans)

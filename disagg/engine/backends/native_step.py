@@ -167,6 +167,9 @@ class NativeModel:
         self.head_dim = first_attention.head_dim
         q_heads = first_attention.q_proj.out_features // self.head_dim
         self.kv_heads = first_attention.k_proj.out_features // self.head_dim
+        cos, _ = self.rotary(self.embed[:1], torch.zeros(1, 1, dtype=torch.long))
+        if cos.shape[-1] != self.head_dim:  # a partial rotation: the C side rotates whole heads, reading head_dim angles a row
+            raise ValueError(f"native step: the rotary angles cover {cos.shape[-1]} of the head's {self.head_dim} dimensions")
         layers = (_Layer * len(inner.layers))()
         self._keep = [self.embed]  # everything the C side points at lives as long as this object
         for i, (layer, plan) in enumerate(zip(inner.layers, plans)):

@@ -286,11 +286,12 @@ class TorchBackend(Backend):
         sliding window give transformers' logits and K/V."""
         for length in (1, min(40, native_step.PREFILL_MAX_TOKENS, self.info.max_seq_len)):
             prompt = [(7 * i + 1) % self.info.vocab_size for i in range(length)]
-            reference_kv, native_kv = {}, {}
-            reference = self.prefill_logits(prompt, lambda layer, k, v: reference_kv.setdefault(layer, (k.clone(), v.clone())))
-            logits = self.native_model.prefill_logits(prompt, lambda layer, k, v: native_kv.setdefault(layer, (k, v)))
-            pairs = [(reference, logits)] + [(a, b) for layer in reference_kv for a, b in zip(reference_kv[layer], native_kv.get(layer, (None, None)))]
-            if set(native_kv) != set(reference_kv) or any(b is None or a.shape != b.shape or not close(a, b) for a, b in pairs):
+            reference_kv, native_kv = [], []  # (keys, values) per layer, in the order handed on
+            reference = self.prefill_logits(prompt, lambda layer, k, v: reference_kv.append((layer, k.clone(), v.clone())))
+            logits = self.native_model.prefill_logits(prompt, lambda layer, k, v: native_kv.append((layer, k, v)))
+            same_layers = [row[0] for row in reference_kv] == [row[0] for row in native_kv]
+            pairs = [(reference, logits), *((a, b) for theirs, ours in zip(reference_kv, native_kv) for a, b in zip(theirs[1:], ours[1:]))]
+            if not same_layers or not all(a.shape == b.shape and close(a, b) for a, b in pairs):
                 log.info("prefills run through transformers' modules: the native prefill changes this model's logits or K/V")
                 return None
         log.info("prompts of up to %d tokens prefill natively (native_step.c)", native_step.PREFILL_MAX_TOKENS)
