@@ -12,6 +12,9 @@ def load_backend(name: str, batch_size: int = 1, neuron: dict | None = None, tor
     neuron options only matter to the neuron backend, which compiles for them;
     the torch options (compile, buckets) only to the torch backend."""
     if name == "torch":
+        from .architectures import check_transformers_release
+
+        check_transformers_release()  # before the import: its modules need that release's transformers
         from .torch_backend import TorchBackend, TorchBackendConfig
 
         return TorchBackend(TorchBackendConfig(**options, **(torch or {})))

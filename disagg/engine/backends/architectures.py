@@ -30,6 +30,21 @@ def verdicts() -> dict:
     return json.loads(VERDICTS.read_text())
 
 
+def check_transformers_release() -> None:
+    """Refuses the torch backend under any transformers release but the one the verdicts
+    were made with: another release changes model code and cache classes, so an exact
+    verdict there would be a guess. (NxDI's pin, 4.56/4.57, is the usual other one.)"""
+    import transformers
+
+    made_with = verdicts()["transformers"]
+    if transformers.__version__ != made_with:
+        raise UnsupportedModel(
+            f"the torch backend serves under transformers {made_with} (its model-support verdicts were made there); this "
+            f"environment has {transformers.__version__}: use --backend neuron here, or install transformers=={made_with}, "
+            f"or remake the verdicts with scripts/model_support.py"
+        )
+
+
 def architecture_of(config) -> str:
     names = getattr(config, "architectures", None) or [type(config).__name__]
     return f"{names[0]} (model type {config.model_type!r})"

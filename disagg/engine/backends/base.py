@@ -11,6 +11,7 @@ leave it as tensors so the caller decides when to wait for the device.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,11 @@ from disagg.kv.codec import KvKind
 
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput
-from .slot_cache import LayerKvCallback
+
+# Called as on_layer(layer_idx, keys, values) with tensors [kv_heads, tokens, head_dim], as
+# each layer's K/V is ready. Defined here, not in the torch backend's slot cache, so that
+# the neuron backend (run under NxDI's transformers release) never imports that module.
+LayerKvCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)

@@ -26,16 +26,12 @@ transformers' own:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from . import slot_attention
-
-
-# Called as on_layer(layer_idx, keys, values) with tensors [kv_heads, tokens, head_dim].
-LayerKvCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+from .base import LayerKvCallback  # noqa: F401  (the torch backend's modules import it from here)
 
 # Layer types whose attention reads (a window of) ordinary per-token K/V. The
 # others (linear attention, convolution, compressed or indexed attention, layers
