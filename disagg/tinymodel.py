@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
-_VERSION = 1  # bump when the recipe changes, so cached models are remade
+_VERSION = 2  # bump when the recipe changes, so cached models are remade
 # A plain chat template, so the chat APIs (messages) run on the tiny models too.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -151,8 +151,19 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
     tmp = out.with_name(out.name + ".partial")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    portable_tokenizer_class(tmp)
     tmp.rename(out)
     return out
+
+
+def portable_tokenizer_class(path: pathlib.Path) -> None:
+    """Names the tokenizer class as checkpoints on the Hub do, so that the checkpoint
+    loads under transformers 5 and under NxDI's 4.56/4.57 alike (5 writes its own
+    class name, TokenizersBackend, which 4.x does not know)."""
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2))
 
 
 def cache_dir() -> pathlib.Path:
