@@ -86,16 +86,18 @@ def test_seeded_penalized_sampling_is_the_same_alone_and_in_a_batch(llama_cluste
     assert_nothing_held(llama_cluster)
 
 
-def test_n_choices_with_a_seed_differ_and_are_the_same_on_every_call(llama_cluster):
+def test_n_choices_are_the_one_choice_requests_with_seed_plus_i_on_every_call(llama_cluster):
     params = dict(max_new_tokens=16, temperature=2.0, seed=77, ignore_eos=True, n=3)
     with Client(llama_cluster.router_address, timeout=60) as client:
         first = client.choices("The cat slept", **params)
         second = client.choices("The cat slept", **params)
-        single = client.complete("The cat slept", **{**params, "n": 1})
+        singles = [client.complete("The cat slept", **{**params, "n": 1, "seed": 77 + i}) for i in range(3)]
+    single = singles[0]
     assert [c.index for c in first] == [0, 1, 2]
-    assert len({tuple(c.token_ids) for c in first}) == 3
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
-    assert first[0].token_ids == single.token_ids  # choice i samples with seed + i
+    # Choice i samples with seed + i: what the seeds guarantee on any host (three samples
+    # differing is likely, not guaranteed, and another CPU's rounding can change it).
+    assert [c.token_ids for c in first] == [s.token_ids for s in singles]
     assert all(c.finish_reason == "length" and c.completion_tokens == 16 and c.prompt_tokens == single.prompt_tokens for c in first)
     assert_nothing_held(llama_cluster)
 
