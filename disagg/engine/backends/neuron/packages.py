@@ -29,7 +29,7 @@ def import_nxdi(module: str = "neuronx_distributed_inference"):
         ) from exc
 
 
-# The releases this backend was read against (NxDI 0.7-0.9, Neuron SDK 2.25-2.29): each
+# The releases this backend was read against (NxDI 0.7-0.9, Neuron SDK 2.27-2.29): each
 # builds the KV cache with apply_seq_ids_mask's 128-position pad and has continuous
 # batching with dynamic on-device sampling. Before 0.4 NeuronConfig dropped
 # apply_seq_ids_mask with a log line, and padded rows then wrote KV into a slot that was
@@ -56,7 +56,7 @@ def check_nxdi_release() -> str:
     if not low <= release_of(version) < high:
         raise UnsupportedNxdi(
             f"neuronx-distributed-inference {version} is installed; the neuron backend serves NxDI "
-            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))} (Neuron SDK 2.25-2.29): {INSTALL}"
+            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))} (Neuron SDK 2.27-2.29): {INSTALL}"
         )
     return version
 
