@@ -26,7 +26,7 @@ from ...model_files import eos_token_ids
 from ...requests import Sampling
 from ...sampler import SampleOutput, params_tensor
 from ..base import Backend, LayerKvCallback, ModelInfo, PrefillResult, StepInputs
-from .compile import compile_or_load
+from .compile import build_config, compile_or_load, model_class
 from .config import DTYPES, NeuronOptions, compiled_lines, prefill_line
 from .layout import KvLayout, UnsupportedLayout, sort_rows
 from .sampling import nxdi_sampling_params
@@ -34,9 +34,22 @@ from .sampling import nxdi_sampling_params
 log = logging.getLogger(__name__)
 
 KV_STATE_KEY = "kv_mgr.past_key_values.{}"  # 2*layer: K, 2*layer+1: V, per rank
+# kv_cache_manager.KV_CACHE_PAD_FOR_SEQ_IDS_MASKING (NxDI 0.7-0.9): with apply_seq_ids_mask,
+# KVCacheManager._init_kv_shape adds this many positions, where padded rows write.
+SEQ_IDS_MASK_PAD = 128
+# The NxDI classes whose KV manager gets the config's sliding_window (modeling_llama.py and
+# modeling_mistral.py pass getattr(config, "sliding_window", None); Qwen2, Qwen3 and Mixtral pass none).
+SLIDING_WINDOW_CLASSES = ("NeuronLlamaForCausalLM", "NeuronMistralForCausalLM")
 
 
-def refuse_unconvertible_layout(neuron_config, text_config, seq_len: int) -> None:
+def nxdi_sliding_window(model) -> int | None:
+    """The window NxDI's KV manager was built with: None where the class passes none."""
+    if type(model).__name__ not in SLIDING_WINDOW_CLASSES:
+        return None
+    return getattr(model.config, "sliding_window", None) or None
+
+
+def refuse_unconvertible_layout(neuron_config, window: int | None, seq_len: int) -> None:
     """What the loaded model's own config says about its KV cache, refused where the
     hand-off (canonical [kv_heads, tokens, head_dim] lines per slot) cannot carry it.
     Pass-through settings (NeuronOptions.extra) can set any of these."""
@@ -52,20 +65,89 @@ def refuse_unconvertible_layout(neuron_config, text_config, seq_len: int) -> Non
     attention_dtype = getattr(neuron_config, "attention_dtype", None)
     if attention_dtype is not None and str(attention_dtype).removeprefix("torch.") != str(neuron_config.torch_dtype).removeprefix("torch."):
         reasons.append(f"attention_dtype {attention_dtype} (KV not in the model dtype)")
-    window = getattr(text_config, "sliding_window", None)
-    if window and window < seq_len:
-        reasons.append(f"sliding_window {window} below seq_len {seq_len} (NxDI keeps a rolling cache of {window} positions)")
+    # KVCacheManager._get_index_to_update_new_position writes position p at p % (window - 1):
+    # exact only while every position (at most seq_len - 1) stays below window - 1.
+    if window and seq_len >= window:
+        reasons.append(f"sliding_window {window} with seq_len {seq_len} (NxDI's cache rolls at position {window - 1}; serve with seq_len below {window})")
     if reasons:
         raise UnsupportedLayout("the neuron backend cannot hand off this model's KV cache: " + "; ".join(reasons))
+
+
+# -- where the KV cache lives: the one seam between the device and NxDI's CPU mode ----------
+
+
+class DeviceState:
+    """The compiled model on NeuronCores: KV in the NxD model's state, one dict of device
+    tensors per rank, shared by the context-encoding and token-generation graphs."""
+
+    def __init__(self, model, num_layers: int):
+        # nxd_model.state is a TorchScript attribute: each read builds the list anew, so the
+        # handles are taken once (the runtime updates these tensors in place).
+        ranks = model.context_encoding_model.model.nxd_model.state
+        self.ranks = len(ranks)
+        self._tensors = [[state_tensor(rank_state, rank, index) for rank, rank_state in enumerate(ranks)] for index in range(2 * num_layers)]
+
+    @staticmethod
+    def load(options: NeuronOptions):
+        return compile_or_load(options)
+
+    def caches(self, layer: int, kind: KvKind) -> list[torch.Tensor]:
+        return self._tensors[2 * layer + (0 if kind is KvKind.KEY else 1)]
+
+
+class CpuModeState:
+    """NxDI's CPU mode (NeuronConfig(on_cpu=True), to_cpu()): the eager model, tp 1 in this
+    process. KV lives in each graph's kv_mgr.past_key_values, whose .data NxDI replaces after
+    every step (_copy_past_key_values), and the context-encoding and token-generation models
+    hold separate parameters until their first step: they are made to share storage here."""
+
+    def __init__(self, model, num_layers: int):
+        if model.config.neuron_config.tp_degree != 1:
+            raise UnsupportedLayout("NxDI's CPU mode runs here at tp_degree 1 only (higher degrees need one process per rank under torchrun)")
+        self.ranks = 1
+        context = model.context_encoding_model.model.kv_mgr.past_key_values
+        generation = model.token_generation_model.model.kv_mgr.past_key_values
+        for shared, other in zip(context, generation):
+            other.data = shared.data
+        self._parameters = list(context)  # the handles; .data is read per access (replaced every step)
+        if len(self._parameters) != 2 * num_layers:
+            raise UnsupportedLayout(f"NxDI's CPU model holds {len(self._parameters)} KV tensors, expected {2 * num_layers}")
+
+    @staticmethod
+    def load(options: NeuronOptions):
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(options.model)
+        cls = model_class((hf_config.architectures or ["?"])[0])
+        model = cls(options.model, build_config(cls, options))
+        model.to_cpu()
+        return model, hf_config
+
+    def caches(self, layer: int, kind: KvKind) -> list[torch.Tensor]:
+        return [self._parameters[2 * layer + (0 if kind is KvKind.KEY else 1)].data]
+
+
+def state_tensor(rank_state: dict, rank: int, index: int) -> torch.Tensor:
+    key = KV_STATE_KEY.format(index)
+    if key not in rank_state:
+        raise UnsupportedLayout(f"NxDI device state of rank {rank} has no {key!r}; keys: {sorted(rank_state)[:6]}")
+    return rank_state[key]
+
+
+def kv_state_kind(options: NeuronOptions):
+    """NxDI's own on_cpu flag (passed through NeuronOptions.extra) picks its CPU mode."""
+    return CpuModeState if options.extra.get("on_cpu") else DeviceState
 
 
 class NeuronBackend(Backend):
     def __init__(self, options: NeuronOptions):
         self.options = options
-        self.model, hf_config = compile_or_load(options)
+        state_kind = kv_state_kind(options)
+        self.model, hf_config = state_kind.load(options)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         neuron_config = self.model.config.neuron_config  # what NxDI built, not what we asked for
-        refuse_unconvertible_layout(neuron_config, text, options.seq_len)
+        self.window = nxdi_sliding_window(self.model)
+        refuse_unconvertible_layout(neuron_config, self.window, options.seq_len)
         heads = text.num_attention_heads
         self.layout = KvLayout(neuron_config.tp_degree, getattr(text, "num_key_value_heads", heads) or heads, heads)
         self.info = ModelInfo(
@@ -79,32 +161,37 @@ class NeuronBackend(Backend):
             eos_token_ids=eos_token_ids(options.model, text),
             max_seq_len=options.seq_len,
         )
-        self._check_state()
+        self.context_buckets = context_buckets(self.model, options.context_limit)
+        self.pad_token_id = getattr(self.model.config, "pad_token_id", None) or 0
+        self.state = state_kind(self.model, self.info.num_layers)
+        self._check_state(neuron_config)
 
     # -- the device state (the KV cache NxDI holds per rank) ---------------------
-    def _state(self) -> list[dict]:
-        return self.model.context_encoding_model.model.nxd_model.state
-
     def _caches(self, layer: int, kind: KvKind) -> list[torch.Tensor]:
-        key = KV_STATE_KEY.format(2 * layer + (0 if kind is KvKind.KEY else 1))
-        return [rank_state[key] for rank_state in self._state()]
+        return self.state.caches(layer, kind)
 
-    def _check_state(self) -> None:
-        """Every rank's K and V for every layer is exactly [lines, heads_per_rank, seq_len,
-        head_dim] in the model dtype: the layout the KV conversion assumes."""
-        state = self._state()
-        if len(state) != self.layout.tp_degree:
-            raise UnsupportedLayout(f"NxDI holds {len(state)} ranks of KV state, expected tp_degree {self.layout.tp_degree}")
-        expected = (compiled_lines(self.options), self.layout.heads_per_rank, self.options.seq_len, self.info.head_dim)
+    def cache_positions(self, neuron_config) -> int:
+        """Positions per line as KVCacheManager._init_kv_shape builds them: the window when one is
+        set, else max_length; plus the seq_ids mask's pad (refused without the mask)."""
+        if getattr(neuron_config, "apply_seq_ids_mask", False) is not True:
+            raise UnsupportedLayout("NxDI's config dropped apply_seq_ids_mask: padded decode rows would overwrite KV being handed off")
+        base = self.window or getattr(neuron_config, "max_length", None) or self.options.seq_len
+        return base + SEQ_IDS_MASK_PAD
+
+    def _check_state(self, neuron_config) -> None:
+        """Every rank's K and V for every layer is exactly [lines, heads_per_rank, positions,
+        head_dim] in the model dtype, as NxDI builds it: the layout the KV conversion assumes."""
+        if self.state.ranks != self.layout.tp_degree:
+            raise UnsupportedLayout(f"NxDI holds {self.state.ranks} ranks of KV state, expected tp_degree {self.layout.tp_degree}")
+        expected = (compiled_lines(self.options), self.layout.heads_per_rank, self.cache_positions(neuron_config), self.info.head_dim)
         dtype = getattr(torch, DTYPES[self.options.dtype])
-        for rank, rank_state in enumerate(state):
-            for index in range(2 * self.info.num_layers):
-                key = KV_STATE_KEY.format(index)
-                if key not in rank_state:
-                    raise UnsupportedLayout(f"NxDI device state of rank {rank} has no {key!r}; keys: {sorted(rank_state)[:6]}")
-                cache = rank_state[key]
-                if tuple(cache.shape) != expected or cache.dtype != dtype:
-                    raise UnsupportedLayout(f"NxDI's {key} on rank {rank} is {tuple(cache.shape)} {cache.dtype}; the KV hand-off expects {expected} {dtype}")
+        for layer in range(self.info.num_layers):
+            for kind in KvKind:
+                for rank, cache in enumerate(self._caches(layer, kind)):
+                    if tuple(cache.shape) != expected or cache.dtype != dtype:
+                        raise UnsupportedLayout(
+                            f"NxDI's layer {layer} {kind.name} cache on rank {rank} is {tuple(cache.shape)} {cache.dtype}; the KV hand-off expects {expected} {dtype}"
+                        )
 
     # -- Backend ---------------------------------------------------------------
     def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
@@ -112,10 +199,11 @@ class NeuronBackend(Backend):
         length, line = len(token_ids), prefill_line(self.options)
         if length > self.options.context_limit:
             raise ValueError(f"a prompt of {length} tokens is over max_context_length {self.options.context_limit}")
+        input_ids, attention_mask, position_ids = bucket_padded_prompt(token_ids, self.context_bucket(length), self.pad_token_id)
         out = self.model.forward(
-            input_ids=torch.tensor([token_ids], dtype=torch.int32),
-            attention_mask=torch.ones(1, length, dtype=torch.int32),
-            position_ids=torch.arange(length, dtype=torch.int32)[None],
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             seq_ids=torch.tensor([line], dtype=torch.int32),
             sampling_params=self._sampling_rows(params_tensor([sampling])),  # [1, 3] once mapped
         )
@@ -128,6 +216,13 @@ class NeuronBackend(Backend):
             if on_layer is not None:
                 on_layer(layer, keys, values)
         return PrefillResult(first_token=first, layers=layers)
+
+    def context_bucket(self, length: int) -> int:
+        """The context-encoding bucket NxDI's ModelWrapper.get_target_bucket picks ("first_fit")."""
+        fitting = [bucket for bucket in self.context_buckets if bucket >= length]
+        if not fitting:
+            raise ValueError(f"a prompt of {length} tokens is over the last context-encoding bucket {self.context_buckets[-1]}")
+        return fitting[0]
 
     def allocate_slots(self, num_slots: int) -> int:
         if num_slots != self.options.batch_size:
@@ -147,18 +242,64 @@ class NeuronBackend(Backend):
 
     def decode_step(self, inputs: StepInputs) -> SampleOutput:
         order, inverse = sort_rows(inputs.slots.tolist())  # the batcher sorts already; NxDI requires it
-        slots, positions = inputs.slots[order], inputs.positions[order]
+        active = inputs.slots[order]
+        slots, positions, input_ids, params = active, inputs.positions[order], inputs.input_ids[order], inputs.params[order]
+        if self.window:
+            slots, positions, input_ids, params = self._every_line(slots, positions, input_ids, params)
         out = self.model.forward(
-            input_ids=inputs.input_ids[order][:, None].to(torch.int32),
+            input_ids=input_ids[:, None].to(torch.int32),
             attention_mask=decode_attention_mask(positions, inputs.kv_len),
             position_ids=positions[:, None].to(torch.int32),
             seq_ids=slots.to(torch.int32),
-            sampling_params=self._sampling_rows(inputs.params[order]),
+            sampling_params=self._sampling_rows(params),
         )
-        return SampleOutput(out.tokens.reshape(-1).to(torch.long)[inverse])
+        tokens = out.tokens.reshape(-1).to(torch.long)
+        if self.window:  # one row per line, in line order
+            tokens = tokens[active]
+        return SampleOutput(tokens[inverse])
+
+    def _every_line(self, slots, positions, input_ids, params):
+        """Rows for every compiled line, the idle ones at position seq_len - 1.
+
+        With a window, KVCacheManager._get_index_to_update_new_position writes each row at
+        position % (window - 1) without the seq_ids mask, and ModelWrapper._forward_with_pad
+        gives padded rows the first row's position: an idle line (one receiving a hand-off)
+        would get a stray write inside its KV. Position seq_len - 1 is written by a line's own
+        last step before anything reads it, so a stray write there is harmless."""
+        lines = compiled_lines(self.options)
+        idle = torch.tensor([line for line in range(lines) if line not in set(slots.tolist())], dtype=slots.dtype)
+        every = torch.cat([slots, idle])
+        order = torch.argsort(every)
+        fill = lambda active, value: torch.cat([active, torch.full((len(idle), *active.shape[1:]), value, dtype=active.dtype)])[order]
+        idle_params = torch.zeros(len(idle), params.shape[1], dtype=params.dtype)
+        idle_params[:, 0] = 1  # greedy
+        return every[order], fill(positions, self.options.seq_len - 1), fill(input_ids, self.pad_token_id), torch.cat([params, idle_params])[order]
 
     def _sampling_rows(self, params: torch.Tensor) -> torch.Tensor:
         return nxdi_sampling_params(params, self.options.global_topk)
+
+
+def context_buckets(model, context_limit: int) -> list[int]:
+    """The context-encoding buckets NxDI built (enable_context_encoding: generate_buckets_for_cte)."""
+    buckets = getattr(model.context_encoding_model.neuron_config, "buckets", None) or [context_limit]
+    return sorted(int(bucket) for bucket in buckets)
+
+
+def bucket_padded_prompt(token_ids: list[int], bucket: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[1, bucket] input_ids, attention_mask and position_ids, padded here rather than by NxDI.
+
+    NxDI's ModelWrapper.pad_inputs pads position_ids with 1, and the context-encoding model
+    takes the hidden state at torch.max(position_ids, dim=1).indices (NeuronBaseModel.forward):
+    for a one-token prompt that is the first pad. Pads at position 0 keep the maximum on the
+    last real token, alone for two tokens or more, and for one token tied with the pads, where
+    torch.max gives the first index (as NxDI's own two-token prompts rely on). The minimum
+    stays 0, so the step is still a prefill (_is_prefill); the causal mask keeps the pads out
+    of the real rows, and their KV lands past the prompt, where nothing reads it."""
+    length, pad = len(token_ids), bucket - len(token_ids)
+    input_ids = torch.tensor([list(token_ids) + [pad_token_id] * pad], dtype=torch.int32)
+    attention_mask = torch.tensor([[1] * length + [0] * pad], dtype=torch.int32)
+    position_ids = torch.tensor([list(range(length)) + [0] * pad], dtype=torch.int32)
+    return input_ids, attention_mask, position_ids
 
 
 def decode_attention_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -67,22 +67,22 @@ class KvLayout:
             return list(range(rank * k, (rank + 1) * k))
         return [rank // (self.tp_degree // self.kv_heads)]
 
-    def _owner(self, head: int) -> int:
-        # The first rank holding a head: where a replicated head is read from.
-        return next(r for r in range(self.tp_degree) if head in self.rank_heads(r))
-
     # -- one slot's lines, for one layer's K or V ------------------------------------
     def read_line(self, rank_caches: list[torch.Tensor], slot: int, length: int) -> torch.Tensor:
         """[kv_heads, length, head_dim] on the host, from per-rank device caches.
 
-        Only the slot's first `length` positions of each head cross to the host, one
-        contiguous run per head, from the first rank holding it: not the whole state."""
-        heads = []
-        for head in range(self.kv_heads):
-            rank = self._owner(head)
-            run = rank_caches[rank].narrow(0, slot, 1).narrow(1, self.rank_heads(rank).index(head), 1).narrow(2, 0, length)
-            heads.append(run.to("cpu").reshape(length, -1))
-        return torch.stack(heads)
+        One copy to the host per rank that owns a head not read yet (every rank when heads are
+        sharded; one per distinct head when replicated): the slot's first `length` positions of
+        the heads it holds, not the whole state."""
+        heads: dict[int, torch.Tensor] = {}
+        for rank, cache in enumerate(rank_caches):
+            wanted = [index for index, head in enumerate(self.rank_heads(rank)) if head not in heads]
+            if not wanted:
+                continue
+            block = cache.narrow(0, slot, 1).narrow(2, 0, length).to("cpu")[0]  # [heads_per_rank, length, head_dim]
+            for index in wanted:
+                heads[self.rank_heads(rank)[index]] = block[index]
+        return torch.stack([heads[head] for head in range(self.kv_heads)])
 
     def write_line(self, rank_caches: list[torch.Tensor], slot: int, start: int, line: torch.Tensor) -> None:
         """Writes canonical [kv_heads, tokens, head_dim] into a slot of the per-rank caches.
@@ -90,12 +90,15 @@ class KvLayout:
         Each copy is one contiguous run of the device state ([1, 1, tokens, head_dim] of
         one head) from host memory: the form the Neuron runtime takes (narrow + copy_
         host-to-device), where a strided slice or a device-to-device copy between
-        differently sized tensors is refused (docs/neuron.md)."""
+        differently sized tensors is refused (docs/neuron.md). A slot's positions are one run
+        per head: one copy per rank when a rank holds one head (GQA at tp = kv_heads, or
+        replicated heads), one per head otherwise."""
         tokens = line.shape[1]
+        host = line.to(device="cpu")
         for rank, cache in enumerate(rank_caches):
             for index, head in enumerate(self.rank_heads(rank)):
                 run = cache.narrow(0, slot, 1).narrow(1, index, 1).narrow(2, start, tokens)
-                run.copy_(line[head].to(device="cpu", dtype=cache.dtype).contiguous().view(run.shape))
+                run.copy_(host[head].to(dtype=cache.dtype).contiguous().view(run.shape))
 
 
 def sort_rows(slots: list[int]) -> tuple[list[int], list[int]]:

@@ -1,0 +1,117 @@
+"""Runs our NeuronBackend on NxDI's real model code in its CPU mode, one backend per process.
+
+NxDI's to_cpu() starts a gloo process group on MASTER_PORT and leaves it (and
+NXD_CPU_MODE=1) behind, so each backend instance runs in its own process:
+
+    python -m nxdi_cpu.run_backend JOB.json   (with tests/ on sys.path)
+
+JOB.json: {"nxdi_src": ..., "model": ..., "seq_len": ..., "batch_size": ..., "actions": [...]}
+Actions, run in order; the results go to JOB.json's "out" file (torch.save):
+  {"do": "shapes"}                                   -> every KV tensor's (shape, dtype)
+  {"do": "prefill", "name": N, "prompt": [ids]}      -> first token and the KV lines, saved under N
+  {"do": "write", "slot": s, "kv": "file", "name": N} -> a prefill's KV (from another process) into slot s
+  {"do": "decode", "rows": [{"slot", "first", "position", "steps"}]} -> greedy tokens per row, all rows
+        stepping together (a row whose steps run out leaves the batch)
+  {"do": "line", "slot": s, "length": n}             -> a slot's KV lines as the backend reads them
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def nxdi_paths(nxdi_src: str) -> list[str]:
+    """$NXDI_SRC/neuronx-distributed-inference/src and $NXDI_SRC/neuronx-distributed/src."""
+    return [os.path.join(nxdi_src, "neuronx-distributed-inference", "src"), os.path.join(nxdi_src, "neuronx-distributed", "src")]
+
+
+def load_backend(job: dict):
+    sys.path[:0] = nxdi_paths(job["nxdi_src"])
+    from nxdi_cpu import shims
+
+    shims.install()
+    os.environ["MASTER_PORT"] = str(free_port())  # to_cpu's gloo group; 29500 collides between processes
+    from disagg.engine.backends.neuron.backend import NeuronBackend
+    from disagg.engine.backends.neuron.config import NeuronOptions
+
+    seq_len = job["seq_len"]
+    options = NeuronOptions(
+        model=job["model"], dtype="float32", seq_len=seq_len, max_context_length=seq_len,  # CPU mode: max_context_length == seq_len
+        batch_size=job["batch_size"], global_topk=job.get("global_topk", 64), extra={"on_cpu": True},
+    )
+    return NeuronBackend(options)
+
+
+def decode(backend, rows: list[dict]) -> dict[int, list[int]]:
+    import torch
+
+    from disagg.engine.backends.base import StepInputs
+    from disagg.engine.requests import Sampling
+    from disagg.engine.sampler import params_tensor
+
+    live = {row["slot"]: dict(row, tokens=[row["first"]]) for row in rows}
+    while any(len(row["tokens"]) <= row["steps"] for row in live.values()):
+        active = sorted(slot for slot, row in live.items() if len(row["tokens"]) <= row["steps"])
+        positions = torch.tensor([live[s]["position"] + len(live[s]["tokens"]) - 1 for s in active])
+        inputs = StepInputs(
+            slots=torch.tensor(active), positions=positions, input_ids=torch.tensor([live[s]["tokens"][-1] for s in active]),
+            params=params_tensor([Sampling() for _ in active]), seeds=torch.zeros(len(active), dtype=torch.long),
+            steps=torch.zeros(len(active), dtype=torch.long), kv_len=int(positions.max()) + 1, contiguous_from=None,
+        )
+        out = backend.decode_step(inputs)
+        for slot, token in zip(active, out.token_ids.tolist()):
+            live[slot]["tokens"].append(int(token))
+    return {slot: row["tokens"] for slot, row in live.items()}
+
+
+def run(job: dict) -> dict:
+    import torch
+
+    from disagg.engine.requests import Sampling
+    from disagg.kv.codec import KvKind
+
+    results: dict = {}
+    try:
+        backend = load_backend(job)
+    except ValueError as exc:  # the refusal a test expects is the result, with its one line
+        return {"load_error": f"{type(exc).__name__}: {exc}"}
+    for action in job["actions"]:
+        if action["do"] == "shapes":
+            results["shapes"] = [(tuple(c.shape), str(c.dtype)) for layer in range(backend.info.num_layers) for kind in KvKind for c in backend._caches(layer, kind)]
+        elif action["do"] == "prefill":
+            result = backend.prefill(action["prompt"], Sampling())
+            results[action["name"]] = {"first": result.first_token, "layers": result.layers}
+        elif action["do"] == "write":
+            layers = torch.load(action["kv"])[action["name"]]["layers"]
+            for layer, (keys, values) in enumerate(layers):
+                backend.write_kv(action["slot"], layer, KvKind.KEY, 0, keys)
+                backend.write_kv(action["slot"], layer, KvKind.VALUE, 0, values)
+        elif action["do"] == "decode":
+            results.setdefault("decoded", []).append(decode(backend, action["rows"]))
+        elif action["do"] == "line":
+            results.setdefault("lines", []).append(
+                [(backend.layout.read_line(backend._caches(layer, KvKind.KEY), action["slot"], action["length"]),
+                  backend.layout.read_line(backend._caches(layer, KvKind.VALUE), action["slot"], action["length"])) for layer in range(backend.info.num_layers)]
+            )
+    return results
+
+
+def main(path: str) -> None:
+    import torch
+
+    with open(path) as f:
+        job = json.load(f)
+    torch.save(run(job), job["out"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

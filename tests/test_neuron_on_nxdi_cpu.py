@@ -1,0 +1,155 @@
+"""Our NeuronBackend on NxDI's real code, in NxDI's CPU mode (NeuronConfig(on_cpu=True), to_cpu()).
+
+Skipped unless NXDI_SRC names a folder holding source checkouts of
+aws-neuron/neuronx-distributed-inference and aws-neuron/neuronx-distributed, laid out as
+$NXDI_SRC/neuronx-distributed-inference/src and $NXDI_SRC/neuronx-distributed/src, and the
+environment has NxDI's transformers (4.57) and its imports (boto3, requests, tenacity, pyyaml).
+The hardware-only packages get import shims (tests/nxdi_cpu/shims.py). Run without the suite's
+conftest (it trains the suite's checkpoints under another transformers):
+
+    NXDI_SRC=/work/nxdi_src python -m pytest --noconftest tests/test_neuron_on_nxdi_cpu.py -q
+
+Each backend instance runs in its own process (tests/nxdi_cpu/run_backend.py): to_cpu() leaves a
+gloo process group behind. Checkpoints: tiny trained models made under this transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+NXDI_SRC = os.environ.get("NXDI_SRC", "")
+TESTS = pathlib.Path(__file__).parent
+SEQ_LEN = 128  # CPU mode needs max_context_length == seq_len
+BATCH = 3  # decode slots; NxDI compiles one more line, the prefill's
+
+
+def _have_sources() -> bool:
+    return bool(NXDI_SRC) and all((pathlib.Path(NXDI_SRC) / repo / "src").is_dir() for repo in ("neuronx-distributed-inference", "neuronx-distributed"))
+
+
+pytestmark = pytest.mark.skipif(not _have_sources(), reason="NXDI_SRC does not name checkouts of neuronx-distributed-inference and neuronx-distributed")
+
+
+def tiny_checkpoint(**spec) -> str:
+    import transformers
+
+    from disagg.tinymodel import TinyModelSpec, cache_dir, ensure_tiny_model
+
+    # Made under this transformers (LlamaInferenceConfig needs 4.57's rope_theta), apart from the suite's.
+    root = cache_dir() / f"nxdi-cpu-tf{transformers.__version__}"
+    return str(ensure_tiny_model(TinyModelSpec(**spec), root=root))
+
+
+def run_backend(tmp_path: pathlib.Path, name: str, model: str, actions: list[dict], seq_len: int = SEQ_LEN) -> dict:
+    """One NeuronBackend in a fresh process running `actions`; their results."""
+    import torch
+
+    job = {"nxdi_src": NXDI_SRC, "model": model, "seq_len": seq_len, "batch_size": BATCH, "actions": actions, "out": str(tmp_path / f"{name}.pt")}
+    job_file = tmp_path / f"{name}.json"
+    job_file.write_text(json.dumps(job))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "nxdi_cpu.run_backend", str(job_file)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(job["out"])
+
+
+class Greedy:
+    """transformers generate() on the same weights, float32, greedy: the ground truth."""
+
+    def __init__(self, path: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def tokens(self, prompt: list[int], count: int) -> list[int]:
+        with self.torch.no_grad():
+            out = self.model.generate(self.torch.tensor([prompt]), attention_mask=self.torch.ones(1, len(prompt), dtype=self.torch.long),
+                                      do_sample=False, max_new_tokens=count, min_new_tokens=count, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    def kv(self, prompt: list[int]):
+        with self.torch.no_grad():
+            cache = self.model(self.torch.tensor([prompt]), use_cache=True).past_key_values
+        return [(cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(len(cache.layers))]
+
+
+PROMPTS = {
+    "long": [1, 87, 112, 45, 201, 33, 76, 150, 9, 64, 120, 18, 95],
+    "short": [1, 150, 22, 37, 88],
+    "one": [1],  # finding 7: NxDI's own padding would take the hidden state of a pad
+}
+STEPS = {"long": 10, "short": 14, "one": 12}
+
+
+@pytest.fixture(scope="module")
+def llama() -> str:
+    return tiny_checkpoint(architecture="llama")
+
+
+def test_prefill_hand_off_decode_equal_generate(llama, tmp_path):
+    """Prefill in one backend, KV into slots of another, decode there: greedy tokens equal
+    generate()'s, with three rows at different positions in each step, one of them a one-token prompt."""
+    prefill = run_backend(tmp_path, "prefill", llama, [{"do": "shapes"}] + [{"do": "prefill", "name": n, "prompt": p} for n, p in PROMPTS.items()])
+    # The real KV shapes, accepted at start-up: [lines, kv_heads, seq_len + 128 (apply_seq_ids_mask's pad), head_dim].
+    assert set(prefill["shapes"]) == {((BATCH + 1, 2, SEQ_LEN + 128, 16), "torch.float32")}
+    reference = Greedy(llama)
+    for name, prompt in PROMPTS.items():
+        assert prefill[name]["first"] == reference.tokens(prompt, 1)[0], name
+        for (keys, values), (ref_keys, ref_values) in zip(prefill[name]["layers"], reference.kv(prompt)):
+            assert keys.shape == ref_keys.shape == (2, len(prompt), 16)
+            assert (keys - ref_keys).abs().max() < 1e-4 and (values - ref_values).abs().max() < 1e-4
+
+    slots = {name: slot for slot, name in enumerate(PROMPTS)}
+    rows = [{"slot": slots[n], "first": prefill[n]["first"], "position": len(p), "steps": STEPS[n]} for n, p in PROMPTS.items()]
+    writes = [{"do": "write", "slot": slots[n], "kv": str(tmp_path / "prefill.pt"), "name": n} for n in PROMPTS]
+    decoded = run_backend(tmp_path, "decode", llama, writes + [{"do": "decode", "rows": rows}])["decoded"][0]
+    for name, prompt in PROMPTS.items():
+        assert decoded[slots[name]] == reference.tokens(prompt, STEPS[name] + 1), name
+
+
+def test_idle_slot_keeps_its_handed_off_kv_while_others_step(llama, tmp_path):
+    """A slot that received KV and has not joined yet is untouched by steps of the others
+    (apply_seq_ids_mask: padded rows write into the 128-position pad)."""
+    prompt = PROMPTS["long"]
+    prefill = run_backend(tmp_path, "prefill", llama, [{"do": "prefill", "name": "long", "prompt": prompt}])
+    kv = str(tmp_path / "prefill.pt")
+    rows = [{"slot": 0, "first": prefill["long"]["first"], "position": len(prompt), "steps": 4}]
+    out = run_backend(tmp_path, "decode", llama, [{"do": "write", "slot": s, "kv": kv, "name": "long"} for s in (0, 2)]
+                      + [{"do": "decode", "rows": rows}, {"do": "line", "slot": 2, "length": len(prompt)}])
+    for (keys, values), (sent_keys, sent_values) in zip(out["lines"][0], prefill["long"]["layers"]):
+        assert keys.equal(sent_keys) and values.equal(sent_values)
+
+
+@pytest.fixture(scope="module")
+def mistral_window() -> str:
+    return tiny_checkpoint(architecture="mistral", sliding_window=200)
+
+
+def test_sliding_window_served_where_positions_never_roll(mistral_window, tmp_path):
+    """Mistral passes sliding_window to NxDI's KV manager: a cache of window + 128 positions,
+    written at position % (window - 1). With seq_len below the window nothing rolls: served
+    exactly, and an idle slot's handed-off KV survives the others' steps."""
+    prompt = PROMPTS["long"]
+    prefill = run_backend(tmp_path, "prefill", mistral_window, [{"do": "shapes"}, {"do": "prefill", "name": "long", "prompt": prompt}])
+    assert set(prefill["shapes"]) == {((BATCH + 1, 2, 200 + 128, 16), "torch.float32")}
+    kv = str(tmp_path / "prefill.pt")
+    rows = [{"slot": 0, "first": prefill["long"]["first"], "position": len(prompt), "steps": 8}]
+    out = run_backend(tmp_path, "decode", mistral_window, [{"do": "write", "slot": s, "kv": kv, "name": "long"} for s in (0, 1)]
+                      + [{"do": "decode", "rows": rows}, {"do": "line", "slot": 1, "length": len(prompt)}])
+    assert out["decoded"][0][0] == Greedy(mistral_window).tokens(prompt, 9)
+    for (keys, values), (sent_keys, sent_values) in zip(out["lines"][0], prefill["long"]["layers"]):
+        assert keys.equal(sent_keys) and values.equal(sent_values)
+
+
+def test_sliding_window_that_would_roll_is_refused_at_start_up(mistral_window, tmp_path):
+    out = run_backend(tmp_path, "refused", mistral_window, [], seq_len=256)
+    assert out["load_error"].startswith("UnsupportedLayout: ")
+    assert "sliding_window 200 with seq_len 256" in out["load_error"] and "\n" not in out["load_error"]
