@@ -26,6 +26,12 @@ from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling
 
 STANDIN = str(pathlib.Path(__file__).parent / "nxdi_standin")
+# NxDI 0.7-0.9 pin transformers 4.56/4.57, and the stand-in fails as NxDI does under 5
+# (LlamaInferenceConfig.validate_config needs rope_theta, which transformers 5 moved into
+# rope_parameters): whatever builds a neuron backend runs under NxDI's transformers.
+NXDI_TRANSFORMERS = int(__import__("transformers").__version__.split(".")[0]) < 5
+NEEDS_NXDI_TRANSFORMERS = ("NxDI 0.7-0.9 run under transformers 4.56/4.57 (the stand-in, as NxDI, refuses transformers 5's configs); "
+                           "the CI runs these in its transformers-4.57 virtualenv")
 NEURON_TRANSPORT = resolve("auto")  # NIXL where installed: the host-staging landing for a device slot cache
 
 
@@ -163,10 +169,19 @@ def torch_prefill(ids):
 
 
 @pytest.fixture
-def standin(monkeypatch):
+def standin_any_transformers(monkeypatch):
     monkeypatch.syspath_prepend(STANDIN)
     for name in [n for n in sys.modules if n.startswith("neuronx_distributed_inference")]:
         monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [n for n in sys.modules if n.startswith("neuronx_distributed_inference")]:
+        del sys.modules[name]  # the stand-in's modules leave with it (test_the_torch_backend_never_imports_nxdi)
+
+
+@pytest.fixture
+def standin(standin_any_transformers):
+    if not NXDI_TRANSFORMERS:
+        pytest.skip(NEEDS_NXDI_TRANSFORMERS)
     yield
 
 
@@ -194,6 +209,8 @@ def test_compiles_once_then_loads_and_prefill_kv_matches_the_torch_backend(stand
 
 @pytest.fixture(scope="module")
 def neuron_cluster(cluster_logs, tmp_path_factory):
+    if not NXDI_TRANSFORMERS:
+        pytest.skip(NEEDS_NXDI_TRANSFORMERS)
     previous = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, previous) if p)
     compiled = tmp_path_factory.mktemp("neuron-compiled")
@@ -207,18 +224,19 @@ def neuron_cluster(cluster_logs, tmp_path_factory):
     cluster.stop()
 
 
-def test_the_grpc_path_with_backend_neuron_gives_the_torch_backends_tokens(neuron_cluster, llama_cluster):
+def test_the_grpc_path_with_backend_neuron_gives_transformers_tokens(neuron_cluster):
     # On NIXL (where installed) the KV lands in the decode worker's host staging buffer
     # (NixlHostStagingSink) and from there goes through the neuron backend's write_kv.
+    # The ground truth is transformers' generate() (the torch backend, which equals it in
+    # test_e2e, serves only under its own transformers release, not NxDI's).
     prompts = ["The lighthouse keeper climbed", "Snow fell on the hills", "Our café on the corner"]
-    with Client(neuron_cluster.router_address, timeout=120) as neuron_client, Client(llama_cluster.router_address, timeout=120) as torch_client:
+    with Client(neuron_cluster.router_address, timeout=120) as neuron_client:
         assert neuron_client.model_info().backend == "neuron"
         for prompt in prompts:
-            got = neuron_client.complete(prompt, max_new_tokens=16)
-            assert got.token_ids == torch_client.complete(prompt, max_new_tokens=16).token_ids == reference("llama").greedy(prompt, 16)
+            assert neuron_client.complete(prompt, max_new_tokens=16).token_ids == reference("llama").greedy(prompt, 16)
         for prompt in prompts[:2]:  # seeded sampling where NxDI's sampler is deterministic: top_k 1
             sampled = neuron_client.complete(prompt, max_new_tokens=8, temperature=0.8, top_k=1, seed=7).token_ids
-            assert sampled == torch_client.complete(prompt, max_new_tokens=8, temperature=0.8, top_k=1, seed=7).token_ids == reference("llama").greedy(prompt, 8)
+            assert sampled == reference("llama").greedy(prompt, 8)
     assert kv_bytes_received(neuron_cluster, NEURON_TRANSPORT) > 0
 
 
@@ -252,6 +270,8 @@ def test_what_nxdis_sampler_cannot_do_is_refused_naming_the_field_by_router_and_
 def test_the_colocated_neuron_worker_keeps_a_running_requests_tokens_while_another_prefills(cluster_logs, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
+    if not NXDI_TRANSFORMERS:
+        pytest.skip(NEEDS_NXDI_TRANSFORMERS)
     previous = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, previous) if p)
     try:

@@ -1,28 +1,82 @@
 """Stand-in for neuronx_distributed_inference.models.config (see the package docstring).
 
-Only the fields the adapter sets or the KV layout depends on; each default and
-each assert below is the one NeuronConfig.__init__ in NxDI's models/config.py has.
+Only the fields the adapter sets or the KV layout depends on are modelled; each
+default and each check below is the one NxDI 0.9.0's models/config.py has:
+
+- NeuronConfig.__init__ pops the keyword arguments it knows and drops the rest with
+  one log line ("NeuronConfig init: Unexpected keyword arguments: ..."), in every
+  release from 0.3 to 0.9. apply_seq_ids_mask is known from 0.4 (release 2.22) on:
+  before, it is one of the dropped arguments and the config has no such attribute.
+- InferenceConfig.__init__ runs load_config, then the keyword overrides, then
+  add_derived_config, then validate_config, which asserts every attribute of the
+  model's get_required_attributes() is set ("Config must define [...]").
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
+import re
+
+import torch
 
 CONFIG_FILE = "neuron_config.json"  # NxDI models/config.py CONFIG_FILE
+
+# The NeuronConfig keyword arguments NxDI 0.9.0 knows but the stand-in does not model:
+# set as attributes (NxDI reads each of them somewhere), never dropped.
+KNOWN_UNMODELLED = frozenset("""
+    activation_quantization_type allow_input_truncation attn_block_cte_nki_kernel_enabled attn_block_tkg_nki_kernel_cache_update
+    attn_block_tkg_nki_kernel_cascaded_attention attn_block_tkg_nki_kernel_disable_gpsimd_sb2sb attn_block_tkg_nki_kernel_enabled
+    attn_block_tkg_nki_kernel_use_online_softmax attn_cls attn_kernel_enabled attn_tkg_builtin_kernel_enabled attn_tkg_nki_kernel_enabled
+    bucket_n_active_tokens buckets cast_type cc_pipeline_tiling_factor chunked_prefill_config cp_degree disable_argmax_kernel
+    disable_kv_cache_tiling disable_numeric_cc_token dma_order_config draft_model_modules_to_not_convert eagle_rolling_buffer_kernel_enabled
+    enable_cte_modular_flow enable_eagle_draft_input_norm enable_eagle_speculation enable_fused_speculation enable_output_completion_notifications
+    enable_spill_reload_dge enable_ve_data_parallel ep_degree ep_dispatch_cc_option expert_mlp_nki_kernel_enabled flash_decoding_enabled
+    fused_qkv fused_rmsnorm_skip_gamma is_block_kv_layout is_eagle3 is_eagle_draft is_full_model_shuffled is_medusa is_mxfp4_compute
+    is_prefix_caching layer_boundary_markers lm_head_pad lm_head_pad_alignment_size local_ranks_size logical_nc_config logical_neuron_cores
+    lora_config max_new_tokens medusa_speculation_length medusa_tree mlp_cp_degree mlp_kernel_enabled mlp_kernel_fuse_residual_add
+    mlp_tkg_nki_kernel_enabled modules_to_not_convert moe_fused_nki_kernel_enabled n_active_tokens n_positions num_medusa_heads on_cpu
+    out_proj_kernel_enabled output_logits pa_block_size pa_num_blocks padded_hidden_size padded_intermediate_size padding_side pp_degree
+    pre_rope_rmsnorm prefix_buckets qk_layernorm qkv_cte_nki_kernel_fuse_rope qkv_kernel_enabled qkv_kernel_fuse_residual_add
+    qkv_kernel_nbsd_layout qkv_nki_kernel_enabled quantization_block_axis quantization_block_size quantization_dtype quantization_scale_dtype
+    quantization_type quantize_clamp_bound quantized quantized_checkpoints_path quantized_mlp_kernel_enabled rmsnorm_quantize_kernel_enabled
+    router_topk_nki_kernel_enabled rpl_reduce_dtype scratchpad_page_size seq_len_threshold_for_cc_tiling sequence_parallel_enabled
+    shared_mlp_nki_kernel_enabled skip_sharding skip_warmup spec_batch_size speculation_length start_rank_id strided_context_parallel_kernel_enabled
+    switch_cc target tensor_capture_config tensor_replacement_config token_generation_batches token_tree_config vocab_parallel
+    weight_gather_seq_len_threshold weights_to_skip_layout_optimization windowed_context_encoding_size world_size
+""".split())
+SEQ_IDS_MASK_SINCE = (0, 4)  # NeuronConfig pops apply_seq_ids_mask from 0.4.7422 (release 2.22) on; 0.3.5591 does not
+
+
+def release() -> tuple[int, int]:
+    """(major, minor) of the stand-in's NxDI version, read when a config is built so a
+    test can set neuronx_distributed_inference.__version__ to an older release."""
+    import neuronx_distributed_inference as package
+
+    major, minor = re.match(r"(\d+)\.(\d+)", package.__version__).groups()
+    return int(major), int(minor)
+
+
+def to_torch_dtype(name) -> torch.dtype:
+    """NxDI's to_torch_dtype: "bfloat16" / "torch.bfloat16" -> torch.bfloat16."""
+    return name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."))
 
 
 class OnDeviceSamplingConfig:
     def __init__(self, **kwargs):
         self.do_sample = kwargs.pop("do_sample", False)
+        self.top_k = kwargs.pop("top_k", 1)
+        self.top_p = kwargs.pop("top_p", 1.0)
+        self.temperature = kwargs.pop("temperature", 1.0)
         self.dynamic = kwargs.pop("dynamic", False)
-        self.global_topk = kwargs.pop("global_topk", 256)
         self.deterministic = kwargs.pop("deterministic", False)
+        self.global_topk = kwargs.pop("global_topk", 256)
 
 
 class NeuronConfig:
     def __init__(self, **kwargs):
-        self.kwargs = dict(kwargs)  # what the caller asked for, for the tests to read
+        self.kwargs = dict(kwargs)  # stand-in only: what the caller asked for, for the tests to read
         self.tp_degree = kwargs.pop("tp_degree", 1)
         self.batch_size = kwargs.pop("batch_size", 1)
         self.ctx_batch_size = kwargs.pop("ctx_batch_size", self.batch_size)
@@ -33,14 +87,32 @@ class NeuronConfig:
         self.max_context_length = kwargs.pop("max_context_length", self.seq_len)
         # NeuronConfig.__init__: "max_context_length cannot be more than max_length"
         assert self.max_context_length <= self.max_length, "max_context_length cannot be more than max_length"
-        self.torch_dtype = kwargs.pop("torch_dtype", "bfloat16")
-        self.attention_dtype = kwargs.pop("attention_dtype", None)
+        self._pop_dtypes(kwargs)
         self.is_continuous_batching = kwargs.pop("is_continuous_batching", False)
-        self.apply_seq_ids_mask = kwargs.pop("apply_seq_ids_mask", False)
         self.on_device_sampling_config = kwargs.pop("on_device_sampling_config", None)
         self.async_mode = kwargs.pop("async_mode", False)
         self.save_sharded_checkpoint = kwargs.pop("save_sharded_checkpoint", False)
-        # KV cache (NeuronConfig.__init__; KVCacheManager._init_kv_shape reads these)
+        self._pop_kv_cache(kwargs)
+        self._pop_buckets(kwargs)
+        if release() >= SEQ_IDS_MASK_SINCE:
+            self.apply_seq_ids_mask = kwargs.pop("apply_seq_ids_mask", False)
+        for key in [k for k in kwargs if k in KNOWN_UNMODELLED]:
+            setattr(self, key, kwargs.pop(key))
+        if kwargs:  # NeuronConfig.__init__, end: dropped, with a log line only
+            logging.warning(f"NeuronConfig init: Unexpected keyword arguments: {kwargs}")
+
+    def _pop_dtypes(self, kwargs):
+        # NeuronConfig.__init__: a given torch_dtype (a string converted) overrides the checkpoint's.
+        if "torch_dtype" in kwargs:
+            self.torch_dtype = to_torch_dtype(kwargs.pop("torch_dtype"))
+            self.overrides_torch_dtype = kwargs.pop("overrides_torch_dtype", True)
+        else:
+            self.torch_dtype = torch.bfloat16
+            self.overrides_torch_dtype = False
+        self.attention_dtype = kwargs.pop("attention_dtype", None)
+
+    def _pop_kv_cache(self, kwargs):
+        # NeuronConfig.__init__; KVCacheManager._init_kv_shape reads these.
         self.kv_cache_batch_size = kwargs.pop("kv_cache_batch_size", self.batch_size)
         self.kv_cache_padding_size = kwargs.pop("kv_cache_padding_size", 0)
         self.kv_cache_quant = kwargs.pop("kv_cache_quant", False)
@@ -50,7 +122,9 @@ class NeuronConfig:
         self.k_cache_transposed = kwargs.pop("k_cache_transposed", False)
         if self.attention_dp_degree > 1:  # NeuronConfig: one KV batch per data-parallel attention group
             self.kv_cache_batch_size = self.tkg_batch_size // self.attention_dp_degree
-        # Bucketing: NeuronConfig.__init__ sorts the lists and asserts their ends.
+
+    def _pop_buckets(self, kwargs):
+        # NeuronConfig.__init__ sorts the lists and asserts their ends.
         self.enable_bucketing = kwargs.pop("enable_bucketing", False)
         self.context_encoding_buckets = kwargs.pop("context_encoding_buckets", None)
         self.token_generation_buckets = kwargs.pop("token_generation_buckets", None)
@@ -62,8 +136,6 @@ class NeuronConfig:
             self.token_generation_buckets.sort()
             assert self.token_generation_buckets[-1] <= self.max_length, (
                 f"Token generation bucket {self.token_generation_buckets[-1]} should be <= {self.max_length}")
-        for key, value in kwargs.items():  # everything else passes through untouched
-            setattr(self, key, value)
 
 
 class MoENeuronConfig(NeuronConfig):
@@ -78,19 +150,46 @@ class MoENeuronConfig(NeuronConfig):
 
 
 class InferenceConfig:
-    def __init__(self, neuron_config, load_config=None, **kwargs):
+    attribute_map: dict = {}
+
+    def __init__(self, neuron_config, fused_spec_config=None, load_config=None, metadata=None, **kwargs):
         self.neuron_config = neuron_config
+        self.fused_spec_config = fused_spec_config
         if load_config is not None:
             load_config(self)
-        for key, value in kwargs.items():
+        self.metadata = metadata
+        for key, value in kwargs.items():  # InferenceConfig.__init__: overrides after load_config
             setattr(self, key, value)
+        self.add_derived_config()
+        self.validate_config()
+
+    def add_derived_config(self):
+        self.num_cores_per_group = 1
+
+    def get_required_attributes(self) -> list[str]:
+        return []
+
+    def validate_config(self):
+        """InferenceConfig.validate_config: every required attribute present, else an AssertionError.
+        (Under transformers 5 a checkpoint's rope_theta lives in rope_parameters: Llama, Mistral,
+        Qwen2/3 and Mixtral then fail here, as NxDI does.)"""
+        missing = [name for name in self.get_required_attributes() if not hasattr(self, name)]
+        assert len(missing) == 0, f"Config must define {missing}"
 
     @classmethod
     def get_neuron_config_cls(cls):
         return NeuronConfig
+
+    def get_text_config(self):
+        return getattr(self, "text_config", None) or self
 
     def save(self, model_path):
         """InferenceConfig.save: neuron_config.json in the compiled directory."""
         path = pathlib.Path(model_path)
         path.mkdir(parents=True, exist_ok=True)
         (path / CONFIG_FILE).write_text(json.dumps(self.neuron_config.kwargs, default=str))
+
+
+# get_required_attributes of each model's InferenceConfig, NxDI 0.9.0 (models/<name>/modeling_<name>.py).
+LLAMA_REQUIRED = ["hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "pad_token_id", "vocab_size",
+                  "max_position_embeddings", "rope_theta", "rms_norm_eps", "hidden_act"]

@@ -1,11 +1,12 @@
 """The stand-in model: NxDI's continuous-batching calls, computed by a transformers model.
 
-Its KV cache lives in per-rank tensors laid out as NxDI lays them out
+Its KV cache lives in per-rank tensors laid out as NxDI 0.9.0 lays them out
 (KVCacheManager._init_kv_shape: [kv_cache_batch_size + kv_cache_padding_size,
-heads_per_rank, max_length, head_dim]), with the model's KV heads sharded across
+heads_per_rank, cache length, head_dim]), with the model's KV heads sharded across
 ranks when they divide by tp, else replicated one per rank. The sharding here is
 written independently of disagg's layout module, so the tests compare two
-implementations. Each strictness rule names the NxDI function it stands for.
+implementations. Each strictness rule names the NxDI function it stands for; the
+rules read at 0.9.0 hold at 0.7.0 and 0.8.0 too unless a docstring says otherwise.
 """
 
 from __future__ import annotations
@@ -18,14 +19,21 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..device import device_view
+from ..modules.autobucketing import generate_buckets_for_cte, generate_buckets_for_tkg
 from ..modules.generation.sampling import Sampler, infer_sampling_params, validate_sampling_params
 from .config import InferenceConfig
+from .model_wrapper import (CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG, ModelWrapper, get_target_bucket, pad_context_inputs,
+                            pad_token_generation_mask, padded_batch, submodel_config)
 
 COMPILE_LOG = "standin_compiles.txt"
 COMPILED_MODEL_FILE_NAME = "model.pt"  # application_base.COMPILED_MODEL_FILE_NAME
+SHARDED_WEIGHTS = "weights/tp{}_sharded_checkpoint.safetensors"  # application_base.shard_weights / load_weights
 DEFAULT_COMPILE_WORK_DIR = "/tmp/nxd_model/"  # application_base.get_builder's default; tests point it elsewhere
+KV_CACHE_PAD_FOR_SEQ_IDS_MASKING = 128  # modules/kvcache/kv_cache_manager.py, 0.7.0 to 0.9.0
 TRACING_MARK = "tracing-"
+PADDED_ROW_KV_SCALE = 4.0  # what a padded row writes: garbage, loud enough to change any token it reaches
 fail_next_trace = False  # tests set it: a compile interrupted while tracing
+fail_next_shard = False  # tests set it: a compile interrupted while sharding the weights, model.pt already written
 
 
 def head_of(rank: int, slot_in_rank: int, kv_heads: int, tp: int) -> int:
@@ -34,19 +42,23 @@ def head_of(rank: int, slot_in_rank: int, kv_heads: int, tp: int) -> int:
     return rank * kv_heads // tp  # replicated: tp/kv_heads ranks per head
 
 
-def powers_of_two_buckets(largest: int) -> list[int]:
-    """autobucketing.generate_buckets(128, largest): 128, 256, ... then largest."""
-    buckets, b = [], 128
-    while b < largest:
-        buckets.append(b)
-        b *= 2
-    return buckets + [largest]
-
-
 def infer_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """NeuronBaseForCausalLM._infer_attention_mask for one-token steps: positions < p."""
     length = int(position_ids.max())
     return (torch.arange(length)[None, :] < position_ids).to(position_ids.dtype)
+
+
+def rolled_window_positions(last_position: int, window: int) -> list[int]:
+    """get_last_kv_window (modules/attention/utils.py): the w-1 token positions a windowed
+    context encoding leaves in cache slots 0..w-2, position t in slot t % (w-1); last_position
+    is the max of the padded position_ids. Slots past a short prompt hold the pad tokens."""
+    size = window - 1
+    end = max(last_position + 1, size)
+    start = max(end - size, 0)
+    by_slot = [0] * size
+    for position in range(start, start + size):
+        by_slot[position % size] = position
+    return by_slot
 
 
 class _NxdModel:
@@ -54,13 +66,9 @@ class _NxdModel:
         self.state = state
 
 
-class _Wrapper:
-    def __init__(self, nxd_model):
-        self.model = type("Traced", (), {"nxd_model": nxd_model})()
-
-
 class StandInCausalLM:
     config_cls = InferenceConfig
+    uses_sliding_window = False  # NeuronBaseModel.sliding_window is None unless the model's setup_attr_for_model sets it
 
     @classmethod
     def get_config_cls(cls):
@@ -69,19 +77,24 @@ class StandInCausalLM:
     def __init__(self, model_path, config=None):
         self.model_path = model_path
         self.config = config
-        self.neuron_config = config.neuron_config
+        self.neuron_config = nc = config.neuron_config
         self._check_config()
+        self.context_encoding_model = ModelWrapper(submodel_config(config, nc.ctx_batch_size, generate_buckets_for_cte(nc)), CONTEXT_ENCODING_MODEL_TAG)
+        self.token_generation_model = ModelWrapper(submodel_config(config, nc.tkg_batch_size, generate_buckets_for_tkg(nc)), TOKEN_GENERATION_MODEL_TAG)
 
     def _check_config(self):
         pass
 
     # -- compile and load -----------------------------------------------------------
     def compile(self, compiled_model_path):
-        """application_base.compile: the config is saved first, then traced, then model.pt."""
+        """application_base.compile: the config saved, the model traced, model.pt written,
+        THEN the weights sharded (shard_weights): an interruption while sharding leaves
+        model.pt beside missing weights. Same order in 0.7.0 and 0.8.0."""
         path = pathlib.Path(compiled_model_path)
         self.config.save(path)
         work = self._trace()
         (path / COMPILED_MODEL_FILE_NAME).write_text("traced (stand-in)")
+        self._shard_weights(path)
         with open(path / COMPILE_LOG, "a") as log:
             log.write(f"compiled in {work}\n")
 
@@ -102,10 +115,31 @@ class StandInCausalLM:
         shutil.rmtree(work)
         return work
 
+    def _shard_weights(self, path: pathlib.Path):
+        """shard_weights: with save_sharded_checkpoint, one safetensors file per rank under weights/."""
+        from safetensors.torch import save_file
+
+        global fail_next_shard
+        if not self.neuron_config.save_sharded_checkpoint:
+            return  # "SKIPPING pre-sharding the checkpoints": load() shards them
+        (path / "weights").mkdir(exist_ok=True)
+        for rank in range(self.neuron_config.tp_degree):
+            if fail_next_shard and rank == self.neuron_config.tp_degree - 1:
+                fail_next_shard = False
+                raise KeyboardInterrupt(f"compile interrupted while sharding the weights of rank {rank} (stand-in)")
+            save_file({"standin.rank": torch.tensor([rank])}, str(path / SHARDED_WEIGHTS.format(rank)))
+
     def load(self, compiled_model_path):
+        """application_base.load: torch.jit.load(model.pt), then load_weights, which reads every
+        rank's pre-sharded file when save_sharded_checkpoint is set."""
+        from safetensors.torch import load_file
+
         path = pathlib.Path(compiled_model_path)
-        if not (path / COMPILED_MODEL_FILE_NAME).exists():  # application_base.load -> torch.jit.load(model.pt)
-            raise FileNotFoundError(f"{path / COMPILED_MODEL_FILE_NAME} not found: the model was never traced")
+        if not (path / COMPILED_MODEL_FILE_NAME).exists():
+            raise ValueError(f"The provided filename {path / COMPILED_MODEL_FILE_NAME} does not exist")  # torch.jit.load's message
+        if self.neuron_config.save_sharded_checkpoint:
+            for rank in range(self.neuron_config.tp_degree):
+                load_file(str(path / SHARDED_WEIGHTS.format(rank)))  # FileNotFoundError where sharding never finished
         nc = self.neuron_config
         self.tp = nc.tp_degree
         self.dtype = getattr(torch, str(nc.torch_dtype).removeprefix("torch."))
@@ -115,21 +149,35 @@ class StandInCausalLM:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.per_rank = self.kv_heads // self.tp if self.kv_heads % self.tp == 0 else 1
+        self.window = getattr(self.config, "sliding_window", None) if self.uses_sliding_window else None
         self.sampler = Sampler(nc.on_device_sampling_config, torch.Generator().manual_seed(0))
-        self._plain = [{f"kv_mgr.past_key_values.{i}": torch.zeros(self._kv_shape(i % 2 == 0), dtype=self._kv_dtype()) for i in range(2 * self.layers)} for _ in range(self.tp)]
-        self.context_encoding_model = _Wrapper(_NxdModel([{k: device_view(v) for k, v in rank.items()} for rank in self._plain]))
+        self._garbage = torch.Generator().manual_seed(1)
+        self._plain = [{f"kv_mgr.past_key_values.{i}": torch.zeros(self._kv_shape(i % 2 == 0), dtype=self._kv_dtype()) for i in range(2 * self.layers)}
+                       for _ in range(self.tp)]
+        traced = type("Traced", (), {"nxd_model": _NxdModel([{k: device_view(v) for k, v in rank.items()} for rank in self._plain])})()
+        self.context_encoding_model.model = self.token_generation_model.model = traced  # application_base.load
         self.prior_seq_ids = None  # causal_lm_async_execution's state
         self._pending = None  # a launched hidden step: runs before the next call's work
         self._prior_tokens = None
-        self.cte_buckets = nc.context_encoding_buckets or (powers_of_two_buckets(nc.max_context_length) if nc.enable_bucketing else [nc.max_context_length])
-        self.tkg_buckets = nc.token_generation_buckets or (powers_of_two_buckets(nc.max_length) if nc.enable_bucketing else [nc.max_length])
+        self.cte_buckets = self.context_encoding_model.neuron_config.buckets
+        self.tkg_buckets = self.token_generation_model.neuron_config.buckets
+
+    @property
+    def seq_ids_masked(self) -> bool:
+        # Releases before 0.4 have no such attribute (NeuronConfig dropped the argument).
+        return getattr(self.neuron_config, "apply_seq_ids_mask", False)
+
+    def cache_length(self) -> int:
+        """KVCacheManager._init_kv_shape: the window whenever the model passes one (not only when
+        it is below max_length), else max_length; plus KV_CACHE_PAD_FOR_SEQ_IDS_MASKING with
+        apply_seq_ids_mask (0.7.0 on)."""
+        length = self.window or self.neuron_config.max_length
+        return length + (KV_CACHE_PAD_FOR_SEQ_IDS_MASKING if self.seq_ids_masked else 0)
 
     def _kv_shape(self, is_key):
-        """KVCacheManager._init_kv_shape, with the settings that change it."""
         nc = self.neuron_config
         lines = nc.kv_cache_batch_size + nc.kv_cache_padding_size
-        window = getattr(self.hf.config, "sliding_window", None)
-        length = window if window and window < nc.max_length else nc.max_length  # rolling cache
+        length = self.cache_length()
         if nc.kv_cache_tiling:
             return (lines, self.per_rank, 128, length // 128, self.head_dim)
         if is_key and nc.k_cache_transposed:
@@ -158,20 +206,18 @@ class StandInCausalLM:
                 out[head_of(rank, j, self.kv_heads, self.tp)] = self._cache(layer, is_key, rank)[slot, j, positions]
         return out
 
-    def _scatter(self, layer, is_key, slot, start, lines):
-        # lines: [kv_heads, tokens, head_dim], written to every rank holding each head
-        end = start + lines.shape[1]
+    def _scatter(self, layer, is_key, slot, positions, lines):
+        # lines: [kv_heads, len(positions), head_dim], written to every rank holding each head
         for rank in range(self.tp):
             for j in range(self.per_rank):
-                self._cache(layer, is_key, rank)[slot, j, start:end] = lines[head_of(rank, j, self.kv_heads, self.tp)]
+                self._cache(layer, is_key, rank)[slot, j, positions] = lines[head_of(rank, j, self.kv_heads, self.tp)]
 
     def _check_seq_ids(self, seq):
-        # ModelWrapper._forward_with_pad pads seq_ids with range(max_batch_size) and, with
-        # apply_seq_ids_mask, marks any other id invalid: its KV write goes nowhere.
+        # ModelWrapper._forward_with_pad pads seq_ids with range(max_batch_size): an id
+        # outside it has no line.
         bad = [s for s in seq if not 0 <= s < self.neuron_config.max_batch_size]
         if bad:
             raise ValueError(f"seq_ids {bad} are outside the compiled batch of {self.neuron_config.max_batch_size}")
-        assert seq == sorted(seq), "NxDI needs rows sorted by seq_id"
 
     # -- forward ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -185,7 +231,7 @@ class StandInCausalLM:
         if attention_mask is None:
             attention_mask = infer_attention_mask(position_ids)
         if int(position_ids.min()) == 0:  # NeuronBaseForCausalLM._is_prefill
-            tokens = self._context_encoding(input_ids, position_ids, seq, params)
+            tokens = self._context_encoding(input_ids, attention_mask, position_ids, seq, params)
             self.prior_seq_ids, self._prior_tokens = None, None
         elif self.neuron_config.async_mode:
             tokens = self._async_token_generation(input_ids, attention_mask, position_ids, seq_ids, params)
@@ -195,43 +241,88 @@ class StandInCausalLM:
         result.tokens = tokens.to(torch.int32)[:, None]
         return result
 
-    def _context_encoding(self, input_ids, position_ids, seq, params):
-        """The context-encoding model: pads the prompt to its bucket (ModelWrapper.pad_inputs:
-        pad_token_id, position 1) and writes the whole padded prompt into line seq_ids[0]
-        (KVCacheManager.update_cache, fill_prefix)."""
-        length = input_ids.shape[1]
-        bucket = next((b for b in self.cte_buckets if length < b), None) or (length if length == self.cte_buckets[-1] else None)
-        if bucket is None:  # ModelWrapper.get_target_bucket
-            raise ValueError(f"Input len {length} exceeds largest bucket ({self.cte_buckets[-1]}) for context_encoding_model")
-        pad = bucket - length
-        ids = torch.cat([input_ids.long(), torch.full((1, pad), self.hf.config.pad_token_id or 0)], dim=1)
-        positions = torch.cat([position_ids.long(), torch.ones(1, pad, dtype=torch.long)], dim=1)
+    def _context_encoding(self, input_ids, attention_mask, position_ids, seq, params):
+        """The context-encoding model: the prompt padded to its bucket (ModelWrapper.pad_inputs),
+        the whole padded prompt written into line seq_ids[0] (KVCacheManager.update_cache,
+        update_cache_const_indices), and the token sampled from the hidden state at
+        torch.max(position_ids, dim=1).indices (NeuronBaseModel.forward): for a one-token
+        prompt, positions [0, 1, 1, ...], that is the first pad."""
+        assert len(seq) == 1, "only supports single seq_id"  # KVCacheManager.update_kv_by_layer_id, continuous batching
+        bucket = get_target_bucket(self.cte_buckets, attention_mask, CONTEXT_ENCODING_MODEL_TAG)
+        ids, _, positions = pad_context_inputs(input_ids.long(), attention_mask, position_ids.long(), bucket, self.context_encoding_model.config.pad_token_id)
         cache = DynamicCache()
-        out = self.hf(ids, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = self.hf(ids, position_ids=positions, past_key_values=cache, use_cache=True)  # right padding: causal mask only
+        index = int(torch.max(positions, dim=1, keepdim=True).indices[0, 0])
+        written = self._context_positions_written(int(positions.max()), bucket)
         for layer in range(self.layers):
-            self._scatter(layer, True, seq[0], 0, cache.layers[layer].keys[0])
-            self._scatter(layer, False, seq[0], 0, cache.layers[layer].values[0])
-        return self.sampler(out.logits[:, length - 1], params)
+            keys, values = cache.layers[layer].keys[0], cache.layers[layer].values[0]
+            self._scatter(layer, True, seq[0], list(range(len(written))), keys[:, written])
+            self._scatter(layer, False, seq[0], list(range(len(written))), values[:, written])
+        return self.sampler(out.logits[:, index], params)
+
+    def _context_positions_written(self, last_position: int, bucket: int) -> list[int]:
+        """Which of the padded prompt's positions land in cache slots 0, 1, ...: all of them, or with
+        a window the rolled last w-1 (get_last_kv_window). Its gather reads past a bucket shorter
+        than w-1: torch.gather raises there on the CPU; Neuron's XLA gather clamps the index, so
+        those slots get the bucket's last (pad) position, which no step attends before it
+        writes the slot itself. The stand-in follows the device."""
+        if not self.window:
+            return list(range(bucket))
+        return [min(position, bucket - 1) for position in rolled_window_positions(last_position, self.window)]
 
     def _token_generation(self, input_ids, attention_mask, position_ids, seq, params):
-        """The token-generation model: each row attends the cache positions its mask marks
-        (the mask covers positions < p) and its current token separately
-        (NeuronAttentionBase.compute_for_token_gen), then writes line p."""
-        if attention_mask.shape[1] > self.tkg_buckets[-1]:  # ModelWrapper.get_target_bucket
-            raise ValueError(f"Input len {attention_mask.shape[1]} exceeds largest bucket ({self.tkg_buckets[-1]}) for token_generation_model")
-        logits = []
-        for row, slot in enumerate(seq):
-            p = int(position_ids[row, 0])
-            attended = attention_mask[row].nonzero().flatten().tolist()
-            cache = DynamicCache()
-            for layer in range(self.layers):
-                cache.update(self._gather(layer, True, slot, attended)[None], self._gather(layer, False, slot, attended)[None], layer)
-            out = self.hf(input_ids[row : row + 1].long(), position_ids=torch.tensor([[p]]), past_key_values=cache, use_cache=True)
-            for layer in range(self.layers):
-                self._scatter(layer, True, slot, p, cache.layers[layer].keys[0, :, -1:])
-                self._scatter(layer, False, slot, p, cache.layers[layer].values[0, :, -1:])
-            logits.append(out.logits[0, -1])
-        return self.sampler(torch.stack(logits), params)
+        """The token-generation model over the padded batch (padded_batch): every compiled row
+        runs on its own line; a real row attends what its mask marks (positions < p; with a
+        window, _create_windowed_attn_mask_tkg) and its own token
+        (NeuronAttentionBase.compute_for_token_gen), and writes its KV where
+        _get_index_to_update_new_position says."""
+        bucket = get_target_bucket(self.tkg_buckets, attention_mask, TOKEN_GENERATION_MODEL_TAG)
+        mask = pad_token_generation_mask(attention_mask, bucket)
+        logits = {}
+        for line, (row, seq_id, real) in enumerate(padded_batch(seq, self.neuron_config.max_batch_size, self.seq_ids_masked)):
+            position = int(position_ids[row, 0])
+            if real:
+                logits[line] = self._run_row(line, int(input_ids[row, 0]), position, mask[row])
+            else:
+                self._write_padded_row(line, seq_id, position)
+        return self.sampler(torch.stack([logits[line] for line in seq]), params)
+
+    def _write_position(self, position: int, seq_id: int) -> int:
+        """KVCacheManager._get_index_to_update_new_position: with a window, position % (window - 1)
+        for every row, the seq_ids mask NOT applied; otherwise, with apply_seq_ids_mask, a row
+        whose seq_id is -1 writes at max_length, in the pad region (apply_seq_id_mask)."""
+        if self.window:
+            return position % (self.window - 1)
+        if self.seq_ids_masked and seq_id < 0:
+            return self.neuron_config.max_length
+        return position
+
+    def _attended(self, position: int, mask_row: torch.Tensor) -> list[int]:
+        if self.window:  # NeuronBaseModel._create_windowed_attn_mask_tkg: slots < p, at most the first w-1
+            return list(range(min(position, self.window - 1)))
+        return mask_row.nonzero().flatten().tolist()
+
+    def _run_row(self, line: int, token: int, position: int, mask_row: torch.Tensor) -> torch.Tensor:
+        attended = self._attended(position, mask_row)
+        cache = DynamicCache()
+        for layer in range(self.layers):
+            cache.update(self._gather(layer, True, line, attended)[None], self._gather(layer, False, line, attended)[None], layer)
+        out = self.hf(torch.tensor([[token]]), position_ids=torch.tensor([[position]]), past_key_values=cache, use_cache=True)
+        where = [self._write_position(position, line)]
+        for layer in range(self.layers):
+            self._scatter(layer, True, line, where, cache.layers[layer].keys[0, :, -1:])
+            self._scatter(layer, False, line, where, cache.layers[layer].values[0, :, -1:])
+        return out.logits[0, -1]
+
+    def _write_padded_row(self, line: int, seq_id: int, position: int) -> None:
+        """A padded row computes the caller's first row over this line and writes the result
+        like any row (torch.scatter over the whole batch): where _write_position says."""
+        where = [self._write_position(position, seq_id)]
+        shape = (self.kv_heads, 1, self.head_dim)
+        for layer in range(self.layers):
+            for is_key in (True, False):
+                garbage = PADDED_ROW_KV_SCALE * torch.randn(shape, generator=self._garbage)
+                self._scatter(layer, is_key, line, where, garbage.to(self.dtype))
 
     def _async_token_generation(self, input_ids, attention_mask, position_ids, seq_ids, params):
         """async_execution.causal_lm_async_execution: while seq_ids stay the same, each call
