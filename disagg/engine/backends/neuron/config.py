@@ -29,7 +29,7 @@ class NeuronOptions:
     seq_len: int = 2048  # prompt + generated tokens
     max_context_length: int = 0  # longest prompt; 0: seq_len
     dtype: str = "bfloat16"
-    context_buckets: tuple[int, ...] = ()  # () with bucketing: NxDI's powers of two
+    context_buckets: tuple[int, ...] = ()  # () with bucketing: NxDI's powers of two; see context_encoding_buckets
     token_buckets: tuple[int, ...] = ()
     enable_bucketing: bool = True
     async_mode: bool = True  # our batcher's overlap of host and device work (decode_worker/batcher.py), not NxDI's
@@ -54,6 +54,22 @@ class NeuronOptions:
     def context_limit(self) -> int:
         """NxDI's max_context_length: the longest prompt one context encoding takes."""
         return self.max_context_length or self.seq_len
+
+    @property
+    def context_encoding_buckets(self) -> list[int]:
+        """The context buckets NxDI compiles: the given ones, ending at context_limit.
+
+        ModelWrapper.get_target_bucket (_get_seq_bucket) raises "exceeds largest bucket" for a
+        prompt longer than the last bucket, on that request. LMI's context_length_estimate
+        (512,1024,2048 with n_positions 4096) ends below the context limit, so the limit is added
+        as the last bucket, as NxDI's own generate_buckets always ends at max_context_length:
+        every prompt the worker admits has a bucket, at the price of one more compiled graph.
+        (Lowering the limit to the last bucket instead would refuse prompts the user's settings
+        allow, and would make the same options mean a different limit on each engine.)"""
+        buckets = list(self.context_buckets)
+        if buckets and buckets[-1] < self.context_limit:
+            buckets.append(self.context_limit)
+        return buckets
 
     def _check_buckets(self) -> None:
         for name, buckets in (("context", self.context_buckets), ("token-generation", self.token_buckets)):
@@ -108,7 +124,7 @@ def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
         save_sharded_checkpoint=True,
     )
     if options.context_buckets:
-        kwargs["context_encoding_buckets"] = list(options.context_buckets)
+        kwargs["context_encoding_buckets"] = options.context_encoding_buckets
     if options.token_buckets:
         kwargs["token_generation_buckets"] = list(options.token_buckets)
     kwargs.update(options.extra)
