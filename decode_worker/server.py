@@ -9,7 +9,7 @@ import sys
 import grpc
 import torch
 
-from disagg import wire
+from disagg import startup, wire
 from disagg.engine.backends import load_backend
 from disagg.kv.codec import KvWireError
 from disagg.kv.push import PULL_KV, PUSH_KV, chunk_from_pb, split_kv_chunk
@@ -33,7 +33,7 @@ class DecodeServicer:
 
     async def _ready(self, context) -> DecodeWorker:
         if self.worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is loading its model")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker is not serving yet: {startup.current().describe()}")
         return self.worker
 
     async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
@@ -133,13 +133,16 @@ async def serve(config: DecodeWorkerConfig) -> None:
     server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=(PUSH_KV, PULL_KV), deserializers={PUSH_KV: parse_kv_chunk})
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
-    log.info("decode worker on port %d: loading %s", server.port, config.model)
+    reporter = startup.install(config.status_file)
+    startup.report(startup.Phase.LOADING, f"decode worker on port {server.port}: loading {config.model} ({config.backend} backend)")
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **backend_options(config)))
     config = size_slots(config, backend.info)
     worker = DecodeWorker(backend, config, metrics)
     await stop_on_failure(server, worker.start)
     servicer.worker = worker
     await server.set_serving(True)
+    startup.report(startup.Phase.SERVING, "serving")
+    reporter.stop()  # the launcher reads health from here on
     log.info("decode worker serving on port %d (%s, %d slots, async=%s)", server.port, backend.info.dtype, config.batch_size, config.async_mode)
     await serve_until_signal(server, config.grace_seconds, busy=worker.busy)
     await worker.stop()

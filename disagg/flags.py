@@ -47,6 +47,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
     parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"), help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")
+    parser.add_argument("--status-file", default=None, help="publish the start-up phase here as JSON, rewritten every second (loading, compiling, serving): "
+                        "how a launcher tells a worker compiling for minutes from one that is stuck (disagg/startup.py)")
     parser.add_argument("--token-buckets", type=bucket_list, default=None, help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
     compiled = parser.add_argument_group("torch backend")
     compiled.add_argument(
@@ -174,6 +176,7 @@ def worker_fields(args) -> tuple[dict, dict]:
         grace_seconds=args.grace_seconds,
         metrics_port=args.metrics_port,
         port_file=args.port_file,
+        status_file=args.status_file,
         tls=internal_tls(args),
         neuron=neuron,
         kv_transport=kv_transport(args.kv_transport),
@@ -215,24 +218,39 @@ def setup_process(args) -> None:
         torch.set_num_threads(threads)
 
 
+def refusals(backend: str) -> tuple[type[Exception], ...]:
+    """What a worker's start-up raises for a model or setting it cannot serve exactly. Only the
+    chosen backend's modules are imported: the neuron workers run under NxDI's transformers
+    release, which the torch backend's modules do not import under."""
+    from disagg.engine.backends.architectures import UnsupportedModel
+    from disagg.kv.nixl_transport import NixlUnavailable
+
+    if backend == "neuron":
+        from disagg.engine.backends.neuron.layout import UnsupportedLayout
+        from disagg.engine.backends.neuron.packages import NeuronPackagesMissing, UnsupportedNxdi
+
+        return UnsupportedModel, NixlUnavailable, UnsupportedLayout, NeuronPackagesMissing, UnsupportedNxdi
+    from disagg.engine.backends.compiled import BadBuckets
+
+    return UnsupportedModel, NixlUnavailable, BadBuckets
+
+
 def run_worker(prog: str, serve, config) -> None:
-    """Runs a worker's serve(config); a model the engine cannot serve exactly ends
+    """Runs a worker's serve(config); a model or setting the engine cannot serve exactly ends
     the process with one line naming it and why (exit status 2), not a traceback."""
     import asyncio
     import sys
 
-    from disagg.engine.backends.architectures import UnsupportedModel
-    from disagg.engine.backends.compiled import BadBuckets
     from disagg.kv.nixl_transport import NixlUnavailable
 
+    refused = refusals(config.backend)
     try:
         asyncio.run(serve(config))
-    except UnsupportedModel as e:
-        print(f"{prog}: refusing {config.model}: {e}", file=sys.stderr)
-        sys.exit(2)
-    except BadBuckets as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        sys.exit(2)
-    except NixlUnavailable as e:
-        print(f"{prog}: --kv-transport nixl: {e}", file=sys.stderr)
+    except refused as e:
+        if isinstance(e, NixlUnavailable):
+            print(f"{prog}: --kv-transport nixl: {e}", file=sys.stderr)
+        elif type(e).__name__ == "BadBuckets":  # a flag's fault, not the model's
+            print(f"{prog}: {e}", file=sys.stderr)
+        else:
+            print(f"{prog}: refusing {config.model}: {e}", file=sys.stderr)
         sys.exit(2)

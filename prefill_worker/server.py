@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from disagg import wire
+from disagg import startup, wire
 from disagg.engine.backends import load_backend
 from disagg.metrics import PrefillMetrics, serve_metrics
 from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, stop_on_failure, RequestError, announce_ports, check_parsed, serve_until_signal, start_server
@@ -25,7 +25,7 @@ class PrefillServicer:
 
     async def _ready(self, context) -> PrefillWorker:
         if self.worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is loading its model")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker is not serving yet: {startup.current().describe()}")
         return self.worker
 
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -54,11 +54,14 @@ async def serve(config: PrefillWorkerConfig) -> None:
     server = await start_server(config.address, [(servicer, SERVICE)], INTERNAL_MESSAGE_BYTES, credentials)
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], PrefillMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
-    log.info("prefill worker on port %d: loading %s", server.port, config.model)
+    reporter = startup.install(config.status_file)
+    startup.report(startup.Phase.LOADING, f"prefill worker on port {server.port}: loading {config.model} ({config.backend} backend)")
     options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1, neuron=config.neuron, torch=dict(prepack=config.prepack, native_step=config.native_step))
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **options))
     servicer.worker = await stop_on_failure(server, lambda: PrefillWorker(backend, config, metrics))
     await server.set_serving(True)
+    startup.report(startup.Phase.SERVING, "serving")
+    reporter.stop()  # the launcher reads health from here on
     log.info("prefill worker serving on port %d (%s)", server.port, backend.info.dtype)
     await serve_until_signal(server, config.grace_seconds, busy=servicer.worker.busy)
     await servicer.worker.stop()
