@@ -1,18 +1,28 @@
-"""Compiling an NxDI model once per configuration, and loading it after."""
+"""Compiling an NxDI model once per configuration, and loading it after.
+
+Complete directories, the lock and the atomic rename are artifacts.py's; the
+phases (compiling, waiting for another process's compile, loading) go to the
+worker's start-up status (disagg/startup.py), so a launcher waits for a compile
+and a log shows its progress.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pathlib
+import time
 
-from .config import MODEL_CLASSES, NeuronOptions, compiled_path, neuron_config_kwargs
+from disagg import startup
+
+from . import artifacts
+from .config import MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, neuron_config_kwargs
 from .packages import import_nxdi
 
 log = logging.getLogger(__name__)
 
-TRACED_MODEL_FILE = "model.pt"  # application_base.COMPILED_MODEL_FILE_NAME, written last by compile()
 COMPILE_WORK_DIR_ENV = "BASE_COMPILE_WORK_DIR"  # read by NxDI's get_builder when compile() runs
 
 
@@ -23,18 +33,12 @@ def model_class(architecture: str):
     return getattr(import_nxdi(module), name)
 
 
-def is_compiled(path: pathlib.Path) -> bool:
-    # NxDI's compile() saves neuron_config.json before tracing: only the traced model,
-    # written after the trace, says a compile finished.
-    return (path / TRACED_MODEL_FILE).exists()
-
-
 @contextlib.contextmanager
 def compile_work_dir(path: pathlib.Path):
     """NxDI traces in BASE_COMPILE_WORK_DIR (/tmp/nxd_model/ by default) and deletes it
     afterwards; each compiled path gets its own, so two workers compiling at once on
     one instance keep their files."""
-    work = path.with_name(path.name + ".work")
+    work = artifacts.work_path(path)
     previous = os.environ.get(COMPILE_WORK_DIR_ENV)
     os.environ[COMPILE_WORK_DIR_ENV] = str(work) + "/"
     try:
@@ -53,6 +57,11 @@ def build_config(cls, options: NeuronOptions):
     return config_cls(neuron_config, load_config=hf_adapter.load_pretrained_config(options.model))
 
 
+def describe(options: NeuronOptions) -> str:
+    model = pathlib.Path(options.model.rstrip("/")).name
+    return f"{model} for Neuron (tp {options.tp_degree}, {compiled_lines(options)} KV lines, seq {options.seq_len}, {options.dtype})"
+
+
 def compile_or_load(options: NeuronOptions):
     """The loaded NxDI model: compiled once into its own directory, loaded from it after."""
     from transformers import AutoConfig
@@ -60,11 +69,31 @@ def compile_or_load(options: NeuronOptions):
     hf_config = AutoConfig.from_pretrained(options.model)
     cls = model_class((hf_config.architectures or ["?"])[0])
     config = build_config(cls, options)
-    path = compiled_path(options)
-    if not is_compiled(path):
-        log.info("compiling %s for Neuron into %s (once per configuration)", options.model, path)
-        with compile_work_dir(path):
-            cls(options.model, config).compile(str(path) + "/")
+    nxdi = artifacts.nxdi_version()
+    path = compiled_path(options, nxdi)
+    ensure_compiled(cls, options, config, path, nxdi)
+    startup.report(startup.Phase.LOADING, f"loading {describe(options)} from {path}")
     model = cls(options.model, config)
     model.load(str(path) + "/")
     return model, hf_config
+
+
+def ensure_compiled(cls, options: NeuronOptions, config, path: pathlib.Path, nxdi: str) -> None:
+    """Compiles into path unless it is complete; a second process asking for the same path
+    meanwhile waits for the first and loads its result."""
+    if artifacts.is_complete(path):
+        return
+    waiting = f"waiting for another process compiling {describe(options)} into {path}"
+    with artifacts.exclusive(path, on_wait=lambda: startup.report(startup.Phase.WAITING_FOR_COMPILE, waiting)):
+        if artifacts.is_complete(path):  # the process we waited for finished it
+            return
+        artifacts.clear_leftovers(path)
+        partial = artifacts.partial_path(path)
+        started = time.monotonic()
+        with startup.phase(startup.Phase.COMPILING, f"compiling {describe(options)} into {path}", after=f"compiled {describe(options)}"):
+            with compile_work_dir(path):
+                cls(options.model, config).compile(str(partial) + "/")
+        seconds = time.monotonic() - started
+        record = {"nxdi": nxdi, "options": dataclasses.asdict(options), "compile_seconds": round(seconds, 1)}
+        artifacts.install_complete(partial, path, record)
+        log.info("compiled %s in %.0f s into %s", describe(options), seconds, path)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import pathlib
 from dataclasses import asdict, dataclass, field
 
@@ -131,11 +129,15 @@ def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
     return kwargs
 
 
-def compiled_path(options: NeuronOptions) -> pathlib.Path:
-    """A directory per distinct configuration: a changed config compiles into a new
-    directory and never over a stale one."""
+def compiled_path(options: NeuronOptions, nxdi_version: str | None = None) -> pathlib.Path:
+    """A directory per distinct compile: our options, the checkpoint's files, NxDI's release
+    (default: the installed one) and the compiler's with its flags (artifacts.toolchain). A
+    change in any compiles into a new directory and never loads a stale one."""
+    from .artifacts import checkpoint_fingerprint, digest, toolchain
+
     compiled = {k: v for k, v in asdict(options).items() if k != "async_mode"}  # the batcher's setting changes no artifact
-    key = hashlib.sha256(json.dumps(compiled, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    tools = toolchain(nxdi_version)
+    key = digest({"options": compiled, "checkpoint": checkpoint_fingerprint(options.model), "toolchain": tools})
     root = pathlib.Path(options.compiled_root) if options.compiled_root else pathlib.Path.home() / ".cache" / "disagg" / "neuron"
     name = pathlib.Path(options.model.rstrip("/")).name or "model"
-    return root / f"{name}-tp{options.tp_degree}-b{options.batch_size}-s{options.seq_len}-{key}"
+    return root / f"{name}-nxdi{tools['nxdi']}-tp{options.tp_degree}-b{options.batch_size}-s{options.seq_len}-{key}"
