@@ -26,42 +26,87 @@ def free_or_any(port: int) -> int:
     return port
 
 
+def neuron_placement(args):
+    """--backend neuron: each role's tp and the NeuronCores found (None for the torch backend)."""
+    from disagg.launcher import NeuronPlacement
+    from disagg.neuron_cores import discover
+
+    if args.backend != "neuron":
+        return None
+    return NeuronPlacement(discover(args.neuron_cores), prefill_tp=args.prefill_tp or args.tp, decode_tp=args.decode_tp or args.tp)
+
+
+def serve_worker_args(args) -> list[str]:
+    """Flags every worker gets from `disagg serve`."""
+    out = ["--kv-transport", args.kv_transport]
+    if args.max_seq_len:
+        out += ["--max-seq-len", str(args.max_seq_len)]
+    if args.neuron_compiled_path:
+        out += ["--neuron-compiled-path", args.neuron_compiled_path]
+    return out
+
+
+def print_banner(cluster, model: str) -> None:
+    print(f"\ndisagg is serving {model}\n  router (GenerationService): {cluster.router_address}")
+    if cluster.http_url:
+        print(f"  OpenAI-compatible HTTP API: {cluster.http_url}/v1")
+    for p in cluster.processes[:-1]:
+        print(f"  {p.name}: {p.address}")
+    print(f"\nTry:  disagg generate --address {cluster.router_address} \"The lighthouse keeper\"")
+    if cluster.http_url:
+        print(f"      curl {cluster.http_url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The lighthouse keeper\", \"max_tokens\": 16}}'")
+    print("Ctrl-C stops everything.", flush=True)
+
+
 def cmd_serve(args) -> int:
     from disagg.launcher import ClusterSpec, LocalCluster
+    from disagg.neuron_cores import NotEnoughCores
     from disagg.tinymodel import ensure_tiny_model
 
+    http_port = None if args.http_port < 0 else free_or_any(args.http_port) if args.http_port else 0
+    spec = ClusterSpec(model=args.model or "", prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, http_port=http_port,
+                       dtype=args.dtype, batch_size=args.batch_size, worker_args=serve_worker_args(args), colocated=args.colocated, neuron=neuron_placement(args))
+    try:
+        cores = spec.neuron_cores()  # the one-line refusal comes before anything starts
+    except NotEnoughCores as exc:
+        print(f"disagg serve: {exc}", file=sys.stderr)
+        return 2
     if args.model is None:
         print("Using the built-in tiny model (made on first use, ~20 s) ...", flush=True)
-    model = args.model or str(ensure_tiny_model())
-    http_port = None if args.http_port < 0 else free_or_any(args.http_port) if args.http_port else 0
-    spec = ClusterSpec(model=model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, http_port=http_port, dtype=args.dtype, batch_size=args.batch_size, worker_args=["--kv-transport", args.kv_transport])
-    cluster = LocalCluster(spec)
-    stop = {"now": False}
+        spec.model = str(ensure_tiny_model())
+    model = spec.model
+    if cores:
+        print(f"NeuronCores ({spec.neuron.pool.source}): " + ", ".join(f"{name} {visible}" for name, visible in cores.items()), flush=True)
+    cluster = LocalCluster(spec, progress=lambda line: print(line, flush=True))
+    stop, status = {"now": False, "started": False}, 0
+
+    def on_signal(*_):
+        stop.update(now=True)
+        if not stop["started"]:  # a first compile can take many minutes: stop waiting for it
+            raise KeyboardInterrupt
+
     # Both set explicitly: a shell's background job inherits SIGINT ignored, and Ctrl-C
     # (or a supervisor's SIGINT) must still stop everything.
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         cluster.start()
-        print(f"\ndisagg is serving {model}\n  router (GenerationService): {cluster.router_address}")
-        if cluster.http_url:
-            print(f"  OpenAI-compatible HTTP API: {cluster.http_url}/v1")
-        for p in cluster.processes[:-1]:
-            print(f"  {p.name}: {p.address}")
-        print(f"\nTry:  disagg generate --address {cluster.router_address} \"The lighthouse keeper\"")
-        if cluster.http_url:
-            print(f"      curl {cluster.http_url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The lighthouse keeper\", \"max_tokens\": 16}}'")
-        print("Ctrl-C stops everything.", flush=True)
+        stop["started"] = True
+        print_banner(cluster, model)
         while not stop["now"]:
             time.sleep(0.5)
             cluster.check_alive()
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError) as exc:  # a part exited, or a worker is stuck: its own log says why
+        print(f"disagg serve: {exc}", file=sys.stderr, flush=True)
+        status = 1
     finally:
+        stop["started"] = True  # a second signal no longer interrupts: stop() below ends everything
         print("\nstopping ...", flush=True)
         codes = cluster.stop()
         print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()))
-    return 0
+    return status
 
 
 def cmd_generate(args) -> int:
@@ -156,6 +201,16 @@ def main(argv=None) -> int:
     serve.add_argument("--batch-size", type=int, default=0, help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
     serve.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves from prefill to decode (nixl: read straight into the slot, needs nixl-cu12; auto: NIXL where it is installed, else the gRPC stream)")
+    serve.add_argument("--colocated", action="store_true", help="no prefill workers: each decode worker also prefills (the baseline)")
+    serve.add_argument("--max-seq-len", type=int, default=0, help="prompt plus generated tokens (default: the workers' default)")
+    neuron = serve.add_argument_group("--backend neuron (Trn1, Inf2, Trn2; docs/neuron.md)")
+    neuron.add_argument("--backend", default="torch", choices=["torch", "neuron"])
+    neuron.add_argument("--tp", type=int, default=1, help="NeuronCores per worker (NxDI's tp_degree); each worker gets its own (NEURON_RT_VISIBLE_CORES)")
+    neuron.add_argument("--prefill-tp", type=int, default=0, help="the prefill workers' tp (default --tp)")
+    neuron.add_argument("--decode-tp", type=int, default=0, help="the decode workers' tp (default --tp)")
+    neuron.add_argument("--neuron-cores", type=int, default=int(os.environ.get("DISAGG_NEURON_CORES", 0)),
+                        help="NeuronCores to split between the workers (default $DISAGG_NEURON_CORES, else $NEURON_RT_VISIBLE_CORES, else the driver's sysfs, else neuron-ls)")
+    neuron.add_argument("--neuron-compiled-path", default=None, help="root directory for compiled artifacts (default ~/.cache/disagg/neuron)")
     serve.set_defaults(run=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a generation to the terminal")

@@ -3,11 +3,20 @@
 `disagg serve` uses it for the one-command demo; the end-to-end tests use it
 to start real clusters. Each part is the same `python -m <part>` a user would
 run on its own machine.
+
+Start-up waits for every worker's health to say SERVING. A worker publishes its
+start-up phase (disagg/startup.py, `--status-file`); the start timeout counts
+only the time a worker is not compiling, so a first Neuron compile of tens of
+minutes is waited for, while a worker whose heartbeat stops (stuck) or that
+exits (dead) still fails the start. With `ClusterSpec.neuron`, each worker gets
+its own NeuronCores (`NEURON_RT_VISIBLE_CORES`, disagg/neuron_cores.py), and a
+split that does not fit is refused before any process starts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,8 +29,22 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from disagg import startup
+from disagg.neuron_cores import CorePool, WorkerCores, split
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+PROGRESS_SECONDS = 30.0  # how often a compiling worker's progress is reported
+
+
+@dataclass(frozen=True)
+class NeuronPlacement:
+    """--backend neuron on one instance: each role's tp degree, and the cores the workers split."""
+
+    pool: CorePool
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
 
 @dataclass
@@ -44,6 +67,25 @@ class ClusterSpec:
     colocated: bool = False  # decode workers also do the prefills (no prefill workers): the baseline
     cpus: dict = field(default_factory=dict)  # role ("prefill", "decode", "router") -> CPU ids to pin it to
     nice: dict = field(default_factory=dict)  # role -> niceness increment (a prefill sharing a core with latency-bound threads)
+    neuron: NeuronPlacement | None = None  # the workers run --backend neuron, each on its own NeuronCores
+    stall_seconds: float = 60.0  # a compiling worker whose heartbeat is older than this is stuck
+    compile_timeout: float | None = None  # at most this long compiling (None: as long as it makes progress)
+
+    def worker_names(self) -> list[str]:
+        """In launch order: the decode workers, then the prefill workers (none when colocated)."""
+        return [f"decode-{i}" for i in range(self.decode_workers)] + ([] if self.colocated else [f"prefill-{i}" for i in range(self.prefill_workers)])
+
+    def neuron_cores(self) -> dict[str, str]:
+        """name -> NEURON_RT_VISIBLE_CORES (empty without neuron); NotEnoughCores when they do not fit."""
+        if self.neuron is None:
+            return {}
+        tp = {"decode": self.neuron.decode_tp, "prefill": self.neuron.prefill_tp}
+        return split(self.neuron.pool, [WorkerCores(name, tp[name.split("-")[0]]) for name in self.worker_names()])
+
+    def neuron_args(self, role: str) -> list[str]:
+        if self.neuron is None:
+            return []
+        return ["--backend", "neuron", "--tp-degree", str(self.neuron.prefill_tp if role == "prefill" else self.neuron.decode_tp)]
 
 
 def compile_flag(compile: bool | None) -> list[str]:
@@ -70,8 +112,11 @@ class _Launched(typing.NamedTuple):
 
 
 class LocalCluster:
-    def __init__(self, spec: ClusterSpec):
+    def __init__(self, spec: ClusterSpec, progress=None):
+        """progress: called with one line per worker start-up event worth telling (default: logged)."""
         self.spec = spec
+        self.progress = progress or log.info
+        self._env: dict[str, dict[str, str]] = {}  # process name -> environment it adds (its NeuronCores)
         self.processes: list[Process] = []
         self.router_address: str | None = None  # known once the router has bound its port
         self.http_url: str | None = None  # the router's HTTP API, e.g. http://127.0.0.1:8000 (spec.http_port set)
@@ -79,16 +124,18 @@ class LocalCluster:
 
     # -- start ----------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "LocalCluster":
+        """timeout: for each worker, its start-up seconds outside a compile; then for the router."""
         spec = self.spec
+        self._env = {name: {"NEURON_RT_VISIBLE_CORES": cores} for name, cores in spec.neuron_cores().items()}  # refused before anything starts
         workers = spec.decode_workers + (0 if spec.colocated else spec.prefill_workers)
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(threads), *spec.worker_args]
         decode_args = common + ["--batch-size", str(spec.batch_size), *compile_flag(spec.compile), *spec.decode_args] + (["--colocated"] if spec.colocated else [])
         # Every worker is started before any is waited for: each spends seconds importing
         # torch before it binds its port, and those imports can run side by side.
-        launched = [self._launch(f"decode-{i}", "decode_worker", decode_args) for i in range(spec.decode_workers)]
+        launched = [self._launch(f"decode-{i}", "decode_worker", decode_args + spec.neuron_args("decode")) for i in range(spec.decode_workers)]
         if not spec.colocated:
-            launched += [self._launch(f"prefill-{i}", "prefill_worker", common + spec.prefill_args) for i in range(spec.prefill_workers)]
+            launched += [self._launch(f"prefill-{i}", "prefill_worker", common + spec.prefill_args + spec.neuron_args("prefill")) for i in range(spec.prefill_workers)]
         workers = self._bind_all(launched)
         decode = workers[: spec.decode_workers]
         prefill = decode if spec.colocated else workers[spec.decode_workers :]
@@ -104,11 +151,9 @@ class LocalCluster:
         # Every worker first: the router serves once one of each kind is up, and a worker
         # still compiling its buckets would otherwise join mid-test.
         # (Workers on mutual TLS are not asked: this health check has no client certificate.)
-        deadline = time.monotonic() + timeout
         plain_workers = [] if "--tls-cert" in spec.worker_args else list({id(p): p for p in (*decode, *prefill)}.values())
-        for worker in plain_workers:
-            self._wait_serving(worker.address, max(1.0, deadline - time.monotonic()), watch=None)
-        self._wait_serving(self.router_address, max(1.0, deadline - time.monotonic()), watch=None)  # any part dying now fails the start
+        self._wait_workers(plain_workers, timeout)
+        self._wait_serving(self.router_address, timeout, watch=None)  # any part dying now fails the start
         return self
 
     def add_worker(self, role: str, extra: list[str] = ()) -> Process:
@@ -127,6 +172,8 @@ class LocalCluster:
     def _launch(self, name: str, module: str, args: list[str], port: int = 0) -> _Launched:
         port_file = os.path.join(self._port_dir, f"{name}.json")
         command = [sys.executable, "-m", module, "--port", str(port), "--metrics-port", "-1", "--port-file", port_file, *args]
+        if module.endswith("_worker"):
+            command += ["--status-file", self.status_file(name)]
         return _Launched(name, port_file, command, self._popen(name, command))
 
     def _bind_all(self, launched: list[_Launched]) -> list[Process]:
@@ -177,7 +224,8 @@ class LocalCluster:
             if nice:
                 os.nice(nice)
 
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True, preexec_fn=place if cpus or nice else None)
+        env = {**os.environ, **self._env[name]} if name in self._env else None
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=env, start_new_session=True, preexec_fn=place if cpus or nice else None)
 
     def restart(self, name: str) -> Process:
         """Starts a process that has exited again, with the same command and ports."""
@@ -189,6 +237,69 @@ class LocalCluster:
 
     def signal(self, name: str, sig: int) -> None:
         self.process(name).popen.send_signal(sig)
+
+    def status_file(self, name: str) -> str:
+        return os.path.join(self._port_dir, f"{name}.status.json")
+
+    def startup_status(self, process: Process) -> startup.StartupStatus | None:
+        """What the worker last published about its start-up, if this very process published it."""
+        status = startup.read_status(self.status_file(process.name))
+        return status if status is not None and status.pid == process.popen.pid else None
+
+    def _wait_workers(self, workers: list[Process], timeout: float) -> None:
+        """Until every worker reports SERVING. Each has `timeout` seconds outside compile phases;
+        while compiling it has as long as its heartbeat is fresh (and compile_timeout, if set).
+        Any process exiting fails the start."""
+        channels = {p.name: grpc.insecure_channel(p.address) for p in workers}
+        try:
+            self._poll_workers(workers, {name: health_pb2_grpc.HealthStub(c) for name, c in channels.items()}, timeout)
+        finally:
+            for channel in channels.values():
+                channel.close()
+
+    def _poll_workers(self, workers: list[Process], stubs: dict, timeout: float) -> None:
+        pending = {p.name: p for p in workers}
+        counted = dict.fromkeys(pending, 0.0)  # seconds of start-up outside a compile
+        told: dict[str, tuple] = {}  # name -> (phase, monotonic time) last reported
+        last = time.monotonic()
+        while pending:
+            self.check_alive()
+            now = time.monotonic()
+            elapsed, last = now - last, now
+            for name, process in list(pending.items()):
+                if self._serving(stubs[name]):
+                    del pending[name]
+                    continue
+                status = self.startup_status(process)
+                if status is not None and status.phase in startup.COMPILE_PHASES:
+                    self._check_compile_progress(name, status)
+                    self._tell(name, status, told)
+                else:
+                    counted[name] += elapsed
+                    if counted[name] > timeout:
+                        raise TimeoutError(f"{name} did not report SERVING within {timeout}s" + (f" ({status.describe()})" if status else ""))
+            time.sleep(0.2)
+
+    def _check_compile_progress(self, name: str, status: startup.StartupStatus) -> None:
+        silent = time.time() - status.updated
+        if silent > self.spec.stall_seconds:
+            raise TimeoutError(f"{name} is stuck: no heartbeat for {silent:.0f} s while {status.describe()}")
+        if self.spec.compile_timeout is not None and status.elapsed() > self.spec.compile_timeout:
+            raise TimeoutError(f"{name} compiled for longer than compile_timeout {self.spec.compile_timeout:.0f} s: {status.describe()}")
+
+    def _tell(self, name: str, status: startup.StartupStatus, told: dict) -> None:
+        """Reports a compile when it starts and every PROGRESS_SECONDS after."""
+        phase, at = told.get(name, (None, 0.0))
+        if phase != status.phase or time.monotonic() - at >= PROGRESS_SECONDS:
+            told[name] = (status.phase, time.monotonic())
+            self.progress(f"{name}: {status.describe()}")
+
+    @staticmethod
+    def _serving(stub) -> bool:
+        try:
+            return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
 
     def wait_serving(self, timeout: float, address: str | None = None) -> None:
         """Until the router (or the given server) reports SERVING on grpc.health.v1."""
