@@ -1,20 +1,30 @@
 """The first thing to run on a Neuron instance: does the neuron backend hold on hardware?
 
-    python scripts/neuron_validate.py --model /models/Llama-3.2-1B --tp-degree 2 [--batch-size 4]
+    python scripts/neuron_validate.py --model /models/Llama-3.2-1B [--tp-degree 2] [--batch-size 4]
 
-Checks, in order, printing each result (the tests here run only against a stand-in):
- 1. the model's device state: every key, shape and dtype per rank;
- 2. a KV write/read round trip on one slot while the other slots decode;
- 3. prefill with seq_ids=[k], k > 0 (the spare line), touching only line k;
- 4. greedy tokens equal to the torch backend's on the same checkpoint (CPU);
- 5. two first compiles at once on one instance (separate work directories);
- 6. decode step time with NxDI's own async_mode off (ours) and on.
-Needs the Neuron packages (docs/neuron.md).
+Runs on a trn1.2xlarge or inf2.xlarge (2 NeuronCores) with Llama-3.2-1B, through
+the code the workers run (load_backend, the launcher of `disagg serve`), and
+prints each check's result, then a summary; exit status 1 if any failed:
+ 0. the NeuronCores found (disagg/neuron_cores.py: sysfs, neuron-ls or --neuron-cores);
+ 1. `disagg serve --backend neuron`: a prefill and a decode worker on their own
+    cores (--serve-tp each), compiled once, serving greedy tokens equal to
+    transformers' generate() on the CPU;
+ 2. the model's device state: every key, shape and dtype per rank;
+ 3. a KV write/read round trip on one slot while the other slots decode;
+ 4. prefill with seq_ids=[k], k > 0 (the spare line), touching only line k;
+ 5. greedy tokens equal to transformers' generate() on the same checkpoint (CPU);
+ 6. two processes asking for one new configuration at once compile it once;
+ 7. a compile killed after NxDI wrote model.pt is compiled again on the next start;
+ 8. decode step time with NxDI's own async_mode off (ours) and on.
+Needs the Neuron packages (docs/neuron.md). Checks 6 and 7 compile three more times
+(--skip-compiles leaves them out).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -23,15 +33,18 @@ import threading
 import time
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decode_worker.batcher import Batcher, Sequence
+from disagg import startup
 from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
+from disagg.engine.backends.neuron import artifacts
 from disagg.engine.backends.neuron.config import prefill_line
 from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling, Stopping
 from disagg.engine.sampler import params_tensor
+from disagg.neuron_cores import CorePool, discover
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
@@ -98,53 +111,144 @@ def generate(backend, ids: list[int], new_tokens: int) -> tuple[list[int], float
     return tokens, ttft, batcher.stats.step_seconds
 
 
-def concurrent_first_compiles(args) -> bool:
-    """Two processes compile the same model into two fresh roots at once, as two workers started together."""
-    code = ("import sys; from disagg.engine.backends import load_backend; "
-            "load_backend('neuron', model=sys.argv[1], max_seq_len=int(sys.argv[2]), batch_size=1, neuron={'tp_degree': int(sys.argv[3]), 'compiled_root': sys.argv[4]})")
-    roots = [tempfile.mkdtemp(prefix="disagg-compile-") for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", code, args.model, str(args.max_seq_len), str(args.tp_degree), root]) for root in roots]
-    return all(p.wait() == 0 for p in procs)
+LOAD = ("import sys; from disagg.engine.backends import load_backend; "
+        "load_backend('neuron', model=sys.argv[1], max_seq_len=int(sys.argv[2]), batch_size=1, neuron={'tp_degree': int(sys.argv[3]), 'compiled_root': sys.argv[4]})")
 
 
-def main() -> None:
+def loader(args, root: str) -> subprocess.Popen:
+    """A process loading (compiling first) the model at batch 1 into root, as a worker does."""
+    return subprocess.Popen([sys.executable, "-c", LOAD, args.model, str(args.max_seq_len), str(args.tp_degree), root])
+
+
+def compiled_once_for_two(args) -> bool:
+    """Two processes ask for one new configuration at once: one compiles, the other waits and loads it."""
+    root = tempfile.mkdtemp(prefix="disagg-compile-")
+    procs = [loader(args, root) for _ in range(2)]
+    codes = [p.wait() for p in procs]
+    complete = [d for d in pathlib.Path(root).iterdir() if artifacts.is_complete(d)]
+    print(f"   exit codes {codes}; compiled directories: {[d.name for d in pathlib.Path(root).iterdir()]}")
+    return codes == [0, 0] and len(complete) == 1 and len(list(pathlib.Path(root).iterdir())) == 1
+
+
+def killed_compile_is_redone(args) -> bool:
+    """A compile killed once NxDI has written model.pt (it shards the weights after) leaves no
+    directory a later start loads: the next start compiles again and loads."""
+    root = pathlib.Path(tempfile.mkdtemp(prefix="disagg-compile-"))
+    proc = loader(args, str(root))
+    while proc.poll() is None and not any((p / "model.pt").exists() for p in root.glob("*.partial")):
+        time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    interrupted = not any(artifacts.is_complete(d) for d in root.iterdir())
+    again = loader(args, str(root)).wait()
+    print(f"   killed with model.pt written: {'nothing complete left' if interrupted else 'the compile had finished first'}; next start exit {again}")
+    return interrupted and again == 0 and any(artifacts.is_complete(d) for d in root.iterdir())
+
+
+def reference_tokens(args, tokenizer) -> dict[str, list[int]]:
+    """transformers' greedy generate() on the CPU, new_tokens per prompt (EOS not stopping)."""
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    out = {}
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        generated = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+        out[prompt] = generated[0, ids.shape[1]:].tolist()
+    return out
+
+
+def serves_on_split_cores(args, pool: CorePool, tokenizer, expected: dict[str, list[int]]) -> bool:
+    """`disagg serve --backend neuron`'s launcher: a prefill and a decode worker, each on its own cores."""
+    from disagg.client import Client
+    from disagg.launcher import ClusterSpec, LocalCluster, NeuronPlacement
+
+    from disagg.neuron_cores import NotEnoughCores
+
+    placement = NeuronPlacement(pool, prefill_tp=args.serve_tp, decode_tp=args.serve_tp)
+    spec = ClusterSpec(model=args.model, batch_size=args.batch_size, neuron=placement, worker_args=["--max-seq-len", str(args.max_seq_len)])
+    try:
+        print(f"   cores: {spec.neuron_cores()}")
+    except NotEnoughCores as exc:
+        print(f"   {exc}")
+        return False
+    cluster = LocalCluster(spec, progress=lambda line: print(f"   {line}", flush=True))
+    try:
+        cluster.start(timeout=900)  # outside compiles: a compile is waited for as long as it makes progress
+        with Client(cluster.router_address, timeout=300) as client:
+            got = {prompt: client.complete(prompt, max_new_tokens=args.new_tokens, ignore_eos=True).token_ids for prompt in PROMPTS}
+    finally:
+        print(f"   stopped: {cluster.stop()}")
+    for prompt in PROMPTS:
+        print(f"   {'MATCH' if got[prompt] == expected[prompt] else 'DIFFER'}  {prompt!r}: {tokenizer.decode(got[prompt])!r}")
+    return all(got[p] == expected[p] for p in PROMPTS)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--tp-degree", type=int, default=2)
+    parser.add_argument("--model", required=True, help="a local checkpoint directory, e.g. /models/Llama-3.2-1B")
+    parser.add_argument("--tp-degree", type=int, default=2, help="tp of the in-process checks 2-8")
+    parser.add_argument("--serve-tp", type=int, default=1, help="tp of each worker in check 1 (1 + 1 cores on a 2-core instance)")
+    parser.add_argument("--neuron-cores", type=int, default=0, help="cores to split in check 1 (default: found on the instance)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--skip-compiles", action="store_true", help="skip check 5 (two more compiles)")
-    args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    parser.add_argument("--skip-serve", action="store_true", help="skip check 1 (two more compiles)")
+    parser.add_argument("--skip-compiles", action="store_true", help="skip checks 6 and 7 (three more compiles)")
+    return parser.parse_args(argv)
+
+
+def record(results: dict, name: str, ok: bool) -> None:
+    results[name] = ok
+    print(f"   -> {'PASSED' if ok else 'FAILED'}: {name}", flush=True)
+
+
+def in_process_checks(args, tokenizer, expected, results: dict) -> None:
+    """Checks 2-5 and 8 on backends loaded in this process, as a worker loads them."""
     options = dict(model=args.model, max_seq_len=args.max_seq_len, batch_size=args.batch_size)
     neuron = load_backend("neuron", **options, neuron={"tp_degree": args.tp_degree})
     neuron.allocate_slots(args.batch_size)
-    print("1. device state:")
+    print("2. device state:")
     print_state(neuron)
     ids = tokenizer(PROMPTS[0])["input_ids"]
-    print(f"2. KV round trip on slot 0 while slots 1..{args.batch_size - 1} decode: {'OK' if round_trip_while_decoding(neuron, ids) else 'FAILED'}")
-    print(f"3. prefill into line {prefill_line(neuron.options)} touches no other line: {'OK' if prefill_touches_only_its_line(neuron, ids) else 'FAILED'}")
-    cpu = load_backend("torch", model=args.model, dtype="bfloat16", max_seq_len=args.max_seq_len)
-    cpu.allocate_slots(1)
-    ttfts, steps, matches = [], [], 0
+    print(f"3. KV round trip on slot 0 while slots 1..{args.batch_size - 1} decode:")
+    record(results, "KV round trip while decoding", round_trip_while_decoding(neuron, ids))
+    print(f"4. prefill into line {prefill_line(neuron.options)} touches no other line:")
+    record(results, "prefill touches only its line", prefill_touches_only_its_line(neuron, ids))
+    print("5. greedy tokens equal transformers' on the CPU (bf16 on both: a late divergence can be rounding):")
+    ttfts, steps, matches = [], [], []
     for prompt in PROMPTS:
-        ids = tokenizer(prompt)["input_ids"]
-        got, ttft, step_times = generate(neuron, ids, args.new_tokens)
-        expected, _, _ = generate(cpu, ids, args.new_tokens)
-        matches += got == expected
+        got, ttft, step_times = generate(neuron, tokenizer(prompt)["input_ids"], args.new_tokens)
         ttfts.append(ttft)
         steps += step_times[2:]
-        print(f"   {'MATCH' if got == expected else 'DIFFER'}  {prompt!r}\n     neuron: {tokenizer.decode(got)!r}\n     cpu:    {tokenizer.decode(expected)!r}")
-    print(f"4. {matches}/{len(PROMPTS)} prompts give the CPU backend's greedy tokens (bf16 on both: a late divergence can be rounding)")
+        matches.append(got[: args.new_tokens] == expected[prompt])
+        print(f"   {'MATCH' if matches[-1] else 'DIFFER'}  {prompt!r}\n     neuron: {tokenizer.decode(got)!r}\n     cpu:    {tokenizer.decode(expected[prompt])!r}")
+    record(results, "greedy tokens (in process)", all(matches))
     print(f"   time to first token: median {statistics.median(ttfts) * 1000:.1f} ms; step: median {statistics.median(steps) * 1000:.2f} ms (NxDI async off)")
-    if not args.skip_compiles:
-        print(f"5. two first compiles at once: {'OK' if concurrent_first_compiles(args) else 'FAILED'}")
     with_async = load_backend("neuron", **options, neuron={"tp_degree": args.tp_degree, "nxdi_async_mode": True})
     with_async.allocate_slots(args.batch_size)
-    _, _, async_steps = generate(with_async, tokenizer(PROMPTS[0])["input_ids"], args.new_tokens)
-    print(f"6. step median with NxDI's async_mode on: {statistics.median(async_steps[2:]) * 1000:.2f} ms (off: above)")
+    _, _, async_steps = generate(with_async, ids, args.new_tokens)
+    print(f"8. step median with NxDI's async_mode on: {statistics.median(async_steps[2:]) * 1000:.2f} ms (off: above)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    startup.install(None)  # compile progress in the log, as a worker's
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    expected, results = reference_tokens(args, tokenizer), {}
+    pool = discover(args.neuron_cores or None)
+    print(f"0. NeuronCores: {len(pool.cores)} ({pool.source})")
+    if not args.skip_serve:  # first: the workers need the cores this process takes below
+        print("1. disagg serve --backend neuron:")
+        record(results, "disagg serve on split cores", serves_on_split_cores(args, pool, tokenizer, expected))
+    in_process_checks(args, tokenizer, expected, results)
+    if not args.skip_compiles:
+        print("6. two processes, one new configuration:")
+        record(results, "compiled once for two processes", compiled_once_for_two(args))
+        print("7. a compile killed after model.pt was written:")
+        record(results, "killed compile redone", killed_compile_is_redone(args))
+    print("\nsummary: " + "; ".join(f"{name}: {'PASSED' if ok else 'FAILED'}" for name, ok in results.items()))
+    return 0 if all(results.values()) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
