@@ -57,6 +57,7 @@ class StartupReporter:
     def __init__(self, path: str | None = None):
         self.path = path
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._status = StartupStatus(Phase.LOADING, "starting", time.time(), time.time(), os.getpid())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,9 +100,10 @@ class StartupReporter:
             record = dataclasses.asdict(self._status)
         record["phase"] = record["phase"].value
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, self.path)  # a reader never sees half a file
+        with self._write_lock:  # the heartbeat and a phase change write the one temporary file
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, self.path)  # a reader never sees half a file
 
 
 _reporter = StartupReporter()
