@@ -134,6 +134,7 @@ def test_missing_packages_name_the_install_command(monkeypatch):
     assert INSTALL in str(error.value) and "placeholders" in str(error.value)
 
 
+@pytest.mark.skipif(NXDI_TRANSFORMERS, reason="the torch backend serves under transformers 5 only (tests/test_install.py: it refuses NxDI's release)")
 def test_the_torch_backend_never_imports_nxdi():
     import disagg.engine.backends.torch_backend  # noqa: F401
 

@@ -133,13 +133,15 @@ def mistral_window() -> str:
     return tiny_checkpoint(architecture="mistral", sliding_window=200)
 
 
-def test_sliding_window_served_where_positions_never_roll(mistral_window, tmp_path):
-    """Mistral passes sliding_window to NxDI's KV manager: a cache of window + 128 positions,
-    written at position % (window - 1). With seq_len below the window nothing rolls: served
-    exactly, and an idle slot's handed-off KV survives the others' steps."""
+def test_a_window_the_sequence_never_reaches_is_served_as_full_attention(mistral_window, tmp_path):
+    """Mistral passes sliding_window to NxDI's KV manager, whose windowed cache rolls and whose
+    windowed prefill fails for a bucket shorter than the window (get_last_kv_window). A window
+    of seq_len or more never masks anything, so NxDI gets none: a plain cache of seq_len + 128
+    positions, tokens equal to generate()'s (whose model keeps the window), and an idle slot's
+    handed-off KV survives the others' steps."""
     prompt = PROMPTS["long"]
     prefill = run_backend(tmp_path, "prefill", mistral_window, [{"do": "shapes"}, {"do": "prefill", "name": "long", "prompt": prompt}])
-    assert set(prefill["shapes"]) == {((BATCH + 1, 2, 200 + 128, 16), "torch.float32")}
+    assert set(prefill["shapes"]) == {((BATCH + 1, 2, SEQ_LEN + 128, 16), "torch.float32")}
     kv = str(tmp_path / "prefill.pt")
     rows = [{"slot": 0, "first": prefill["long"]["first"], "position": len(prompt), "steps": 8}]
     out = run_backend(tmp_path, "decode", mistral_window, [{"do": "write", "slot": s, "kv": kv, "name": "long"} for s in (0, 1)]
@@ -149,7 +151,7 @@ def test_sliding_window_served_where_positions_never_roll(mistral_window, tmp_pa
         assert keys.equal(sent_keys) and values.equal(sent_values)
 
 
-def test_sliding_window_that_would_roll_is_refused_at_start_up(mistral_window, tmp_path):
+def test_a_window_below_seq_len_is_refused_at_start_up(mistral_window, tmp_path):
     out = run_backend(tmp_path, "refused", mistral_window, [], seq_len=256)
     assert out["load_error"].startswith("UnsupportedLayout: ")
-    assert "sliding_window 200 with seq_len 256" in out["load_error"] and "\n" not in out["load_error"]
+    assert "sliding_window 200 is below seq_len 256" in out["load_error"] and "\n" not in out["load_error"]

@@ -29,6 +29,7 @@ from ..base import Backend, LayerKvCallback, ModelInfo, PrefillResult, StepInput
 from .compile import build_config, compile_or_load, model_class
 from .config import DTYPES, NeuronOptions, compiled_lines, prefill_line
 from .layout import KvLayout, UnsupportedLayout, sort_rows
+from .packages import check_nxdi_release, check_seq_ids_mask, check_transformers_for_nxdi
 from .sampling import nxdi_sampling_params
 
 log = logging.getLogger(__name__)
@@ -37,19 +38,7 @@ KV_STATE_KEY = "kv_mgr.past_key_values.{}"  # 2*layer: K, 2*layer+1: V, per rank
 # kv_cache_manager.KV_CACHE_PAD_FOR_SEQ_IDS_MASKING (NxDI 0.7-0.9): with apply_seq_ids_mask,
 # KVCacheManager._init_kv_shape adds this many positions, where padded rows write.
 SEQ_IDS_MASK_PAD = 128
-# The NxDI classes whose KV manager gets the config's sliding_window (modeling_llama.py and
-# modeling_mistral.py pass getattr(config, "sliding_window", None); Qwen2, Qwen3 and Mixtral pass none).
-SLIDING_WINDOW_CLASSES = ("NeuronLlamaForCausalLM", "NeuronMistralForCausalLM")
-
-
-def nxdi_sliding_window(model) -> int | None:
-    """The window NxDI's KV manager was built with: None where the class passes none."""
-    if type(model).__name__ not in SLIDING_WINDOW_CLASSES:
-        return None
-    return getattr(model.config, "sliding_window", None) or None
-
-
-def refuse_unconvertible_layout(neuron_config, window: int | None, seq_len: int) -> None:
+def refuse_unconvertible_layout(neuron_config, window: int | None) -> None:
     """What the loaded model's own config says about its KV cache, refused where the
     hand-off (canonical [kv_heads, tokens, head_dim] lines per slot) cannot carry it.
     Pass-through settings (NeuronOptions.extra) can set any of these."""
@@ -65,10 +54,8 @@ def refuse_unconvertible_layout(neuron_config, window: int | None, seq_len: int)
     attention_dtype = getattr(neuron_config, "attention_dtype", None)
     if attention_dtype is not None and str(attention_dtype).removeprefix("torch.") != str(neuron_config.torch_dtype).removeprefix("torch."):
         reasons.append(f"attention_dtype {attention_dtype} (KV not in the model dtype)")
-    # KVCacheManager._get_index_to_update_new_position writes position p at p % (window - 1):
-    # exact only while every position (at most seq_len - 1) stays below window - 1.
-    if window and seq_len >= window:
-        reasons.append(f"sliding_window {window} with seq_len {seq_len} (NxDI's cache rolls at position {window - 1}; serve with seq_len below {window})")
+    if window:  # config.full_attention_window drops every window that never masks, and refuses the rest
+        reasons.append(f"sliding_window {window} (NxDI's windowed cache rolls at position {window - 1})")
     if reasons:
         raise UnsupportedLayout("the neuron backend cannot hand off this model's KV cache: " + "; ".join(reasons))
 
@@ -142,12 +129,14 @@ def kv_state_kind(options: NeuronOptions):
 class NeuronBackend(Backend):
     def __init__(self, options: NeuronOptions):
         self.options = options
+        check_transformers_for_nxdi()
+        log.info("NxD Inference %s", check_nxdi_release())
         state_kind = kv_state_kind(options)
         self.model, hf_config = state_kind.load(options)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         neuron_config = self.model.config.neuron_config  # what NxDI built, not what we asked for
-        self.window = nxdi_sliding_window(self.model)
-        refuse_unconvertible_layout(neuron_config, self.window, options.seq_len)
+        check_seq_ids_mask(neuron_config)
+        refuse_unconvertible_layout(neuron_config, getattr(self.model.config, "sliding_window", None))
         heads = text.num_attention_heads
         self.layout = KvLayout(neuron_config.tp_degree, getattr(text, "num_key_value_heads", heads) or heads, heads)
         self.info = ModelInfo(
@@ -171,12 +160,9 @@ class NeuronBackend(Backend):
         return self.state.caches(layer, kind)
 
     def cache_positions(self, neuron_config) -> int:
-        """Positions per line as KVCacheManager._init_kv_shape builds them: the window when one is
-        set, else max_length; plus the seq_ids mask's pad (refused without the mask)."""
-        if getattr(neuron_config, "apply_seq_ids_mask", False) is not True:
-            raise UnsupportedLayout("NxDI's config dropped apply_seq_ids_mask: padded decode rows would overwrite KV being handed off")
-        base = self.window or getattr(neuron_config, "max_length", None) or self.options.seq_len
-        return base + SEQ_IDS_MASK_PAD
+        """Positions per line as KVCacheManager._init_kv_shape builds them with no window:
+        max_length, plus the seq_ids mask's pad."""
+        return (getattr(neuron_config, "max_length", None) or self.options.seq_len) + SEQ_IDS_MASK_PAD
 
     def _check_state(self, neuron_config) -> None:
         """Every rank's K and V for every layer is exactly [lines, heads_per_rank, positions,
@@ -242,38 +228,15 @@ class NeuronBackend(Backend):
 
     def decode_step(self, inputs: StepInputs) -> SampleOutput:
         order, inverse = sort_rows(inputs.slots.tolist())  # the batcher sorts already; NxDI requires it
-        active = inputs.slots[order]
-        slots, positions, input_ids, params = active, inputs.positions[order], inputs.input_ids[order], inputs.params[order]
-        if self.window:
-            slots, positions, input_ids, params = self._every_line(slots, positions, input_ids, params)
+        slots, positions = inputs.slots[order], inputs.positions[order]
         out = self.model.forward(
-            input_ids=input_ids[:, None].to(torch.int32),
+            input_ids=inputs.input_ids[order][:, None].to(torch.int32),
             attention_mask=decode_attention_mask(positions, inputs.kv_len),
             position_ids=positions[:, None].to(torch.int32),
             seq_ids=slots.to(torch.int32),
-            sampling_params=self._sampling_rows(params),
+            sampling_params=self._sampling_rows(inputs.params[order]),
         )
-        tokens = out.tokens.reshape(-1).to(torch.long)
-        if self.window:  # one row per line, in line order
-            tokens = tokens[active]
-        return SampleOutput(tokens[inverse])
-
-    def _every_line(self, slots, positions, input_ids, params):
-        """Rows for every compiled line, the idle ones at position seq_len - 1.
-
-        With a window, KVCacheManager._get_index_to_update_new_position writes each row at
-        position % (window - 1) without the seq_ids mask, and ModelWrapper._forward_with_pad
-        gives padded rows the first row's position: an idle line (one receiving a hand-off)
-        would get a stray write inside its KV. Position seq_len - 1 is written by a line's own
-        last step before anything reads it, so a stray write there is harmless."""
-        lines = compiled_lines(self.options)
-        idle = torch.tensor([line for line in range(lines) if line not in set(slots.tolist())], dtype=slots.dtype)
-        every = torch.cat([slots, idle])
-        order = torch.argsort(every)
-        fill = lambda active, value: torch.cat([active, torch.full((len(idle), *active.shape[1:]), value, dtype=active.dtype)])[order]
-        idle_params = torch.zeros(len(idle), params.shape[1], dtype=params.dtype)
-        idle_params[:, 0] = 1  # greedy
-        return every[order], fill(positions, self.options.seq_len - 1), fill(input_ids, self.pad_token_id), torch.cat([params, idle_params])[order]
+        return SampleOutput(out.tokens.reshape(-1).to(torch.long)[inverse])
 
     def _sampling_rows(self, params: torch.Tensor) -> torch.Tensor:
         return nxdi_sampling_params(params, self.options.global_topk)

@@ -18,8 +18,8 @@ import time
 from disagg import startup
 
 from . import artifacts
-from .config import MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, neuron_config_kwargs
-from .packages import import_nxdi
+from .config import MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, full_attention_window, neuron_config_kwargs
+from .packages import INSTALL, NeuronPackagesMissing, UnsupportedNxdi, import_nxdi
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,12 @@ def model_class(architecture: str):
     if architecture not in MODEL_CLASSES:
         raise ValueError(f"the neuron backend has no NxDI model class for {architecture}; supported: {', '.join(sorted(MODEL_CLASSES))}")
     module, name = MODEL_CLASSES[architecture]
-    return getattr(import_nxdi(module), name)
+    try:
+        return getattr(import_nxdi(module), name)
+    except NeuronPackagesMissing:
+        # NxDI itself imports (its release was checked): this release has no such model (Mistral came in 0.9).
+        version = getattr(import_nxdi(), "__version__", "?")
+        raise UnsupportedNxdi(f"NxDI {version} has no {name} ({module}) for {architecture}; upgrade NxDI: {INSTALL}") from None
 
 
 @contextlib.contextmanager
@@ -54,7 +59,9 @@ def build_config(cls, options: NeuronOptions):
     config_cls = cls.get_config_cls()
     # The model's own NeuronConfig class: Mixtral's is MoENeuronConfig, whose fields its MoE modules read.
     neuron_config = config_cls.get_neuron_config_cls()(**neuron_config_kwargs(options, sampling))
-    return config_cls(neuron_config, load_config=hf_adapter.load_pretrained_config(options.model))
+    config = config_cls(neuron_config, load_config=hf_adapter.load_pretrained_config(options.model))
+    full_attention_window(config, options.seq_len)  # before the model is built from it
+    return config
 
 
 def describe(options: NeuronOptions) -> str:

@@ -141,3 +141,28 @@ def compiled_path(options: NeuronOptions, nxdi_version: str | None = None) -> pa
     root = pathlib.Path(options.compiled_root) if options.compiled_root else pathlib.Path.home() / ".cache" / "disagg" / "neuron"
     name = pathlib.Path(options.model.rstrip("/")).name or "model"
     return root / f"{name}-nxdi{tools['nxdi']}-tp{options.tp_degree}-b{options.batch_size}-s{options.seq_len}-{key}"
+
+
+def full_attention_window(inference_config, seq_len: int) -> None:
+    """The checkpoint's sliding window, as NxDI must see it: none, or refused at start-up.
+
+    NxDI cannot hand off a windowed cache: Llama and Mistral pass the window to their KV
+    manager, which sizes the cache to it and writes at position % (window - 1) with no
+    seq_ids mask (KVCacheManager._get_index_to_update_new_position), and whose windowed
+    prefill gathers window - 1 positions out of the prompt's bucket (get_last_kv_window:
+    out of range for any bucket shorter than the window); Qwen2, Qwen3 and Mixtral ignore
+    it and attend the whole context. A window of seq_len or more never masks anything
+    (transformers masks a key once the query is `window` positions past it, and no position
+    reaches seq_len), so it is dropped and NxDI builds full attention: exact. Below seq_len
+    the checkpoint's attention differs from what NxDI would run: refused."""
+    from .layout import UnsupportedLayout
+
+    window = getattr(inference_config, "sliding_window", None)
+    if not window:
+        return
+    if window < seq_len:
+        raise UnsupportedLayout(
+            f"sliding_window {window} is below seq_len {seq_len}: NxDI's windowed cache rolls (Llama, Mistral) or attends the whole "
+            f"context (Qwen2, Qwen3, Mixtral), which the KV hand-off cannot carry exactly; serve with --max-seq-len {window} or less"
+        )
+    inference_config.sliding_window = None

@@ -69,3 +69,15 @@ def check_seq_ids_mask(neuron_config) -> None:
             "NxDI's NeuronConfig did not keep apply_seq_ids_mask=True (releases before 0.4 drop it): padded decode rows would "
             f"overwrite KV being handed off; install NxDI >=0.7,<0.10: {INSTALL}"
         )
+
+
+def check_transformers_for_nxdi() -> None:
+    """NxDI 0.7-0.9 pin transformers 4.56/4.57; under 5 their configs miss what NxDI's
+    validate_config requires (rope_theta moved into rope_parameters), so refuse with the reason."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        raise UnsupportedNxdi(
+            f"the neuron backend runs under NxDI's own transformers release (4.56 for NxDI 0.7, 4.57 for 0.8 and 0.9); this "
+            f"environment has transformers {transformers.__version__}: {INSTALL}"
+        )
