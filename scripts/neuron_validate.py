@@ -11,7 +11,8 @@ prints each check's result, then a summary; exit status 1 if any failed:
     transformers' generate() on the CPU;
  2. the model's device state: every key, shape and dtype per rank;
  3. a KV write/read round trip on one slot while the other slots decode;
- 4. prefill with seq_ids=[k], k > 0 (the spare line), touching only line k;
+ 4. prefill with seq_ids=[k], k > 0 (the spare line), touching only line k, and a
+    one-token prompt's first token equal to transformers' (the padded position tie);
  5. greedy tokens equal to transformers' generate() on the same checkpoint (CPU);
  6. two processes asking for one new configuration at once compile it once;
  7. a compile killed after NxDI wrote model.pt is compiled again on the next start;
@@ -50,9 +51,22 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def print_state(backend) -> None:
-    for rank, state in enumerate(backend._state()):
-        for key in sorted(state):
-            print(f"  rank {rank} {key}: {tuple(state[key].shape)} {state[key].dtype}")
+    """Every layer's K and V on every rank, as the backend holds them (checked at start-up)."""
+    for layer in range(backend.info.num_layers):
+        for kind in KvKind:
+            for rank, cache in enumerate(backend._caches(layer, kind)):
+                print(f"  layer {layer} {kind.name} rank {rank}: {tuple(cache.shape)} {cache.dtype}")
+
+
+def one_token_prompt_first_token(backend, model_path: str, token_id: int) -> bool:
+    """A one-token prompt (finding 7): the backend pads it to its bucket with positions 0, so the
+    position maximum ties and the device's max must pick the first index, the real token."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = int(model(torch.tensor([[token_id]])).logits[0, -1].argmax())
+    got = backend.prefill([token_id], Sampling()).first_token
+    print(f"   token {token_id}: neuron {got}, cpu {expected}")
+    return got == expected
 
 
 def write_prompt(backend, slot: int, layers) -> None:
@@ -213,6 +227,8 @@ def in_process_checks(args, tokenizer, expected, results: dict) -> None:
     record(results, "KV round trip while decoding", round_trip_while_decoding(neuron, ids))
     print(f"4. prefill into line {prefill_line(neuron.options)} touches no other line:")
     record(results, "prefill touches only its line", prefill_touches_only_its_line(neuron, ids))
+    print("4b. a one-token prompt's first token equals transformers' on the CPU:")
+    record(results, "one-token prompt", one_token_prompt_first_token(neuron, args.model, ids[0]))
     print("5. greedy tokens equal transformers' on the CPU (bf16 on both: a late divergence can be rounding):")
     ttfts, steps, matches = [], [], []
     for prompt in PROMPTS:
