@@ -122,9 +122,10 @@ def test_sigterm_on_a_decode_worker_drains_it_and_new_requests_go_elsewhere(clus
 def test_sigterm_on_the_router_finishes_streams_refuses_new_calls_and_exits_zero(cluster, llama_ref):
     import httpx
 
-    # Streams long enough that the drain outlasts the checks below on a fast host too: the
-    # HTTP listener closes once they finish, and a refused connection is not a 503.
-    tokens_out = 900
+    # Streams long enough that the drain outlasts the checks below on a fast host too (the
+    # cluster's whole 512-position context): the HTTP listener closes once they finish, and a
+    # refused connection is not a 503.
+    tokens_out = 480
     expected = llama_ref.greedy(LONG_PROMPT, tokens_out, ignore_eos=True)
     body = {"prompt": LONG_PROMPT, "max_tokens": tokens_out, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
     with Client(cluster.router_address, timeout=120) as client, httpx.Client(base_url=cluster.http_url, timeout=120) as http:
