@@ -109,8 +109,14 @@ def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, d
     compile: the decode workers compile their step (their default on CUDA). The
     shared llama cluster (exactness, concurrency, every API test) and the Gemma 2
     sliding-window cluster run compiled on CPU too; the rest eager, to keep CI
-    short (each model's compile costs about a minute here)."""
+    short (each model's compile costs about a minute here).
+
+    Each worker runs one torch thread unless the test asks otherwise (threads_per_worker):
+    the launcher's default splits the machine's cores, and the float32 C kernels run only
+    on one thread, so without it a 64-core host would run other code than a 2-core one."""
     from disagg.launcher import ClusterSpec, LocalCluster
+
+    spec.setdefault("threads_per_worker", 1)
 
     name = f"{architecture}-{prefill}p{decode}d" + (f"-{transport}" if transport else "")
     if transport:
