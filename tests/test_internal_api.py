@@ -3,13 +3,14 @@ what it held, and the decode worker keeps serving."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 import grpc
 import pytest
 import torch
 
 from conftest import reference
+from polling import eventually, wait_for
 from disagg.kv.codec import KvKind, encode
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
@@ -63,6 +64,10 @@ def assert_waiting_again(stub):
     assert (current.reservations, current.inflight_transfers, current.active) == (1, 0, 0)
 
 
+def wait_slots_free(stub):
+    wait_for(lambda: load(stub).slots_in_use == 0, what="every slot freed")
+
+
 def test_unknown_reservation_is_not_found(decode):
     error = push_error(decode, pieces("no-such-reservation")[:1])
     assert error.code() == grpc.StatusCode.NOT_FOUND and "reservation_id 'no-such-reservation'" in error.details()
@@ -95,8 +100,7 @@ def test_bad_chunks_are_refused_and_the_reservation_waits_again(decode, make_chu
         assert_waiting_again(decode)
     finally:
         call.cancel()
-    time.sleep(0.2)
-    assert load(decode).slots_in_use == 0
+    wait_slots_free(decode)
 
 
 def test_a_transfer_that_breaks_midway_frees_its_part_and_a_retry_completes(decode):
@@ -109,34 +113,37 @@ def test_a_transfer_that_breaks_midway_frees_its_part_and_a_retry_completes(deco
 
     with pytest.raises(grpc.RpcError):
         decode.PushKv(broken(), timeout=10)
-    time.sleep(0.2)
-    assert_waiting_again(decode)
+    eventually(lambda: assert_waiting_again(decode))  # once the worker has seen the stream break
     ack = decode.PushKv(iter(chunks + [commit(reservation)]), timeout=10)
     assert ack.bytes_received == sum(len(c.data) for c in chunks)
     events = list(call)
     assert events[-1].tokens.finish == wpb.WORKER_FINISH_LENGTH
     assert sum(len(e.tokens.token_ids) for e in events) == 2  # the first token came with the KV
-    time.sleep(0.2)
-    assert load(decode).slots_in_use == 0
+    wait_slots_free(decode)
 
 
 def test_a_second_transfer_into_the_same_reservation_is_refused(decode):
     call, reservation = open_reservation(decode)
+    second_refused = threading.Event()
     try:
         chunks = pieces(reservation)
 
-        def slow():
+        def held_open():  # the first transfer stays in progress until the second is answered
             yield chunks[0]
-            time.sleep(0.5)
+            second_refused.wait(30)
             yield from chunks[1:]
             yield commit(reservation)
 
-        first = decode.PushKv.future(slow(), timeout=10)
-        time.sleep(0.2)
-        error = push_error(decode, chunks[:1])
+        first = decode.PushKv.future(held_open(), timeout=10)
+        wait_for(lambda: load(decode).inflight_transfers == 1, what="the first transfer in progress")
+        try:
+            error = push_error(decode, chunks[:1])
+        finally:
+            second_refused.set()
         assert error.code() == grpc.StatusCode.ALREADY_EXISTS and "already has a transfer in progress" in error.details()
         assert first.result().bytes_received > 0
     finally:
+        second_refused.set()
         call.cancel()
 
 
@@ -158,5 +165,4 @@ def test_a_full_worker_refuses_a_reservation_with_resource_exhausted(decode):
     finally:
         for call, _ in held:
             call.cancel()
-    time.sleep(0.2)
-    assert load(decode).slots_in_use == 0
+    wait_slots_free(decode)
