@@ -11,6 +11,7 @@ from conftest import assert_nothing_held, kv_bytes_received, reference, start_cl
 from disagg.client import AsyncClient
 from disagg.kv import nixl_transport
 from disagg.tinymodel import paragraphs
+from polling import wait_for
 
 pytestmark = pytest.mark.skipif(not nixl_transport.available(), reason="NIXL is not installed (pip install nixl-cu12)")
 
@@ -65,15 +66,18 @@ def test_cancelled_requests_during_nixl_transfers_leave_nothing_held(nixl_cluste
     ref = reference("llama")
     work = cases(12)
 
+    def on_the_workers() -> bool:  # a reservation, a transfer, a running row or a queued prefill
+        return any(map(any, nixl_cluster.held().values()))
+
     async def run():
         async with AsyncClient(nixl_cluster.router_address, timeout=120) as client:
             tasks = [asyncio.create_task(client.complete(p, max_new_tokens=n)) for p, n in work]
-            await asyncio.sleep(0.05)
-            for task in tasks[::2]:
-                task.cancel()
-            return await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.to_thread(wait_for, on_the_workers, 30, "a request held by a worker")
+            cancelled = [task.cancel() for task in tasks[::2]]
+            return cancelled, await asyncio.gather(*tasks, return_exceptions=True)
 
-    results = asyncio.run(run())
+    cancelled, results = asyncio.run(run())
+    assert any(cancelled), "every request finished before its cancel: nothing was cancelled mid-way"
     for (prompt, n), result in list(zip(work, results))[1::2]:
         assert result.token_ids == ref.greedy(prompt, n), prompt
     assert_nothing_held(nixl_cluster, within=10)

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from conftest import reference, tiny_model
+from polling import wait_for
 from disagg.kv import nixl_transport
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
@@ -135,13 +136,6 @@ def held(stub) -> tuple[int, int, int]:
     return load.reservations, load.inflight_transfers, load.slots_in_use
 
 
-def wait_for(predicate, within: float = 10.0):
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-
 def test_a_staging_side_that_died_fails_the_read_and_a_retry_from_another_is_exact(nixl_workers, tmp_path):
     _, _, decode_address = nixl_workers
     ref = reference("llama")
@@ -163,7 +157,7 @@ def test_a_staging_side_that_died_fails_the_read_and_a_retry_from_another_is_exa
             assert [live.staged["first_token"], *decoded_tokens(call)] == ref.greedy(PROMPT, NEW_TOKENS)
         finally:
             live.kill()
-        wait_for(lambda: held(decode) == (0, 0, 0))
+        wait_for(lambda: held(decode) == (0, 0, 0), what="the decode worker holding nothing")
 
 
 def test_a_staging_buffer_reused_during_the_read_is_refused_by_its_generation(nixl_workers, tmp_path):
@@ -185,7 +179,7 @@ def test_a_staging_buffer_reused_during_the_read_is_refused_by_its_generation(ni
         finally:
             stager.kill()
         call.cancel()
-        wait_for(lambda: held(decode) == (0, 0, 0))
+        wait_for(lambda: held(decode) == (0, 0, 0), what="the decode worker holding nothing")
 
 
 def test_a_decode_worker_killed_during_the_pull_fails_the_prefill_and_frees_its_staging(nixl_workers):
@@ -227,4 +221,4 @@ def test_a_decode_worker_killed_during_the_pull_fails_the_prefill_and_frees_its_
                 first = events[0].first_token.token_id
                 assert events[1].kv_sent.bytes > 0
                 assert [first, *decoded_tokens(call)] == ref.greedy(PROMPT, NEW_TOKENS)
-            wait_for(lambda: held(decode) == (0, 0, 0))
+            wait_for(lambda: held(decode) == (0, 0, 0), what="the decode worker holding nothing")
