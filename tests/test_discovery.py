@@ -24,6 +24,7 @@ from dnslib import QTYPE, RCODE, RR, A
 from dnslib.server import DNSLogger, DNSServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helm_chart import container, render, run_container
+from polling import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.client import Client
@@ -39,6 +40,7 @@ class StubDns:
 
     def __init__(self):
         self.answers: dict[str, list[str] | None] = {}
+        self.asked: dict[str, int] = {}  # name -> A queries answered (from the table as it then was)
         self._lock = threading.Lock()
         self.server = DNSServer(self, port=0, address="127.0.0.1", logger=DNSLogger(logf=lambda _: None))
         self.server.start_thread()
@@ -53,6 +55,8 @@ class StubDns:
         name = str(request.q.qname).rstrip(".")
         with self._lock:
             known, addresses = name in self.answers, self.answers.get(name)
+            if request.q.qtype == QTYPE.A:
+                self.asked[name] = self.asked.get(name, 0) + 1
         if not known:
             reply.header.rcode = RCODE.NXDOMAIN
         elif addresses is None:
@@ -61,6 +65,15 @@ class StubDns:
             for address in addresses:
                 reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(address), ttl=5))
         return reply
+
+    def asked_for(self, name: str) -> int:
+        with self._lock:
+            return self.asked.get(name, 0)
+
+    def wait_for_lookups(self, name: str, count: int, within: float = 30.0) -> None:
+        """Until `count` more A queries for `name` have been answered from the table as it is now."""
+        wanted = self.asked_for(name) + count
+        wait_for(lambda: self.asked_for(name) >= wanted, within, f"{count} lookups of {name}")
 
     def stop(self) -> None:
         self.server.stop()
@@ -296,8 +309,10 @@ def test_the_router_follows_the_pools_dns_names_with_streams_running(tmp_path, l
 
             # Prefill A disappears: everything goes to prefill B.
             dns.set(names["prefill"], [ips["prefill-b"]])
+            # 2 -> 1 could also be a health blip: wait until the router has applied an answer without A.
+            # Its rounds run one after another, so by the second lookup since the change the first was applied.
+            dns.wait_for_lookups(names["prefill"], 2)
             wait_for_counts(client, 1, 1)
-            time.sleep(5 * values["router"]["resolveSeconds"])  # 2 -> 1 could also be a health blip: let a few lookups pass
             # Prefills computed (observed at the first token, whatever ends the call later).
             before = {pod: metric(metrics_at[pod], "disagg_prefill_seconds_count") for pod in ("prefill-a", "prefill-b")}
             more = [client.complete(p, max_new_tokens=4, ignore_eos=True) for p in prompts]
