@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.engine.requests import MAX_REQUEST_ID_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 from disagg.security import TlsFiles
 
 from .discovery import parse_target
@@ -13,9 +14,10 @@ class Limits:
     max_new_tokens_cap: int = 4096
     max_stop_sequences: int = 16
     max_stop_sequence_chars: int = 256
-    max_stop_token_ids: int = 64
-    max_request_id_chars: int = 128
-    max_top_logprobs: int = 20  # OpenAI's limit
+    # The engine's bounds, which the workers hold every caller to: lower is fine, higher is refused there.
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    max_request_id_chars: int = MAX_REQUEST_ID_CHARS
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
     max_choices: int = 16  # n
 
 

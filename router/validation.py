@@ -1,24 +1,24 @@
 """GenerateParams -> GenerationRequest: every check names the field it refuses.
 
-Both public edges (gRPC, OpenAI HTTP) hand in GenerateParams, so each rule is
-written once here. A refusal is a RequestError whose `field` is the gRPC API's
-dotted field name (see params.FIELD_NAMES).
+Both public edges (gRPC, OpenAI HTTP) hand in GenerateParams and check them here.
+The rules themselves are the engine's (disagg.engine.requests), the same ones the
+workers check their own API with; what is here is what only the router knows (its
+Limits, the prompt's three forms, the backend). A refusal is a RequestError whose
+`field` is the gRPC API's dotted field name (see params.FIELD_NAMES).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import random
 import uuid
 from dataclasses import dataclass
 
-from disagg.engine.requests import Sampling, Stopping
+from disagg.engine.requests import InvalidField, Sampling, Stopping, check_logprobs, check_prompt_len, check_request_id, check_token_ids, stop_token_bound
 from disagg.rpc import RequestError
 
 from .config import Limits
 from .params import FIELD_NAMES, GenerateParams
-
-INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,19 @@ def refuse(name: str, message: str) -> RequestError:
     return RequestError(f"{field} {message}", field=field)
 
 
+@contextlib.contextmanager
+def public_names():
+    """The engine's rules, refusing by the public API's field names."""
+    try:
+        yield
+    except InvalidField as exc:
+        raise refuse(exc.field, exc.rule) from None
+
+
 def check_params(params: GenerateParams, limits: Limits, facts: ModelFacts) -> None:
     """The checks that need no tokenizer."""
-    if len(params.request_id) > limits.max_request_id_chars:
-        raise refuse("request_id", f"has {len(params.request_id)} characters; at most {limits.max_request_id_chars} are allowed")
+    with public_names():
+        check_request_id(params.request_id, limits.max_request_id_chars)
     _check_prompt(params, facts)
     _check_sampling(params)
     _check_stopping(params, limits, facts)
@@ -72,9 +81,8 @@ def _check_prompt(params: GenerateParams, facts: ModelFacts) -> None:
     if params.prompt_token_ids is not None:
         if not params.prompt_token_ids:
             raise refuse("prompt_token_ids", "is empty")
-        bad = next((t for t in params.prompt_token_ids if not 0 <= t < facts.vocab_size), None)
-        if bad is not None:
-            raise refuse("prompt_token_ids", f"contains {bad}, outside the vocabulary [0, {facts.vocab_size})")
+        with public_names():
+            check_token_ids("prompt_token_ids", params.prompt_token_ids, facts.vocab_size)
     if params.messages is not None:
         if not params.messages:
             raise refuse("messages", "is empty")
@@ -85,27 +93,20 @@ def _check_prompt(params: GenerateParams, facts: ModelFacts) -> None:
                 raise refuse("messages", f"[{i}].content must be a string")
 
 
-def _finite(value: float) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def _check_sampling(p: GenerateParams) -> None:
-    if not _finite(p.temperature) or p.temperature < 0:
-        raise refuse("temperature", f"must be a finite number >= 0, got {p.temperature}")
-    if p.top_p is not None and not (_finite(p.top_p) and 0 < p.top_p <= 1):
-        raise refuse("top_p", f"must be in (0, 1], got {p.top_p}")
-    if p.top_k < 0:
-        raise refuse("top_k", f"must be >= 0 (0 turns it off), got {p.top_k}")
-    if not (_finite(p.min_p) and 0 <= p.min_p <= 1):
-        raise refuse("min_p", f"must be in [0, 1] (0 turns it off), got {p.min_p}")
-    if p.seed is not None and not INT64[0] <= p.seed <= INT64[1]:
-        raise refuse("seed", f"must fit in a signed 64-bit integer, got {p.seed}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(p, name)
-        if not (_finite(value) and -2 <= value <= 2):
-            raise refuse(name, f"must be in [-2, 2] (0 turns it off), got {value}")
-    if p.repetition_penalty is not None and not (_finite(p.repetition_penalty) and p.repetition_penalty > 0):
-        raise refuse("repetition_penalty", f"must be a finite number > 0 (1 turns it off), got {p.repetition_penalty}")
+    """The sampling a request asks for, with the unset values as the engine reads them."""
+    candidate = Sampling(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        seed=0 if p.seed is None else p.seed,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+    )  # logprobs: checked with the output fields (_check_output)
+    with public_names():
+        candidate.check()
 
 
 def _check_stopping(p: GenerateParams, limits: Limits, facts: ModelFacts) -> None:
@@ -118,18 +119,13 @@ def _check_stopping(p: GenerateParams, limits: Limits, facts: ModelFacts) -> Non
         raise refuse("stop", f"has a string of {len(long_stop)} characters; at most {limits.max_stop_sequence_chars} are allowed")
     if any(not x for x in p.stop):
         raise refuse("stop", "contains an empty string")
-    if len(p.stop_token_ids) > limits.max_stop_token_ids:
-        raise refuse("stop_token_ids", f"has {len(p.stop_token_ids)} ids; at most {limits.max_stop_token_ids} are allowed")
-    bad = next((x for x in p.stop_token_ids if not 0 <= x < facts.vocab_size), None)
-    if bad is not None:
-        raise refuse("stop_token_ids", f"contains {bad}, outside the vocabulary [0, {facts.vocab_size})")
+    with public_names():
+        check_token_ids("stop_token_ids", p.stop_token_ids, facts.vocab_size, limits.max_stop_token_ids)
 
 
 def _check_output(p: GenerateParams, limits: Limits) -> None:
-    if not 0 <= p.top_logprobs <= limits.max_top_logprobs:
-        raise refuse("top_logprobs", f"must be in [0, {limits.max_top_logprobs}], got {p.top_logprobs}")
-    if p.top_logprobs and not p.logprobs:
-        raise refuse("top_logprobs", "needs logprobs set to true")
+    with public_names():
+        check_logprobs(p.logprobs, p.top_logprobs, limits.max_top_logprobs)
     if not 1 <= p.n <= limits.max_choices:
         raise refuse("n", f"must be in [1, {limits.max_choices}], got {p.n}")
 
@@ -157,13 +153,12 @@ def build_request(params: GenerateParams, prompt_ids: list[int], limits: Limits,
     """The checks that need the prompt's length, then the engine-level request."""
     if not prompt_ids:
         raise RequestError("prompt tokenizes to no tokens", field="prompt")
+    with public_names():
+        if params.max_new_tokens:
+            Stopping(params.max_new_tokens).check(len(prompt_ids), facts.vocab_size, facts.max_seq_len, limits.max_stop_token_ids)
+        check_prompt_len("prompt", len(prompt_ids), facts.max_seq_len)
     room = facts.max_seq_len - len(prompt_ids)
-    max_new = params.max_new_tokens
-    if max_new and len(prompt_ids) + max_new > facts.max_seq_len:
-        raise refuse("max_new_tokens", f"is {max_new} and the prompt has {len(prompt_ids)} tokens: together {len(prompt_ids) + max_new}, over the maximum sequence length {facts.max_seq_len}")
-    if room < 1:
-        raise RequestError(f"prompt has {len(prompt_ids)} tokens; the maximum sequence length {facts.max_seq_len} leaves no room to generate", field="prompt")
-    max_new = max_new or min(limits.default_max_new_tokens, room)
+    max_new = params.max_new_tokens or min(limits.default_max_new_tokens, room)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(facts.eos_token_ids))
     seed = params.seed if params.seed is not None else random.getrandbits(63)
     sampling = Sampling(
@@ -177,11 +172,16 @@ def build_request(params: GenerateParams, prompt_ids: list[int], limits: Limits,
         repetition_penalty=1.0 if params.repetition_penalty is None else params.repetition_penalty,
         logprobs=params.top_logprobs if params.logprobs else -1,
     )
+    stopping = Stopping(max_new_tokens=max_new, stop_token_ids=frozenset(stop_ids))
+    # What the workers will check it by: a request the router sends never comes back refused.
+    with public_names():
+        sampling.check(limits.max_top_logprobs)
+        stopping.check(len(prompt_ids), facts.vocab_size, facts.max_seq_len, stop_token_bound(len(facts.eos_token_ids)))
     return GenerationRequest(
         request_id=params.request_id or uuid.uuid4().hex,
         prompt_ids=list(prompt_ids),
         sampling=sampling,
-        stopping=Stopping(max_new_tokens=max_new, stop_token_ids=frozenset(stop_ids)),
+        stopping=stopping,
         stop_sequences=tuple(params.stop),
         n=params.n,
     )
