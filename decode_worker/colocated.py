@@ -27,17 +27,14 @@ class ColocatedPrefillServicer:
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
         worker: DecodeWorker = await self._decode._ready(context)
         try:
-            check_parsed(request)
-            ids = list(request.token_ids)
-            if not ids or len(ids) >= worker.info.max_seq_len or any(not 0 <= t < worker.info.vocab_size for t in ids):
-                raise RequestError(f"token_ids must be 1 to {worker.info.max_seq_len - 1} ids in [0, {worker.info.vocab_size})")
-            key = request.kv_target.reservation_id if request.HasField("kv_target") else None
+            order = wire.prefill_order_from_pb(check_parsed(request), worker.info)
+            ids, sampling = order.token_ids, order.sampling
+            key = order.target[1] if order.target else None
             self.pending += 1
             started = time.perf_counter()
             try:
-                sampling = wire.sampling_from_pb(request.sampling)
                 wire.check_sampling(worker.backend, sampling)
-                result = await worker.colocated_prefill(ids, sampling, request.first_step)
+                result = await worker.colocated_prefill(ids, sampling, order.first_step)
             finally:
                 self.pending -= 1
             logprobs = wire.logprobs_to_pb(result.logprobs) if result.logprobs else None

@@ -39,9 +39,8 @@ class DecodeServicer:
     async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
         worker = await self._ready(context)
         try:
-            check_parsed(request)
-            sampling, stopping = wire.sampling_from_pb(request.sampling), wire.stopping_from_pb(request.stopping)
-            stream = worker.open_stream(request.request_id, request.prompt_len, sampling, stopping, request.first_step, tuple(request.context_token_ids))
+            order = wire.decode_order_from_pb(check_parsed(request), worker.info)
+            stream = worker.open_stream(order.request_id, order.prompt_len, order.sampling, order.stopping, order.first_step, order.context_ids)
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
         try:
@@ -62,6 +61,7 @@ class DecodeServicer:
             async for chunk in request_iterator:  # parsed by parse_kv_chunk
                 if isinstance(chunk, UnparsableMessage):
                     raise KvWireError(chunk.as_error().args[0])
+                wire.check_chunk_reservation(chunk[0].reservation_id)
                 try:
                     yield chunk_from_pb(*chunk)
                 except ValueError as exc:
@@ -75,8 +75,9 @@ class DecodeServicer:
 
     async def PullKv(self, request: wpb.PullKvRequest, context: grpc.aio.ServicerContext) -> wpb.KvAck:
         worker = await self._ready(context)
-        pull = KvPull(request.reservation_id, request.agent_name, request.agent_metadata, request.address, request.prompt_len, request.num_layers, request.first_token, request.generation)
         try:
+            wire.check_pull(check_parsed(request), worker.info)
+            pull = KvPull(request.reservation_id, request.agent_name, request.agent_metadata, request.address, request.prompt_len, request.num_layers, request.first_token, request.generation)
             received = await worker.pull_kv(pull, context.time_remaining())
         except RequestError as exc:
             await context.abort(exc.code, str(exc))

@@ -1,11 +1,58 @@
 """Conversions between the internal worker protos and engine types: the only
-place the workers touch protobuf messages' fields."""
+place the workers touch protobuf messages' fields.
+
+Whatever reaches a worker's port can call it, so every request a worker takes is
+checked here, on the way in, by the engine's rules (disagg.engine.requests, the
+ones the router checks its public APIs with), before any slot or device work: a
+refusal is INVALID_ARGUMENT naming the worker API's field.
+"""
 
 from __future__ import annotations
 
-from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs
+import contextlib
+from dataclasses import dataclass
+
+from disagg.engine.requests import (
+    MAX_REQUEST_ID_CHARS,
+    FinishReason,
+    InvalidField,
+    Sampling,
+    Stopping,
+    TokenLogprobs,
+    check_first_step,
+    check_logprobs,
+    check_prompt_len,
+    check_request_id,
+    check_token_ids,
+    stop_token_bound,
+)
 from disagg.rpc import RequestError
 from disagg.v1 import worker_pb2 as wpb
+
+# The worker API's names for the engine's fields (the rest are named alike).
+WORKER_FIELDS = {
+    **{name: f"sampling.{name}" for name in ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")},
+    "top_logprobs": "sampling.top_logprobs",
+    "max_new_tokens": "stopping.max_new_tokens",
+    "stop_token_ids": "stopping.stop_token_ids",
+}
+MAX_ADDRESS_CHARS = 261  # a DNS name (253) and a port
+MAX_AGENT_NAME_CHARS = 256
+MAX_AGENT_METADATA_BYTES = 1 << 20  # a NIXL agent's metadata is a few KiB
+
+
+@contextlib.contextmanager
+def worker_names():
+    """The engine's rules, refusing by the worker API's field names."""
+    try:
+        yield
+    except InvalidField as exc:
+        field = WORKER_FIELDS.get(exc.field, exc.field)
+        raise RequestError(f"{field} {exc.rule}", field=field) from None
+
+
+def refuse(field: str, rule: str) -> RequestError:
+    return RequestError(f"{field} {rule}", field=field)
 
 
 def sampling_from_pb(msg: wpb.WorkerSampling) -> Sampling:
@@ -35,6 +82,15 @@ def sampling_to_pb(sampling: Sampling) -> wpb.WorkerSampling:
         logprobs=sampling.logprobs >= 0,
         top_logprobs=max(sampling.logprobs, 0),
     )
+
+
+def checked_sampling(msg: wpb.WorkerSampling) -> Sampling:
+    """The request's sampling, refused where the public edges would refuse it."""
+    with worker_names():
+        check_logprobs(msg.logprobs, msg.top_logprobs)
+        sampling = sampling_from_pb(msg)
+        sampling.check()
+    return sampling
 
 
 def check_sampling(backend, sampling: Sampling) -> None:
@@ -69,3 +125,99 @@ def finish_from_pb(value: int) -> FinishReason:
 def worker_load(role: str, info, **counts) -> wpb.WorkerLoad:
     """GetLoad's answer: the model this worker serves, and what it holds now."""
     return wpb.WorkerLoad(role=role, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **counts)
+
+
+# -- the requests a worker takes, checked whole --------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeOrder:
+    """A checked DecodeRequest."""
+
+    request_id: str
+    prompt_len: int
+    sampling: Sampling
+    stopping: Stopping
+    first_step: int
+    context_ids: tuple[int, ...]
+
+
+def decode_order_from_pb(msg: wpb.DecodeRequest, info) -> DecodeOrder:
+    """info: the worker's ModelInfo (vocabulary, context and EOS ids)."""
+    stop_bound = stop_token_bound(len(info.eos_token_ids))
+    with worker_names():
+        check_request_id(msg.request_id)
+        check_prompt_len("prompt_len", msg.prompt_len, info.max_seq_len)
+        sampling = checked_sampling(msg.sampling)
+        # Counted before a set of them is built: the message may hold millions.
+        check_token_ids("stop_token_ids", msg.stopping.stop_token_ids, info.vocab_size, stop_bound)
+        stopping = stopping_from_pb(msg.stopping)
+        stopping.check(msg.prompt_len, info.vocab_size, info.max_seq_len, stop_bound)
+        check_first_step(msg.first_step, msg.prompt_len)
+        context_ids = checked_context(msg.context_token_ids, msg.prompt_len, sampling.penalized, info.vocab_size)
+    return DecodeOrder(msg.request_id, msg.prompt_len, sampling, stopping, msg.first_step, context_ids)
+
+
+def checked_context(context_ids, prompt_len: int, penalized: bool, vocab_size: int) -> tuple[int, ...]:
+    """The ids a penalty counts: none, or all prompt_len of them (a penalized request needs them)."""
+    if (penalized or len(context_ids)) and len(context_ids) != prompt_len:
+        need = "a penalized request needs" if penalized else "when given, it must hold"
+        raise InvalidField("context_token_ids", f"has {len(context_ids)} ids; {need} its prompt_len {prompt_len}")
+    check_token_ids("context_token_ids", context_ids, vocab_size)
+    return tuple(context_ids)
+
+
+@dataclass(frozen=True)
+class PrefillOrder:
+    """A checked PrefillRequest; target is (address, reservation_id) or None."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: Sampling
+    target: tuple[str, str] | None
+    first_step: int
+
+
+def prefill_order_from_pb(msg: wpb.PrefillRequest, info) -> PrefillOrder:
+    with worker_names():
+        check_request_id(msg.request_id)
+        check_prompt_len("token_ids", len(msg.token_ids), info.max_seq_len)
+        token_ids = list(msg.token_ids)
+        check_token_ids("token_ids", token_ids, info.vocab_size)
+        sampling = checked_sampling(msg.sampling)
+        check_first_step(msg.first_step, len(token_ids))
+    target = None
+    if msg.HasField("kv_target"):
+        check_text("kv_target.address", msg.kv_target.address, MAX_ADDRESS_CHARS)
+        check_text("kv_target.reservation_id", msg.kv_target.reservation_id, MAX_REQUEST_ID_CHARS)
+        target = (msg.kv_target.address, msg.kv_target.reservation_id)
+    return PrefillOrder(msg.request_id, token_ids, sampling, target, msg.first_step)
+
+
+def check_text(field: str, value: str | bytes, max_len: int) -> None:
+    """A required identifier: set, and short enough to keep or log."""
+    if not value:
+        raise refuse(field, "is empty")
+    if len(value) > max_len:
+        raise refuse(field, f"has {len(value)} characters; at most {max_len} are allowed")
+
+
+def check_pull(msg: wpb.PullKvRequest, info) -> None:
+    """A PullKvRequest's fields, before the reservation is looked up or anything is read."""
+    check_text("reservation_id", msg.reservation_id, MAX_REQUEST_ID_CHARS)
+    check_text("agent_name", msg.agent_name, MAX_AGENT_NAME_CHARS)
+    check_text("agent_metadata", msg.agent_metadata, MAX_AGENT_METADATA_BYTES)
+    if msg.address == 0:
+        raise refuse("address", "is 0: the staging buffer's address must be set")
+    with worker_names():
+        check_prompt_len("prompt_len", msg.prompt_len, info.max_seq_len)
+    if not 0 <= msg.first_token < info.vocab_size:
+        raise refuse("first_token", f"is {msg.first_token}, outside the vocabulary [0, {info.vocab_size})")
+    if msg.num_layers != info.num_layers:
+        raise refuse("num_layers", f"is {msg.num_layers}; this model has {info.num_layers} layers")
+
+
+def check_chunk_reservation(reservation_id: str) -> None:
+    """A KvChunk's reservation_id: later chunks may leave it empty, none may make it long."""
+    if len(reservation_id) > MAX_REQUEST_ID_CHARS:
+        raise refuse("reservation_id", f"has {len(reservation_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")

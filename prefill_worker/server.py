@@ -31,9 +31,9 @@ class PrefillServicer:
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
         worker = await self._ready(context)
         try:
-            check_parsed(request)
-            target = KvTarget(request.kv_target.address, request.kv_target.reservation_id) if request.HasField("kv_target") else None
-            events = worker.prefill(list(request.token_ids), wire.sampling_from_pb(request.sampling), target, request.first_step, context.time_remaining())
+            order = wire.prefill_order_from_pb(check_parsed(request), worker.info)
+            target = KvTarget(*order.target) if order.target else None
+            events = worker.prefill(order.token_ids, order.sampling, target, order.first_step, context.time_remaining())
             async for event in events:
                 if isinstance(event, FirstToken):
                     logprobs = wire.logprobs_to_pb(event.logprobs) if event.logprobs else None
