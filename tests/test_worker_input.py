@@ -50,7 +50,8 @@ SAMPLING = [
 
 def decode_request(load, sampling=None, prompt_len=4, **fields) -> wpb.DecodeRequest:
     stopping = fields.pop("stopping", dict(max_new_tokens=3))
-    return wpb.DecodeRequest(request_id="bad", prompt_len=prompt_len, sampling=wpb.WorkerSampling(**(sampling or {})), stopping=wpb.WorkerStopping(**stopping), **fields)
+    sampling, stopping = wpb.WorkerSampling(**(sampling or {})), wpb.WorkerStopping(**stopping)
+    return wpb.DecodeRequest(request_id="bad", prompt_len=prompt_len, sampling=sampling, stopping=stopping, **fields)
 
 
 BAD_DECODE = [(field, lambda load, s=sampling: decode_request(load, s)) for field, sampling in SAMPLING] + [
@@ -149,10 +150,10 @@ def test_a_kv_chunk_with_an_overlong_reservation_id_is_refused(workers):
 
 @pytest.mark.parametrize("field,sampling", SAMPLING[:8], ids=[f"{f}-{i}" for i, (f, _) in enumerate(SAMPLING[:8])])
 def test_the_router_refuses_the_same_values_by_the_same_rules(llama_cluster, field, sampling):
-    public = {k: v for k, v in sampling.items() if k not in ("logprobs", "top_logprobs")}
+    # The public API carries logprobs and top_logprobs beside the sampling, not in it.
     expected = field.replace("sampling.top_logprobs", "top_logprobs")
     with Client(llama_cluster.router_address, timeout=30) as client:
-        assert_refused(lambda: client.complete(PROMPT, max_new_tokens=2, logprobs=sampling.get("logprobs", False), top_logprobs=sampling.get("top_logprobs", 0), **public), expected)
+        assert_refused(lambda: client.complete(PROMPT, max_new_tokens=2, **sampling), expected)
 
 
 def test_after_every_refusal_the_cluster_still_serves_exact_tokens(llama_cluster, workers, llama_ref):

@@ -174,7 +174,8 @@ class Stopping:
             raise InvalidField("max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
         if prompt_len + self.max_new_tokens > max_seq_len:
             total = prompt_len + self.max_new_tokens
-            raise InvalidField("max_new_tokens", f"is {self.max_new_tokens} and the prompt has {prompt_len} tokens: together {total}, over the maximum sequence length {max_seq_len}")
+            together = f"together {total}, over the maximum sequence length {max_seq_len}"
+            raise InvalidField("max_new_tokens", f"is {self.max_new_tokens} and the prompt has {prompt_len} tokens: {together}")
         check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size, max_stop_token_ids)
 
 
