@@ -61,7 +61,7 @@ class DecodeServicer:
             async for chunk in request_iterator:  # parsed by parse_kv_chunk
                 if isinstance(chunk, UnparsableMessage):
                     raise KvWireError(chunk.as_error().args[0])
-                wire.check_chunk_reservation(chunk[0].reservation_id)
+                wire.check_chunk_header(chunk[0])
                 try:
                     yield chunk_from_pb(*chunk)
                 except ValueError as exc:

@@ -217,7 +217,16 @@ def check_pull(msg: wpb.PullKvRequest, info) -> None:
         raise refuse("num_layers", f"is {msg.num_layers}; this model has {info.num_layers} layers")
 
 
-def check_chunk_reservation(reservation_id: str) -> None:
-    """A KvChunk's reservation_id: later chunks may leave it empty, none may make it long."""
-    if len(reservation_id) > MAX_REQUEST_ID_CHARS:
-        raise refuse("reservation_id", f"has {len(reservation_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+MAX_DTYPE_CHARS = 32
+KV_PIECE_DIMS = 3  # [kv_heads, tokens, head_dim]
+
+
+def check_chunk_header(msg: wpb.KvChunk) -> None:
+    """A KvChunk's small fields, bounded before the worker checks them against the reservation
+    (whose refusals quote them): later chunks may leave reservation_id empty, none may make it long."""
+    if len(msg.reservation_id) > MAX_REQUEST_ID_CHARS:
+        raise refuse("reservation_id", f"has {len(msg.reservation_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+    if len(msg.dtype) > MAX_DTYPE_CHARS:
+        raise refuse("dtype", f"has {len(msg.dtype)} characters; at most {MAX_DTYPE_CHARS} are allowed")
+    if len(msg.shape) > KV_PIECE_DIMS:
+        raise refuse("shape", f"has {len(msg.shape)} dimensions; a KV piece has {KV_PIECE_DIMS} (kv_heads, tokens, head_dim)")

@@ -141,10 +141,18 @@ def test_the_decode_worker_refuses_a_bad_pull_before_looking_it_up(workers, fiel
     assert_worker_holds_nothing(decode)
 
 
-def test_a_kv_chunk_with_an_overlong_reservation_id_is_refused(workers):
+BAD_CHUNK = [
+    ("reservation_id", dict(reservation_id="r" * 200)),
+    ("dtype", dict(dtype="f" * 100_000)),
+    ("shape", dict(shape=[1] * 100_000)),
+]
+
+
+@pytest.mark.parametrize("field,fields", BAD_CHUNK, ids=[f for f, _ in BAD_CHUNK])
+def test_a_kv_chunk_with_overlong_fields_is_refused_before_its_reservation_is_looked_up(workers, field, fields):
     decode, _, _ = workers
-    chunk = wpb.KvChunk(reservation_id="r" * 200, layer=0, kind=wpb.KV_KIND_KEY, dtype="float32", shape=[1, 1, 1], data=b"\0" * 4)
-    assert_refused(lambda: decode.PushKv(iter([chunk]), timeout=30), "reservation_id")
+    valid = dict(reservation_id="r0-x", layer=0, kind=wpb.KV_KIND_KEY, dtype="float32", shape=[1, 1, 1], data=b"\0" * 4)
+    assert_refused(lambda: decode.PushKv(iter([wpb.KvChunk(**{**valid, **fields})]), timeout=30), field)
     assert_worker_holds_nothing(decode)
 
 
