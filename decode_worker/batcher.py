@@ -20,6 +20,13 @@ A request admitted (or evicted) while step k runs still joins (or leaves)
 step k+1: until k ends, k+1 only waits on the device thread, and is cancelled
 and built again with the new rows (`_take_in_arrivals`).
 
+A step that raises fails its rows (an event with `error`, the cause named) and
+the loop goes on; step k+1, built on k's output, then takes no token from it
+(its rows are failed already and its tokens dropped). Steps that keep failing,
+or one that raises DeviceLost (disagg/engine/faults.py), put the batcher in
+`failure`: every row is failed, nothing more is scheduled, and `on_fatal` tells
+the worker, which drains and exits.
+
 Nothing here runs on the gRPC event loop: the loop has its own thread and the
 model runs on a single device thread.
 """
@@ -38,6 +45,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from disagg.engine.backends import Backend, StepInputs
+from disagg.engine.faults import FailureStreak, describe
 from disagg.flags import pin_this_thread
 from disagg.metrics import DecodeMetrics
 from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs, token_finish
@@ -77,6 +85,7 @@ class TokenEvent:
     token_ids: list[int]
     finish: FinishReason
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    error: str = ""  # the step failed this request: the cause (no tokens, no finish)
 
 
 @dataclass
@@ -105,8 +114,14 @@ class Batcher:
         async_mode: bool = True,
         metrics: DecodeMetrics | None = None,
         device_cpus: frozenset[int] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+        decode_step: Callable[[StepInputs], SampleOutput] | None = None,
     ):
         self.backend = backend
+        self._decode_step = decode_step or backend.decode_step  # the worker may put the test-only fault hook in front
+        self._on_fatal = on_fatal or (lambda cause: None)
+        self._streak = FailureStreak()
+        self.failure: str | None = None  # set once steps cannot be trusted: why
         self.max_seq_len = backend.info.max_seq_len
         self.async_mode = async_mode
         self._publish = publish
@@ -153,6 +168,17 @@ class Batcher:
 
     # -- the loop thread -------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # the loop's own bookkeeping broke: no later step can be trusted
+            log.exception("decode loop failed")
+            self._fail_all(f"decode loop failed: {describe(exc)}")
+            self._retire(everything=True)
+            while not self._stopping:  # fail what is admitted until the worker stops us
+                self._drain_inbox(block=True)
+                self._retire(everything=True)
+
+    def _serve(self) -> None:
         in_flight: _Step | None = None
         while True:
             self._drain_inbox(block=in_flight is None and not self._active and not self._stopping)
@@ -217,21 +243,66 @@ class Batcher:
         elif verb == "admit":
             self._admit(arg)
         elif verb == "evict":
-            seq = next((s for s in self._active.values() if s.key == arg), None)
+            seq = self._find(arg)
             if seq is not None:
                 self._finish(seq)
+        elif verb == "start_failed":
+            key, exc = arg
+            seq = self._find(key)
+            if seq is not None:
+                self._fail_rows([seq], f"decode step failed: {describe(exc)}")
+                self._count_failure(exc)
+
+    def _find(self, key: str) -> Sequence | None:
+        return next((s for s in self._active.values() if s.key == key), None)
 
     def _admit(self, seq: Sequence) -> None:
+        if self.failure is not None:
+            self._fail_rows([seq], f"decode worker stopped serving: {self.failure}")
+            return
         # The first token came from prefill; it may already end the request.
         reason = token_finish(seq.first_token, 1, seq.prompt_len + 1, seq.stopping, self.max_seq_len)
         self._active[seq.slot] = seq
         if seq.sampling.penalized:
             # Queued on the device thread: after every step that still held the slot's
             # previous owner, before the first step of this one.
-            self._device.submit(self.backend.start_sequence, seq.slot, *seq.token_history())
+            started = self._device.submit(self.backend.start_sequence, seq.slot, *seq.token_history())
+            started.add_done_callback(lambda done: self._start_done(seq.key, done))
         if reason is not FinishReason.NONE:
             self._publish([TokenEvent(seq.key, [], reason)])
             self._finish(seq)
+
+    def _start_done(self, key: str, done: Future) -> None:
+        """Device thread: a sequence whose penalty state could not be set up fails like a step."""
+        if not done.cancelled() and done.exception() is not None:
+            self._send("start_failed", (key, done.exception()))
+
+    def _fail_rows(self, rows: list[Sequence], message: str) -> None:
+        """Ends these rows with an error event; their slots are retired as any finished row's."""
+        for seq in rows:
+            self._finish(seq)
+        if rows:
+            self._publish([TokenEvent(seq.key, [], FinishReason.NONE, error=message) for seq in rows])
+
+    def _count_failure(self, exc: BaseException) -> None:
+        if self.failure is None and self._streak.failed(exc):
+            self._fail_all(describe(exc) if self._streak.count < self._streak.limit else f"{self._streak.count} steps in a row failed; the last: {describe(exc)}")
+
+    def _fail_all(self, cause: str) -> None:
+        """The device cannot be trusted: every row fails, nothing more is scheduled, the worker is told."""
+        if self.failure is None:
+            self.failure = cause
+            log.error("decode worker stops serving: %s", cause)
+            self._on_fatal(cause)
+        self._fail_rows(list(self._active.values()), f"decode worker stopped serving: {cause}")
+
+    def _step_failed(self, step: _Step, exc: BaseException) -> None:
+        """A step raised: its rows end with the cause, the other requests go on."""
+        log.error("decode step of %d rows failed: %s", len(step.rows), describe(exc), exc_info=exc)
+        for seq in step.rows:
+            seq.in_flight -= 1
+        self._fail_rows([s for s in step.rows if not s.done], f"decode step failed: {describe(exc)}")
+        self._count_failure(exc)
 
     def _finish(self, seq: Sequence) -> None:
         seq.done = True
@@ -247,6 +318,8 @@ class Batcher:
     def _schedulable(self) -> list[Sequence]:
         # A row joins the step only if the token it would produce is allowed, so
         # length limits never cost an extra step, even in async mode.
+        if self.failure is not None:
+            return []
         rows = [
             s
             for s in self._active.values()
@@ -288,12 +361,15 @@ class Batcher:
         if not after_idle and self._last_step_end is not None:
             # Device idle while a busy batch waited on the host: what async mode hides.
             self.metrics.host_gap.observe(start - self._last_step_end)
-        if bool((from_prev >= 0).any()):  # the carried tokens: a gather on the device, part of the step
-            device = self._last_output.device  # the host's tensors join it there (CUDA)
+        # After a failed step there is no output to carry: the rows that would take one
+        # were in that step, are failed already, and their tokens here are dropped.
+        last, self._last_output = self._last_output, None  # None until this step has an output
+        if last is not None and bool((from_prev >= 0).any()):  # the carried tokens: a gather on the device, part of the step
+            device = last.device  # the host's tensors join it there (CUDA)
             from_prev = from_prev.to(device)
-            carried = self._last_output[from_prev.clamp(min=0)]
+            carried = last[from_prev.clamp(min=0)]
             inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids.to(device))
-        output = self.backend.decode_step(inputs)
+        output = self._decode_step(inputs)
         self._last_output = output.token_ids
         self._last_step_end = time.perf_counter()
         elapsed = self._last_step_end - start
@@ -303,9 +379,14 @@ class Batcher:
         return output
 
     def _process(self, step: _Step) -> None:
-        output: SampleOutput = step.output.result()
-        tokens = output.token_ids.tolist()  # the one host/device sync of a step
-        logprobs = output.rows([s.sampling.logprobs for s in step.rows])
+        try:
+            output: SampleOutput = step.output.result()
+            tokens = output.token_ids.tolist()  # the one host/device sync of a step
+            logprobs = output.rows([s.sampling.logprobs for s in step.rows])
+        except Exception as exc:
+            self._step_failed(step, exc)
+            return
+        self._streak.succeeded()
         events = []
         for seq, token, row in zip(step.rows, tokens, logprobs):
             seq.in_flight -= 1

@@ -8,6 +8,8 @@ import asyncio
 import collections
 import functools
 import logging
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ import grpc
 
 from disagg import wire
 from disagg.engine.backends import Backend
+from disagg.engine.faults import TEST_FAIL_DECODE_STEP, with_injected_faults
 from disagg.kv.codec import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode
 from disagg.engine.requests import FinishReason, Sampling, Stopping
 from disagg.engine.slots import Reservation, SlotManager, SlotState
@@ -75,7 +78,12 @@ class DecodeWorker:
         # released reservation always finishes before the slot's next owner writes.
         self._kv_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.batcher = Batcher(backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics, device_cpus=config.device_cpus)
+        self.failure: str | None = None  # why the device stopped being trusted; the process then exits non-zero
+        step = with_injected_faults(backend.decode_step, TEST_FAIL_DECODE_STEP)  # read once, here; unset: the backend's step
+        self.batcher = Batcher(
+            backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics,
+            device_cpus=config.device_cpus, on_fatal=self._fatal_threadsafe, decode_step=step,
+        )
         metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
         metrics.slots.set_function(lambda: self.slots.num_slots)
         self._reaper: asyncio.Task | None = None
@@ -96,9 +104,13 @@ class DecodeWorker:
             self._reaper.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.batcher.stop)
         self._kv_writer.shutdown(wait=True)
+        if self.failure is not None:  # non-zero, so the supervisor starts a fresh process on a fresh device
+            raise SystemExit(f"decode_worker: stopped serving: {self.failure}")
 
     # -- Decode stream -----------------------------------------------------
     def open_stream(self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0, context_ids: tuple[int, ...] = ()) -> DecodeStream:
+        if self.failure is not None:
+            raise RequestError(f"decode worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
         if not 0 < prompt_len < self.info.max_seq_len:
             raise RequestError(f"prompt_len {prompt_len} must be in [1, {self.info.max_seq_len})")
         if stopping.max_new_tokens < 1:
@@ -300,11 +312,21 @@ class DecodeWorker:
     def _retired_threadsafe(self, keys: list[str]) -> None:
         self._loop.call_soon_threadsafe(self._release, keys)
 
+    def _fatal_threadsafe(self, cause: str) -> None:
+        self._loop.call_soon_threadsafe(self._stop_serving, cause)
+
+    def _stop_serving(self, cause: str) -> None:
+        """Steps can no longer be trusted: drain as on SIGTERM (NOT_SERVING, new calls refused,
+        the calls in flight end), then stop() exits non-zero."""
+        self.failure = cause
+        log.error("decode worker failing: %s; draining, then exiting non-zero", cause)
+        os.kill(os.getpid(), signal.SIGTERM)  # the one drain path: rpc.serve_until_signal
+
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
             stream = self._streams.get(event.key)
             if stream is not None:
-                stream.events.put_nowait(event)
+                stream.events.put_nowait(RequestError(event.error, grpc.StatusCode.INTERNAL) if event.error else event)
 
     def _release(self, keys: list[str]) -> None:
         for key in keys:

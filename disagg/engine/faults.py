@@ -1,0 +1,98 @@
+"""What a worker does when a model step raises, and the test-only hook that makes one raise.
+
+A step that raises fails only the requests in it; the worker goes on. A worker
+whose steps fail FAILURES_BEFORE_EXIT times in a row, or once with DeviceLost,
+cannot trust its device any more: it goes NOT_SERVING, drains and exits
+non-zero, so its supervisor (Kubernetes, systemd, the launcher's user)
+starts a fresh one.
+
+DISAGG_TEST_FAIL_DECODE_STEP / DISAGG_TEST_FAIL_PREFILL_STEP ("after=3,count=1",
+optionally ",fatal=1") make steps after..after+count of a worker raise, for the
+tests that prove the above through real processes. They are read once when the
+worker starts; unset, the step is the backend's own function, untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+FAILURES_BEFORE_EXIT = 3  # consecutive failing steps that end the worker
+
+TEST_FAIL_DECODE_STEP = "DISAGG_TEST_FAIL_DECODE_STEP"
+TEST_FAIL_PREFILL_STEP = "DISAGG_TEST_FAIL_PREFILL_STEP"
+
+
+class DeviceLost(RuntimeError):
+    """The device cannot be trusted any more (on Neuron, a runtime error such as a
+    lost core or a failed DMA; on CUDA, a lost context): the worker must restart.
+    A backend raises it for errors no later step can recover from."""
+
+
+class InjectedStepFailure(RuntimeError):
+    """Raised by the test-only hook in place of the backend's step."""
+
+
+def describe(exc: BaseException) -> str:
+    """The cause as a caller reads it in a status message."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class FailureStreak:
+    """Consecutive failing steps of one worker; says when the worker must go."""
+
+    limit: int = FAILURES_BEFORE_EXIT
+    count: int = 0
+
+    def failed(self, exc: BaseException) -> bool:
+        """Counts a failing step; true when the worker must stop serving."""
+        self.count += 1
+        return isinstance(exc, DeviceLost) or self.count >= self.limit
+
+    def succeeded(self) -> None:
+        self.count = 0
+
+
+@dataclass
+class InjectedFaults:
+    """Test-only: steps after+1 .. after+count raise (DeviceLost when fatal)."""
+
+    variable: str
+    after: int
+    count: int
+    fatal: bool = False
+    steps: int = 0
+
+    @classmethod
+    def parse(cls, variable: str, text: str) -> InjectedFaults:
+        fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+        unknown = set(fields) - {"after", "count", "fatal"}
+        if unknown or not fields:
+            raise ValueError(f"{variable}={text!r}: expected after=N,count=M[,fatal=1]")
+        faults = cls(variable, int(fields.get("after", 0)), int(fields.get("count", 1)), fields.get("fatal", "0") not in ("0", ""))
+        if faults.after < 0 or faults.count < 1:
+            raise ValueError(f"{variable}={text!r}: after must be >= 0 and count >= 1")
+        return faults
+
+    def check(self) -> None:
+        self.steps += 1
+        if self.after < self.steps <= self.after + self.count:
+            error = DeviceLost if self.fatal else InjectedStepFailure
+            raise error(f"{self.variable}: injected failure of step {self.steps}")
+
+
+def with_injected_faults(step, variable: str, environ=os.environ):
+    """step itself unless the test-only variable is set; then step behind the injected faults."""
+    text = environ.get(variable)
+    if not text:
+        return step
+    faults = InjectedFaults.parse(variable, text)
+
+    @functools.wraps(step)
+    def faulty_step(*args, **kwargs):
+        faults.check()
+        return step(*args, **kwargs)
+
+    return faulty_step
