@@ -1,9 +1,17 @@
-"""The prefill worker's request logic on the asyncio side; the model runs on one device thread."""
+"""The prefill worker's request logic on the asyncio side; the model runs on one device thread.
+
+A prefill that raises fails its request with INTERNAL naming the cause (the
+router then cancels the decode reservation) and the next prefill runs. Failures
+that repeat, or DeviceLost, drain the worker and end it non-zero
+(disagg/engine/faults.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,6 +21,7 @@ import grpc
 
 from disagg.engine.backends import Backend
 from disagg import wire
+from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, FailureStreak, describe, with_injected_faults
 from disagg.engine.requests import Sampling, TokenLogprobs
 from disagg.flags import pin_this_thread
 from disagg.kv.codec import KvCommit, KvKind, encode
@@ -54,6 +63,9 @@ class PrefillWorker:
         self.config = config
         self.info = backend.info
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(config.device_cpus,))
+        self._prefill_step = with_injected_faults(backend.prefill, TEST_FAIL_PREFILL_STEP)  # read once, here; unset: the backend's own
+        self._streak = FailureStreak()
+        self.failure: str | None = None  # why the device stopped being trusted; the process then exits non-zero
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.pending = 0  # prefills submitted and not finished (running one included)
         self.pending_tokens = 0  # their prompt tokens
@@ -70,8 +82,12 @@ class PrefillWorker:
         self._device.shutdown(wait=True)
         if self.pull is not None:
             self.pull.close()
+        if self.failure is not None:  # non-zero, so the supervisor starts a fresh process on a fresh device
+            raise SystemExit(f"prefill_worker: stopped serving: {self.failure}")
 
     def validate(self, token_ids: list[int], sampling: Sampling) -> None:
+        if self.failure is not None:
+            raise RequestError(f"prefill worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
         wire.check_sampling(self.backend, sampling)
         if not token_ids:
             raise RequestError("token_ids is empty")
@@ -103,7 +119,7 @@ class PrefillWorker:
         self.pending_tokens += len(token_ids)
         outcome = "cancelled"
         try:
-            result = await loop.run_in_executor(self._device, self.backend.prefill, token_ids, sampling, on_layer if target and not pull else None, first_step)
+            result = await self._run_prefill(token_ids, sampling, on_layer if target and not pull else None, first_step)
             self.metrics.prefill.observe(time.perf_counter() - started)
             yield FirstToken(result.first_token, time.perf_counter() - started, result.logprobs)
             if pull:
@@ -131,6 +147,26 @@ class PrefillWorker:
             self.pending_tokens -= len(token_ids)
             if sender is not None and not sender.done():
                 sender.cancel()  # the decode worker sees the broken transfer and frees the slot
+
+    async def _run_prefill(self, token_ids: list[int], sampling: Sampling, on_layer, first_step: int):
+        """The prefill on the device thread; one that raises becomes INTERNAL naming the cause."""
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self._device, self._prefill_step, token_ids, sampling, on_layer, first_step)
+        except Exception as exc:
+            log.error("prefill of %d tokens failed: %s", len(token_ids), describe(exc), exc_info=exc)
+            if self.failure is None and self._streak.failed(exc):
+                self._stop_serving(describe(exc) if self._streak.count < self._streak.limit else f"{self._streak.count} prefills in a row failed; the last: {describe(exc)}")
+            raise RequestError(f"prefill failed: {describe(exc)}", grpc.StatusCode.INTERNAL) from exc
+        self._streak.succeeded()
+        return result
+
+    def _stop_serving(self, cause: str) -> None:
+        """The device can no longer be trusted: drain as on SIGTERM (NOT_SERVING, new calls
+        refused, the calls in flight end), then stop() exits non-zero."""
+        self.failure = cause
+        log.error("prefill worker failing: %s; draining, then exiting non-zero", cause)
+        os.kill(os.getpid(), signal.SIGTERM)  # the one drain path: rpc.serve_until_signal
 
     def _pieces(self, layer: int, keys, values) -> list:
         return encode(layer, KvKind.KEY, keys, self.config.kv_piece_bytes) + encode(layer, KvKind.VALUE, values, self.config.kv_piece_bytes)
