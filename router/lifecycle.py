@@ -6,7 +6,10 @@
     run:     attempts until the request finishes; when a decode worker fails,
              the next attempt prefills the prompt plus the tokens generated so
              far on another decode worker, so the stream goes on with no token
-             lost or repeated (sampling counters carry over too)
+             lost or repeated (sampling counters carry over too); a decode step
+             that failed the stream (INTERNAL) is resumed the same way on a
+             decode worker that has not failed it, or ends the request when
+             there is none
 
 Every worker call is opened inside an AsyncExitStack, so whatever ends an
 attempt (a stop, an error, a client cancel or deadline) cancels every call
@@ -114,6 +117,14 @@ class WorkerLost(Exception):
         self.unreachable = unreachable  # gone, rather than refusing this one request
 
 
+class DecodeStepFailed(WorkerLost):
+    """A decode worker's step failed this stream (INTERNAL): another decode worker may finish it."""
+
+    def __init__(self, worker: Worker, error: RequestError):
+        super().__init__(worker, str(error))
+        self.error = error  # what the client gets where no other decode worker is left
+
+
 def worker_failure(worker: Worker, exc: grpc.aio.AioRpcError) -> Exception:
     code = exc.code()
     if code in LOST:
@@ -172,7 +183,10 @@ class DecodeLease:
                     raise self.error from None
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                raise worker_failure(self.worker, exc) from exc
+                failure = worker_failure(self.worker, exc)
+                if exc.code() is grpc.StatusCode.INTERNAL:
+                    failure = DecodeStepFailed(self.worker, failure)
+                raise failure from exc
             if event is grpc.aio.EOF:
                 raise self.error or WorkerLost(self.worker, "the stream ended without finishing")
             ids = list(event.tokens.token_ids)
@@ -208,9 +222,10 @@ class Lifecycle:
         timings = {"queue": 0.0, "ttft": 0.0}
         attempts_left = 2 * len(self.pool.decode) + 1
         last_token_at = None
+        step_failed_on: set[str] = set()  # decode workers whose step failed this request: not asked again
         while True:
             try:
-                async with contextlib.aclosing(self._attempt(Plan(request, list(done)), deadline, timings, started)) as tokens:
+                async with contextlib.aclosing(self._attempt(Plan(request, list(done)), deadline, timings, started, frozenset(step_failed_on))) as tokens:
                     async for token_ids, finish, logprobs in tokens:
                         last_token_at = self._observe_tokens(len(token_ids), last_token_at, timings)
                         done += token_ids
@@ -225,6 +240,10 @@ class Lifecycle:
                         if chunk.token_ids or chunk.text:
                             yield chunk
             except WorkerLost as lost:
+                if isinstance(lost, DecodeStepFailed):
+                    step_failed_on.add(lost.worker.address)
+                    if not self.pool.has_decode(avoid=step_failed_on):
+                        raise lost.error from lost
                 self.metrics.failovers.labels(lost.worker.role).inc()
                 attempts_left -= 1
                 if lost.unreachable:
@@ -245,12 +264,12 @@ class Lifecycle:
                 self.metrics.itl.observe(gap)
         return now
 
-    async def _attempt(self, plan: Plan, deadline: Deadline, timings: dict, started: float) -> AsyncIterator[Tokens]:
-        """Tokens of one attempt: the prefill's first token, then the decode stream's."""
+    async def _attempt(self, plan: Plan, deadline: Deadline, timings: dict, started: float, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Tokens]:
+        """Tokens of one attempt: the prefill's first token, then the decode stream's (on a decode worker not in avoid)."""
         async with contextlib.AsyncExitStack() as calls:
             lease = None
             if plan.remaining > 1:  # a single token needs no decode worker
-                lease = await self._reserve_decode(plan, deadline)
+                lease = await self._reserve_decode(plan, deadline, avoid)
                 calls.push_async_callback(lease.close)
             if not plan.done:
                 timings["queue"] = time.perf_counter() - started
@@ -268,7 +287,7 @@ class Lifecycle:
             async for tokens in lease.tokens():
                 yield tokens
 
-    async def _reserve_decode(self, plan: Plan, deadline: Deadline) -> DecodeLease:
+    async def _reserve_decode(self, plan: Plan, deadline: Deadline, avoid: frozenset[str] = frozenset()) -> DecodeLease:
         message = wpb.DecodeRequest(
             request_id=plan.request.request_id,
             prompt_len=len(plan.context_ids),
@@ -279,7 +298,7 @@ class Lifecycle:
             context_token_ids=plan.context_ids if plan.request.sampling.penalized else None,
         )
         while True:
-            worker = await self.pool.acquire_decode()
+            worker = await self.pool.acquire_decode(avoid)
             call = worker.stub.Decode(message, timeout=deadline.remaining())
             try:
                 event = await call.read()

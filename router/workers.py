@@ -51,6 +51,14 @@ class Worker:
         return (self.load.capacity if self.load else 0) - self.outstanding
 
 
+@dataclass(eq=False)
+class _Waiter:
+    """A request waiting for a decode slot, on a worker not in avoid."""
+
+    future: asyncio.Future
+    avoid: frozenset[str]
+
+
 def _connect(address: str, role: str, tls: TlsFiles | None) -> Worker:
     channel = open_channel(address, tls)
     stub = wgrpc.PrefillServiceStub(channel) if role == "prefill" else wgrpc.DecodeServiceStub(channel)
@@ -215,12 +223,14 @@ class WorkerPool:
         self._fail_waiters_if_no_decode()
 
     def _fail_waiters_if_no_decode(self) -> None:
-        if any(w.healthy for w in self.decode):
-            return
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(RequestError("no decode worker is available", grpc.StatusCode.UNAVAILABLE))
+        for waiter in [w for w in self._waiters if not self.has_decode(w.avoid)]:
+            self._waiters.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_exception(RequestError("no decode worker is available", grpc.StatusCode.UNAVAILABLE))
+
+    def has_decode(self, avoid: Iterable[str] = ()) -> bool:
+        """Whether a healthy decode worker is left outside avoid."""
+        return any(w.healthy and w.address not in avoid for w in self.decode)
 
     # -- prefill choice -----------------------------------------------------
     def pick_prefill(self, exclude: set[str] = frozenset()) -> Worker:
@@ -233,28 +243,28 @@ class WorkerPool:
         return min(candidates, key=lambda w: (not w.healthy, w.outstanding + (w.load.queued if w.load else 0)))
 
     # -- decode admission ---------------------------------------------------
-    def _best_decode(self) -> Worker | None:
-        candidates = [w for w in self.decode if w.healthy and w.free_slots > 0]
+    def _best_decode(self, avoid: frozenset[str] = frozenset()) -> Worker | None:
+        candidates = [w for w in self.decode if w.healthy and w.free_slots > 0 and w.address not in avoid]
         return max(candidates, key=lambda w: w.free_slots) if candidates else None
 
-    async def acquire_decode(self) -> Worker:
-        """A decode worker with a slot counted for this request; waits in FIFO order."""
-        if not any(w.healthy for w in self.decode):
+    async def acquire_decode(self, avoid: frozenset[str] = frozenset()) -> Worker:
+        """A decode worker (not in avoid: those failed this request) with a slot counted for this request; waits in FIFO order."""
+        if not self.has_decode(avoid):
             raise RequestError("no decode worker is available", grpc.StatusCode.UNAVAILABLE)
         if not self._waiters:
-            worker = self._best_decode()
+            worker = self._best_decode(avoid)
             if worker is not None:
                 worker.outstanding += 1
                 return worker
         if len(self._waiters) >= self.max_queue:
             raise RequestError(f"server is at capacity: {len(self._waiters)} requests already waiting for a decode slot", grpc.StatusCode.RESOURCE_EXHAUSTED)
-        waiter = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid)
         self._waiters.append(waiter)
         try:
-            return await waiter
+            return await waiter.future
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release_decode(waiter.result())  # handed a slot just as the client left
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release_decode(waiter.future.result())  # handed a slot just as the client left
             raise
         finally:
             if waiter in self._waiters:
@@ -268,13 +278,13 @@ class WorkerPool:
 
     def _admit_waiters(self) -> None:
         while self._waiters:
-            worker = self._best_decode()
+            worker = self._best_decode(self._waiters[0].avoid)
             if worker is None:
                 return
             waiter = self._waiters.popleft()
-            if not waiter.done():
+            if not waiter.future.done():
                 worker.outstanding += 1
-                waiter.set_result(worker)
+                waiter.future.set_result(worker)
 
     @property
     def queued(self) -> int:
