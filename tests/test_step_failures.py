@@ -1,0 +1,183 @@
+"""A failing model step costs only what it must: real processes, faults injected into the step
+through the test-only hooks of disagg/engine/faults.py (DISAGG_TEST_FAIL_*_STEP)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import assert_nothing_held, start_cluster
+from disagg.client import Client
+from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
+PROMPT = "The ship's captain looked at the stars"
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+def one_decode(cluster_logs, request):
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, batch_size=2)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def two_decode(cluster_logs, request):
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=2, batch_size=2)
+    yield cluster
+    cluster.stop()
+
+
+def poll(condition, what: str, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {within} s"
+        time.sleep(0.05)  # polling the condition, not waiting for it
+
+
+def health(address: str) -> int | None:
+    """The server's grpc.health.v1 status, None when it does not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+def router_counts(cluster) -> tuple[int, int]:
+    with Client(cluster.router_address, timeout=5) as client:
+        info = client.model_info()
+    return info.prefill_workers, info.decode_workers
+
+
+def restart_with(cluster, monkeypatch, name: str, env: dict[str, str]) -> None:
+    """Stops the worker, then starts it again with only these hooks set; returns once the router uses it."""
+    counts = router_counts(cluster)
+    index = 0 if name.startswith("prefill") else 1
+    cluster.signal(name, 15)
+    assert cluster.process(name).popen.wait(timeout=60) == 0
+    poll(lambda: router_counts(cluster)[index] == counts[index] - 1, f"the router saw {name} go")
+    for variable in (TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)  # the restarted process inherits this environment
+    cluster.restart(name)
+    cluster.wait_serving(120, cluster.process(name).address)
+    poll(lambda: router_counts(cluster) == counts, f"the router uses {name} again")
+
+
+def decode_failovers(cluster) -> float:
+    text = urllib.request.urlopen(f"http://{cluster.process('router').metrics_address}/metrics", timeout=5).read().decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return sum(s.value for s in samples if s.name == "disagg_router_worker_failovers_total" and s.labels.get("role") == "decode")
+
+
+def stream_until_error(client: Client, max_new_tokens: int) -> tuple[list[int], grpc.RpcError | None]:
+    tokens: list[int] = []
+    try:
+        for chunk in client.generate(PROMPT, max_new_tokens=max_new_tokens, ignore_eos=True):
+            tokens += chunk.token_ids
+    except grpc.RpcError as error:
+        return tokens, error
+    return tokens, None
+
+
+def test_a_failing_decode_step_moves_its_stream_to_the_other_decode_worker(two_decode, llama_ref, monkeypatch):
+    cluster = two_decode
+    # decode-0, the router's choice when both are idle (ties go to the first), fails its 4th step.
+    restart_with(cluster, monkeypatch, "decode-0", {TEST_FAIL_DECODE_STEP: "after=3,count=1"})
+    with Client(cluster.router_address, timeout=120) as client:
+        tokens, error = stream_until_error(client, 24)
+        assert error is None, error
+        assert tokens == llama_ref.greedy(PROMPT, 24, ignore_eos=True)  # nothing lost, nothing repeated
+        assert decode_failovers(cluster) == 1  # it did fail on decode-0 and moved
+        assert health(cluster.process("decode-0").address) == SERVING  # one failing step does not end a worker
+        for _ in range(2):  # both decode workers serve again
+            assert client.complete("The cat", max_new_tokens=6, ignore_eos=True).token_ids == llama_ref.greedy("The cat", 6, ignore_eos=True)
+    assert_nothing_held(cluster)
+
+
+def test_with_one_decode_worker_a_failing_step_ends_its_stream_with_internal_and_the_next_request_works(one_decode, llama_ref, monkeypatch):
+    cluster = one_decode
+    restart_with(cluster, monkeypatch, "decode-0", {TEST_FAIL_DECODE_STEP: "after=3,count=1"})
+    restart_with(cluster, monkeypatch, "prefill-0", {TEST_FAIL_PREFILL_STEP: "after=1,count=1"})
+    expected = llama_ref.greedy(PROMPT, 24, ignore_eos=True)
+    with Client(cluster.router_address, timeout=120) as client:
+        tokens, error = stream_until_error(client, 24)  # prefill 1; decode steps 1-3, then step 4 fails
+        assert error is not None and error.code() == grpc.StatusCode.INTERNAL, error
+        assert "decode step failed" in error.details() and "injected failure of step 4" in error.details()
+        assert tokens == expected[: len(tokens)] and len(tokens) == 4  # the first token and three decode steps
+        assert_nothing_held(cluster)
+
+        with pytest.raises(grpc.RpcError) as failed:  # prefill 2 fails: the reservation made for it is freed
+            client.complete(PROMPT, max_new_tokens=5)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert "prefill failed" in failed.value.details() and "injected failure of step 2" in failed.value.details()
+        assert_nothing_held(cluster)
+
+        assert client.complete(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids == expected
+    assert [health(p.address) for p in cluster.processes] == [SERVING] * 3
+    assert_nothing_held(cluster)
+
+
+def hold_a_reservation(address: str):
+    """A Decode call on the worker, reserved and waiting for KV: it keeps a draining worker draining."""
+    channel = grpc.insecure_channel(address)
+    call = wgrpc.DecodeServiceStub(channel).Decode(wpb.DecodeRequest(request_id="held", prompt_len=4, stopping=wpb.WorkerStopping(max_new_tokens=4)), timeout=120)
+    assert next(call).HasField("reserved")
+    return channel, call
+
+
+def test_a_decode_step_that_keeps_failing_takes_the_worker_not_serving_and_it_exits_non_zero(one_decode, llama_ref, monkeypatch):
+    cluster = one_decode
+    decode = cluster.process("decode-0")
+    restart_with(cluster, monkeypatch, "decode-0", {TEST_FAIL_DECODE_STEP: "after=0,count=1000"})
+    channel, held = hold_a_reservation(decode.address)
+    try:
+        with Client(cluster.router_address, timeout=120) as client:
+            for _ in range(3):  # each request's steps fail; by the third in a row the worker gives up
+                tokens, error = stream_until_error(client, 8)
+                assert error is not None and error.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), error
+            poll(lambda: health(decode.address) == NOT_SERVING, "decode-0 NOT_SERVING")  # draining: our reservation is still open
+            assert decode.popen.poll() is None
+            with pytest.raises(grpc.RpcError) as refused:
+                client.complete("The cat", max_new_tokens=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no decode worker is available" in refused.value.details()
+    finally:
+        held.cancel()
+        channel.close()
+    assert decode.popen.wait(timeout=60) != 0  # its supervisor starts a fresh one
+    with open(f"{cluster.spec.log_dir}/decode-0.log") as f:
+        log = f.read()
+    assert "steps in a row failed" in log and "injected failure" in log
+
+    for variable in (TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP):
+        monkeypatch.delenv(variable, raising=False)
+    cluster.restart("decode-0")  # as a supervisor would
+    poll(lambda: router_counts(cluster) == (1, 1), "the router uses the restarted decode worker")
+    with Client(cluster.router_address, timeout=120) as client:
+        assert client.complete("The cat", max_new_tokens=6, ignore_eos=True).token_ids == llama_ref.greedy("The cat", 6, ignore_eos=True)
+    assert_nothing_held(cluster)
+
+
+def test_a_prefill_device_lost_takes_the_prefill_worker_down_non_zero(one_decode, llama_ref, monkeypatch):
+    cluster = one_decode
+    prefill = cluster.process("prefill-0")
+    restart_with(cluster, monkeypatch, "prefill-0", {TEST_FAIL_PREFILL_STEP: "after=0,count=1,fatal=1"})
+    with Client(cluster.router_address, timeout=120) as client:
+        with pytest.raises(grpc.RpcError) as failed:
+            client.complete(PROMPT, max_new_tokens=5)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL and "DeviceLost" in failed.value.details()
+        assert prefill.popen.wait(timeout=60) != 0
+        poll(lambda: router_counts(cluster)[0] == 0, "the router saw the prefill worker go")
+        with pytest.raises(grpc.RpcError) as refused:
+            client.complete(PROMPT, max_new_tokens=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill worker is available" in refused.value.details()
+    assert_nothing_held(cluster)  # the decode worker holds nothing for the failed request
