@@ -181,3 +181,27 @@ def test_a_prefill_device_lost_takes_the_prefill_worker_down_non_zero(one_decode
             client.complete(PROMPT, max_new_tokens=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill worker is available" in refused.value.details()
     assert_nothing_held(cluster)  # the decode worker holds nothing for the failed request
+
+
+def test_the_fault_hook_is_the_backend_step_itself_when_unset_and_refuses_a_malformed_value():
+    from disagg.engine.faults import DeviceLost, FailureStreak, InjectedStepFailure, with_injected_faults
+
+    def step(x):
+        return x + 1
+
+    assert with_injected_faults(step, TEST_FAIL_DECODE_STEP, environ={}) is step  # no wrapper, no cost
+    faulty = with_injected_faults(step, TEST_FAIL_DECODE_STEP, environ={TEST_FAIL_DECODE_STEP: "after=1,count=2"})
+    assert faulty(1) == 2
+    for _ in range(2):
+        with pytest.raises(InjectedStepFailure, match="injected failure of step"):
+            faulty(1)
+    assert faulty(1) == 2
+    with pytest.raises(DeviceLost):
+        with_injected_faults(step, TEST_FAIL_DECODE_STEP, environ={TEST_FAIL_DECODE_STEP: "after=0,fatal=1"})(1)
+    for bad in ("often", "after=-1", "count=0", "after=1,when=2"):
+        with pytest.raises(ValueError, match=TEST_FAIL_DECODE_STEP):
+            with_injected_faults(step, TEST_FAIL_DECODE_STEP, environ={TEST_FAIL_DECODE_STEP: bad})
+    streak = FailureStreak(limit=3)
+    assert not streak.failed(RuntimeError()) and not streak.failed(RuntimeError())
+    streak.succeeded()
+    assert not streak.failed(RuntimeError()) and streak.failed(DeviceLost())
