@@ -8,7 +8,10 @@ reference logits: the prefill's last position, then 8 teacher-forced decode
 steps. The backend gives the same through the slot cache: both prompts in
 non-adjacent slots, at different lengths, decoded in the same batched step.
 "Exact" means every logit within float32 tolerance; anything else, or an error
-anywhere on our side, is a refusal with its reason. `scripts/model_support.py`
+anywhere on our side, is a refusal with its reason. A long probe then repeats the
+comparison with the architecture's own default windows and prompts of ~300
+tokens: a window the engine does not read from the config (GPT-Neo spells its
+own `window_size` / `attention_types`) shows in the logits, not in key names. `scripts/model_support.py`
 writes the verdicts (read at start-up) and docs/models.md from this.
 """
 
@@ -24,6 +27,11 @@ import torch
 
 WINDOW = 8
 PROMPT_LENGTHS = (21, 13)  # both past the window, unequal so rows sit at different positions
+# The long probe: the same comparison with every window and position setting at the
+# architecture's own defaults, and prompts past any window up to this long whatever the
+# config calls it (GPT-Neo's 256-token `window_size`, which none of SMALL's names shrank).
+LONG_PROMPT_LENGTHS = (300, 290)
+LONG_POSITIONS = 512
 DECODE_STEPS = 9  # the prefill, then 8 decode steps
 VOCAB = 256
 ATOL, RTOL = 1e-4, 1e-4
@@ -48,7 +56,7 @@ SMALL = {
     "rotary_dim": 8,
     "sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1,
     "sliding_window_pattern": 2, "sliding_window_size": WINDOW,
-    "attention_chunk_size": WINDOW,
+    "attention_chunk_size": WINDOW, "window_size": WINDOW,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     # GPT-Neo: one (global, local) pair of layers.
     "attention_types": [[["global", "local"], 1]],
@@ -88,12 +96,21 @@ def skip_reason(config, architecture: str) -> str | None:
     return None
 
 
-def small_config(model_type: str):
+# SMALL's names for windows and position ranges: the long probe leaves the former at the
+# architecture's defaults and widens the latter.
+WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers", "sliding_window_pattern", "sliding_window_size", "attention_chunk_size", "window_size")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def small_config(model_type: str, long_probe: bool = False):
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(model_type)
     known = set(defaults.to_dict()) | set(vars(defaults))
     overrides = {k: v for k, v in SMALL.items() if k in known}
+    if long_probe:
+        overrides = {k: v for k, v in overrides.items() if k not in WINDOW_KEYS}
+        overrides.update({k: max(LONG_POSITIONS, getattr(defaults, k, 0) or 0) for k in POSITION_KEYS if k in known})
     if "kv_lora_rank" in known and "num_key_value_heads" in overrides:
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # latent attention expands K/V per head
     config = AutoConfig.for_model(model_type, **overrides)
@@ -113,10 +130,10 @@ def sharpen(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
 
 
-def build(model_type: str):
+def build(model_type: str, long_probe: bool = False):
     from transformers import AutoModelForCausalLM
 
-    config = small_config(model_type)
+    config = small_config(model_type, long_probe)
     with torch.device("meta"):
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:
@@ -127,10 +144,10 @@ def build(model_type: str):
     return model
 
 
-def token_rows(vocab: int) -> list[list[int]]:
+def token_rows(vocab: int, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
     top = min(vocab, VOCAB) - 1
-    return [torch.randint(3, top, (n + DECODE_STEPS,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    return [torch.randint(3, top, (n + DECODE_STEPS,), generator=generator).tolist() for n in lengths]
 
 
 @torch.no_grad()
@@ -148,17 +165,17 @@ def reference_logits(model, tokens: list[int], prompt_len: int) -> list[torch.Te
 
 
 @torch.no_grad()
-def backend_logits(model, rows: list[list[int]]) -> list[list[torch.Tensor]]:
+def backend_logits(model, rows: list[list[int]], lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[torch.Tensor]]:
     """The torch backend: each prompt prefilled into its slot, then all rows decoded together."""
     from disagg.engine.backends.base import StepInputs
     from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
     from disagg.kv.codec import KvKind
 
-    backend = TorchBackend(TorchBackendConfig(model="sweep", dtype="float32", max_seq_len=64), model=model)
+    backend = TorchBackend(TorchBackendConfig(model="sweep", dtype="float32", max_seq_len=max(64, max(lengths) + DECODE_STEPS + 1)), model=model)
     backend.allocate_slots(3)
     slots = [2, 0]  # not in row order and not adjacent: the gather path
     logits: list[list[torch.Tensor]] = [[] for _ in rows]
-    for row, (tokens, n, slot) in enumerate(zip(rows, PROMPT_LENGTHS, slots)):
+    for row, (tokens, n, slot) in enumerate(zip(rows, lengths, slots)):
         kv: dict[int, tuple] = {}
         logits[row].append(backend.prefill_logits(tokens[:n], lambda layer, k, v: kv.setdefault(layer, (k, v)))[0])
         for layer, (k, v) in kv.items():
@@ -166,7 +183,7 @@ def backend_logits(model, rows: list[list[int]]) -> list[list[torch.Tensor]]:
             backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
     order = sorted(range(len(rows)), key=lambda r: slots[r])  # rows sorted by slot, as the batcher sends them
     for step in range(DECODE_STEPS - 1):
-        positions = [PROMPT_LENGTHS[r] + step for r in order]
+        positions = [lengths[r] + step for r in order]
         inputs = StepInputs(
             slots=torch.tensor([slots[r] for r in order]),
             positions=torch.tensor(positions),
@@ -184,17 +201,29 @@ def backend_logits(model, rows: list[list[int]]) -> list[list[torch.Tensor]]:
     return logits
 
 
-def compare(model) -> float:
+def compare(model, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> float:
     """The largest logit difference; raises AssertionError past the tolerance."""
-    rows = token_rows(model.config.get_text_config(decoder=True).vocab_size)
-    expected = [reference_logits(model, tokens, n) for tokens, n in zip(rows, PROMPT_LENGTHS)]
-    got = backend_logits(model, rows)
+    rows = token_rows(model.config.get_text_config(decoder=True).vocab_size, lengths)
+    expected = [reference_logits(model, tokens, n) for tokens, n in zip(rows, lengths)]
+    got = backend_logits(model, rows, lengths)
     worst = 0.0
     for row_expected, row_got in zip(expected, got):
         for step, (e, g) in enumerate(zip(row_expected, row_got)):
             worst = max(worst, float((e - g).abs().max()))
             torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"step {step}: {m.splitlines()[0]}")
     return worst
+
+
+def long_probe_problem(model_type: str) -> str | None:
+    """The comparison again with the architecture's own windows and past them: a window the
+    engine does not know of (whatever the config calls it) shows as logits that differ."""
+    try:
+        worst = compare(build(model_type, long_probe=True), LONG_PROMPT_LENGTHS)
+    except AssertionError as e:
+        return f"logits differ from transformers' own forward past {min(LONG_PROMPT_LENGTHS)} tokens with its default settings ({one_line(e)})"
+    except Exception as e:
+        return f"fails the long probe ({min(LONG_PROMPT_LENGTHS)}+ tokens, default windows): {type(e).__name__}: {one_line(e)}"
+    return None if worst is not None else "the long probe compared nothing"
 
 
 def one_line(error: BaseException) -> str:
@@ -235,6 +264,8 @@ def check(model_type: str, architecture: str) -> Verdict:
         return refuse(f"logits differ from transformers' own forward ({one_line(e)})")
     except Exception as e:
         return refuse(f"fails through the slot cache: {type(e).__name__}: {one_line(e)}")
+    if (problem := long_probe_problem(model_type)) is not None:
+        return refuse(problem)
     plans = {p.layer_type for p in layer_plans(model.config)}
     return Verdict(model_type, architecture, True, f"layers: {', '.join(sorted(plans))}", worst)
 

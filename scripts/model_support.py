@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from disagg.engine.backends.architectures import VERDICTS  # noqa: E402
-from disagg.model_support import DECODE_STEPS, PROMPT_LENGTHS, WINDOW, Verdict, sweep, verdict_table  # noqa: E402
+from disagg.model_support import DECODE_STEPS, LONG_PROMPT_LENGTHS, PROMPT_LENGTHS, WINDOW, Verdict, sweep, verdict_table  # noqa: E402
 
 DOC = ROOT / "docs" / "models.md"
 
@@ -38,7 +38,10 @@ def markdown(verdicts: list[Verdict], version: str) -> str:
         f"{WINDOW} tokens where it has one), two prompts of {' and '.join(map(str, PROMPT_LENGTHS))} tokens, both "
         f"past the window. The torch backend's logits after the prompt and over {DECODE_STEPS - 1} more steps, "
         "both prompts decoded in one batched step from non-adjacent slots, equal transformers' own forward with "
-        "its own cache within 1e-4 (float32). The sweep runs in CI (`tests/test_model_support.py`).",
+        "its own cache within 1e-4 (float32). Then the long probe: the same with the architecture's own default "
+        f"windows and position range and prompts of {' and '.join(map(str, LONG_PROMPT_LENGTHS))} tokens, so a window "
+        "up to that long shows whatever the config calls it (GPT-Neo's `window_size`). "
+        "The sweep runs in CI (`tests/test_model_support.py`).",
         "",
         "A checkpoint whose model type is refused here makes both workers exit at start-up with one line "
         "naming the architecture and the reason. Served models are also checked when they load: every layer "

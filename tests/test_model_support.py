@@ -57,6 +57,22 @@ def test_a_mask_that_ignores_the_window_is_caught(monkeypatch, model_type):
     assert not verdict.exact and "logits differ" in verdict.reason
 
 
+def test_gpt_neo_local_attention_is_refused(sweep_verdicts):
+    """GPT-Neo spells its window `window_size` / `attention_types`; every real checkpoint has a
+    256-token local window, which the slot cache does not serve."""
+    verdict = next(v for v in sweep_verdicts if v.model_type == "gpt_neo")
+    assert not verdict.exact and "logits differ" in verdict.reason
+
+
+def test_a_window_under_a_name_the_sweep_does_not_shrink_is_caught_by_the_long_probe(monkeypatch):
+    """The long probe finds a window from the model's behaviour, not its config's key names:
+    with GPT-Neo's `window_size` left at its default 256, prompts past it still show it."""
+    monkeypatch.delitem(model_support.SMALL, "window_size")
+    verdict = model_support.check("gpt_neo", model_support.causal_lm_architectures()["gpt_neo"])
+    assert not verdict.exact and f"past {min(model_support.LONG_PROMPT_LENGTHS)} tokens" in verdict.reason
+    assert min(model_support.LONG_PROMPT_LENGTHS) > 256
+
+
 def test_rows_at_the_wrong_position_are_caught(monkeypatch):
     from disagg.engine.backends import slot_cache
 
