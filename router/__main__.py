@@ -28,6 +28,10 @@ def parse_config(argv=None) -> RouterConfig:
     parser.add_argument("--public-tls-key", help="its private key (PEM)")
     parser.add_argument("--auth-token", default=os.environ.get("DISAGG_AUTH_TOKEN"), help="require 'authorization: Bearer <token>' on the public API (default: $DISAGG_AUTH_TOKEN)")
     parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port, same host, TLS and token as the gRPC API (default: off; 0 picks a free port)")
+    parser.add_argument("--http-max-body-bytes", type=int, default=RouterConfig.http_max_body_bytes,
+                        help="refuse an HTTP request body over this many bytes (413) before reading it in full (default 4 MiB, as the gRPC API's message limit)")
+    parser.add_argument("--http-timeout-seconds", type=float, default=RouterConfig.http_timeout_seconds,
+                        help="an HTTP request still unanswered after this long ends with 504, freeing what it held (default 600)")
     args = parser.parse_args(argv)
     setup_process(args)
     try:
@@ -52,6 +56,9 @@ def _config(args) -> RouterConfig:
         public_tls=tls_from_flags(args.public_tls_cert, args.public_tls_key, None, "--public-tls-cert/--public-tls-key"),
         auth_token=args.auth_token or None,
         http_port=args.http_port,
+        http_max_body_bytes=args.http_max_body_bytes,
+        http_timeout_seconds=args.http_timeout_seconds,
+        test_long_tokenize_gate=os.environ.get("DISAGG_TEST_LONG_TOKENIZE_GATE"),
     )
 
 

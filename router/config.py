@@ -38,6 +38,12 @@ class RouterConfig:
     public_tls: TlsFiles | None = None  # TLS on the public port
     auth_token: str | None = None  # bearer token required on the public API (health stays open)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (router/http/); None: off
+    # The HTTP edge's bounds: a body over this is refused (413) before it is read in full, as
+    # gRPC's PUBLIC_MESSAGE_BYTES bounds a message; a request still unanswered after
+    # http_timeout_seconds ends with 504 (a stream with a timeout error event).
+    http_max_body_bytes: int = 4 * 1024 * 1024
+    http_timeout_seconds: float = 600.0
+    test_long_tokenize_gate: str | None = None  # tests only ($DISAGG_TEST_LONG_TOKENIZE_GATE): see router/tokenizing.py
 
     def __post_init__(self):
         if not self.prefill_workers:
@@ -49,3 +55,7 @@ class RouterConfig:
                 parse_target(target, flag)
         if not self.resolve_seconds > 0:
             raise ValueError(f"--resolve-seconds must be positive, not {self.resolve_seconds}")
+        if self.http_max_body_bytes < 1024:
+            raise ValueError(f"--http-max-body-bytes must be at least 1024, not {self.http_max_body_bytes}")
+        if not self.http_timeout_seconds > 0:
+            raise ValueError(f"--http-timeout-seconds must be positive, not {self.http_timeout_seconds}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -23,6 +22,7 @@ from .http import start_http_front
 from .lifecycle import Lifecycle
 from .params import GenerateParams
 from .prompts import prompt_ids
+from .tokenizing import TokenizerThreads, text_chars
 from .validation import GenerationRequest, ModelFacts, build_request, check_params
 from .workers import WorkerPool
 
@@ -43,20 +43,18 @@ class Router:
         self.in_flight: set[str] = set()
         metrics.in_flight.set_function(lambda: len(self.in_flight))
         metrics.queued.set_function(lambda: pool.queued)
-        # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenizer")
+        # Tokenizing a long prompt takes milliseconds: keep it off the event loop (a huge one on threads of its own).
+        self._tokenizer_threads = TokenizerThreads(config.test_long_tokenize_gate)
         # One token decoded alone (logprobs name their tokens): microseconds, and cached.
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return await self._tokenizer_threads.run(len(text), lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     async def prepare(self, params: GenerateParams) -> GenerationRequest:
         """Validates a request from either edge and tokenizes (or renders) its prompt."""
         check_params(params, self.config.limits, self.facts)
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._tokenizer_pool, prompt_ids, self.tokenizer, params)
+        ids = await self._tokenizer_threads.run(text_chars(params), prompt_ids, self.tokenizer, params)
         return build_request(params, ids, self.config.limits, self.facts)
 
     async def generate(self, request: GenerationRequest, timeout: float | None = None):

@@ -7,6 +7,7 @@ on the same event loop as the gRPC server.
     streams.py    one request's generations (a batch of prompts) merged into one stream
     responses.py  OpenAI's response and chunk objects, usage, logprobs
     errors.py     OpenAI's error shape and the HTTP status of each refusal
+    limits.py     the body's size, bounded before anything reads it whole
     server.py     uvicorn as a task beside grpc.aio
 """
 
@@ -25,7 +26,8 @@ async def start_http_front(config, router, draining):
     from .server import HttpFront
 
     host = config.address.rsplit(":", 1)[0]
-    state = FrontState(router=router, draining=draining, auth_token=config.auth_token, model_path=config.model)
+    state = FrontState(router=router, draining=draining, auth_token=config.auth_token, model_path=config.model,
+                       max_body_bytes=config.http_max_body_bytes, timeout_seconds=config.http_timeout_seconds)
     front = HttpFront(state, host, config.http_port, config.public_tls)
     await front.start()
     scheme = "https" if config.public_tls else "http"

@@ -27,7 +27,7 @@ from . import errors
 from .convert import chat_params, completion_params, echo_text, openai_param, split_prompts
 from .responses import Choice, Envelope, TokenText, chat_logprobs, completion_logprobs, finish_reason, gather, total_usage, usage
 from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest, TokenizeRequest
-from .streams import MergedGenerations
+from .streams import MergedGenerations, RequestDeadline
 from .token_bytes import TokenBytes
 
 
@@ -39,6 +39,8 @@ class FrontState:
     draining: Callable[[], bool]  # true once SIGTERM started the drain
     auth_token: str | None
     model_path: str  # the --model the router was given: accepted as a name too (as vLLM serves it)
+    max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before they are read (limits.py)
+    timeout_seconds: float = 600.0  # every request's deadline: nothing waits forever
     started: int = 0
     _token_bytes: TokenBytes | None = None
 
@@ -81,11 +83,12 @@ async def unless_disconnected(request: Request, awaitable):
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this wait is cancelled itself: the work never outlives it
         watch.cancel()
-    if not work.done():
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
         raise ClientGone()
     return work.result()
 
@@ -141,15 +144,26 @@ def create_app(state: FrontState) -> FastAPI:
         if body.model is not None and body.model not in model_names(router):
             raise errors.model_not_found(body.model)
 
-    async def prepare(router, make_params, body: CommonRequest):
+    async def prepare(router, make_params, body: CommonRequest, deadline: RequestDeadline):
         """make_params() -> the GenerateParams list, validated and tokenized; a refusal is a 400 naming its parameter."""
         try:
-            return [await router.prepare(p) for p in make_params()]
+            params = make_params()
+            check_queue_room(router, len(params), body)
+            return [await deadline.bound(router.prepare(p)) for p in params]
         except RequestError as exc:
             raise errors.HttpError.from_status(exc.code, str(exc), openai_param(exc.field, body), exc.field) from exc
 
-    async def started(request: Request, router, prepared, n: int) -> MergedGenerations:
-        merged = MergedGenerations(router, [(r, i * n) for i, r in enumerate(prepared)])
+    def check_queue_room(router, prompts: int, body: CommonRequest) -> None:
+        """A batch of prompts times n choices is that many generations at once: more than
+        the router may queue could never be admitted whole (400, naming n, or prompt when n is 1)."""
+        generations, room = prompts * body.n, router.config.max_queue
+        if generations > room:
+            field = "n" if body.n > 1 else "prompt"
+            message = f"{field} makes {generations} generations ({prompts} prompts times n={body.n}); the router queues at most {room} (--max-queue)"
+            raise RequestError(message, field=field)
+
+    async def started(request: Request, router, prepared, n: int, deadline: RequestDeadline) -> MergedGenerations:
+        merged = MergedGenerations(router, [(r, i * n) for i, r in enumerate(prepared)], deadline)
         try:
             await unless_disconnected(request, merged.start())
         except RequestError as exc:
@@ -194,7 +208,10 @@ def create_app(state: FrontState) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         router = serving()
         check_model(router, body)
-        ids = await router.tokenize(body.prompt, body.add_special_tokens)
+        try:
+            ids = await RequestDeadline(state.timeout_seconds).bound(router.tokenize(body.prompt, body.add_special_tokens))
+        except RequestError as exc:
+            raise errors.HttpError.from_status(exc.code, str(exc)) from exc
         return {"tokens": ids, "count": len(ids), "max_model_len": router.facts.max_seq_len}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -204,11 +221,12 @@ def create_app(state: FrontState) -> FastAPI:
         include_usage = check_stream_options(body)
         if body.echo and body.logprobs is not None:
             raise errors.bad_request("echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
+        deadline = RequestDeadline(state.timeout_seconds)
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", router.facts.name, chat=False)
-        prepared = await prepare(router, lambda: completion_params(body, envelope.id), body)
+        prepared = await prepare(router, lambda: completion_params(body, envelope.id), body, deadline)
         text_of = router.token_text
         echoes = [echo_text(router.tokenizer, p) if body.echo else "" for p in split_prompts(body.prompt)]
-        merged = await started(request, router, prepared, body.n)
+        merged = await started(request, router, prepared, body.n, deadline)
         if body.stream:
             events = completion_events(merged, envelope, body, text_of, echoes, include_usage)
             return ClosingStreamingResponse(events, merged.aclose, media_type="text/event-stream")
@@ -229,10 +247,11 @@ def create_app(state: FrontState) -> FastAPI:
         router = serving()
         check_model(router, body)
         include_usage = check_stream_options(body)
+        deadline = RequestDeadline(state.timeout_seconds)
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", router.facts.name, chat=True)
-        prepared = await prepare(router, lambda: [chat_params(body, envelope.id)], body)
+        prepared = await prepare(router, lambda: [chat_params(body, envelope.id)], body, deadline)
         text_of = router.token_text
-        merged = await started(request, router, prepared, body.n)
+        merged = await started(request, router, prepared, body.n, deadline)
         if body.stream:
             events = chat_events(merged, envelope, body, text_of, state.token_bytes(router), include_usage)
             return ClosingStreamingResponse(events, merged.aclose, media_type="text/event-stream")

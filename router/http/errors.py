@@ -49,6 +49,11 @@ def unauthorized(message: str) -> HttpError:
     return HttpError(401, message, "invalid_request_error", code="invalid_api_key")
 
 
+def body_too_large(max_bytes: int) -> HttpError:
+    return HttpError(413, f"the request body is over {max_bytes} bytes, the most this server accepts (--http-max-body-bytes)",
+                     "invalid_request_error", code="request_too_large")
+
+
 def model_not_found(model: str) -> HttpError:
     return HttpError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 

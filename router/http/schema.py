@@ -6,13 +6,28 @@ defaults to 1.0), plus vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`).
 Unknown fields are refused (400 naming them), as OpenAI refuses them: a
 parameter we do not implement is never silently ignored.
+
+Free-form fields have bounds of their own, below the body's (limits.py), so a
+request is refused naming the field rather than the whole body (400):
+`model` at most MAX_MODEL_CHARS characters (a path is accepted as the name),
+`user` MAX_USER_CHARS, `messages` MAX_MESSAGES entries, each message's content
+MAX_MESSAGE_CHARS characters in at most MAX_CONTENT_PARTS parts. `stop` and
+`stop_token_ids` are bounded by the rules both edges share (router/validation.py).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+MAX_MODEL_CHARS = 1024
+MAX_USER_CHARS = 256
+MAX_MESSAGES = 512
+MAX_MESSAGE_CHARS = 1 << 20  # a million characters: a quarter of the default body limit
+MAX_CONTENT_PARTS = 64
+
+ModelName = Annotated[StrictStr, Field(max_length=MAX_MODEL_CHARS)]
 
 
 def _prompt_form(value):
@@ -41,7 +56,7 @@ class CommonRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None  # None: the one model served (as vLLM)
+    model: ModelName | None = None  # None: the one model served (as vLLM)
     temperature: float = 1.0
     top_p: float | None = None
     top_k: StrictInt | None = None  # vLLM: -1 or 0 turns it off
@@ -56,7 +71,7 @@ class CommonRequest(BaseModel):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted, unused (OpenAI's abuse-monitoring tag)
+    user: Annotated[StrictStr, Field(max_length=MAX_USER_CHARS)] | None = None  # accepted, unused (OpenAI's abuse-monitoring tag)
 
 
 class CompletionRequest(CommonRequest):
@@ -71,7 +86,7 @@ class TokenizeRequest(BaseModel):
     """vLLM's and SGLang's /tokenize (not OpenAI's): `disagg bench --api openai` uses it."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: ModelName | None = None
     prompt: StrictStr
     add_special_tokens: StrictBool = True
 
@@ -87,6 +102,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[TextPart]
 
+    @field_validator("content")
+    @classmethod
+    def _bounded(cls, content):
+        if not isinstance(content, str) and len(content) > MAX_CONTENT_PARTS:
+            raise ValueError(f"has {len(content)} parts; at most {MAX_CONTENT_PARTS} are allowed")
+        chars = len(content) if isinstance(content, str) else sum(len(part.text) for part in content)
+        if chars > MAX_MESSAGE_CHARS:
+            raise ValueError(f"has {chars} characters; at most {MAX_MESSAGE_CHARS} are allowed in one message")
+        return content
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -94,7 +119,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(CommonRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: StrictInt | None = None  # deprecated by OpenAI for max_completion_tokens; both work
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False

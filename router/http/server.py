@@ -17,6 +17,7 @@ import socket
 import uvicorn
 
 from .app import FrontState, create_app
+from .limits import BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class HttpFront:
         self.sock = bind(host, port)
         self.port = self.sock.getsockname()[1]
         tls_files = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key} if tls else {}
-        config = uvicorn.Config(create_app(state), lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=2, **tls_files)
+        app = BodyLimit(create_app(state), state.max_body_bytes)
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=2, **tls_files)
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 
