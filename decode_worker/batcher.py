@@ -286,7 +286,7 @@ class Batcher:
 
     def _count_failure(self, exc: BaseException) -> None:
         if self.failure is None and self._streak.failed(exc):
-            self._fail_all(describe(exc) if self._streak.count < self._streak.limit else f"{self._streak.count} steps in a row failed; the last: {describe(exc)}")
+            self._fail_all(self._streak.cause(exc, "steps"))
 
     def _fail_all(self, cause: str) -> None:
         """The device cannot be trusted: every row fails, nothing more is scheduled, the worker is told."""
@@ -383,7 +383,7 @@ class Batcher:
             output: SampleOutput = step.output.result()
             tokens = output.token_ids.tolist()  # the one host/device sync of a step
             logprobs = output.rows([s.sampling.logprobs for s in step.rows])
-        except Exception as exc:
+        except Exception as exc:  # whatever the step raised (device, allocation, bounds check): its rows fail, the loop goes on
             self._step_failed(step, exc)
             return
         self._streak.succeeded()

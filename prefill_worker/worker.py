@@ -156,7 +156,7 @@ class PrefillWorker:
         except Exception as exc:
             log.error("prefill of %d tokens failed: %s", len(token_ids), describe(exc), exc_info=exc)
             if self.failure is None and self._streak.failed(exc):
-                self._stop_serving(describe(exc) if self._streak.count < self._streak.limit else f"{self._streak.count} prefills in a row failed; the last: {describe(exc)}")
+                self._stop_serving(self._streak.cause(exc, "prefills"))
             raise RequestError(f"prefill failed: {describe(exc)}", grpc.StatusCode.INTERNAL) from exc
         self._streak.succeeded()
         return result

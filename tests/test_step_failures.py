@@ -130,7 +130,8 @@ def test_with_one_decode_worker_a_failing_step_ends_its_stream_with_internal_and
 def hold_a_reservation(address: str):
     """A Decode call on the worker, reserved and waiting for KV: it keeps a draining worker draining."""
     channel = grpc.insecure_channel(address)
-    call = wgrpc.DecodeServiceStub(channel).Decode(wpb.DecodeRequest(request_id="held", prompt_len=4, stopping=wpb.WorkerStopping(max_new_tokens=4)), timeout=120)
+    request = wpb.DecodeRequest(request_id="held", prompt_len=4, stopping=wpb.WorkerStopping(max_new_tokens=4))
+    call = wgrpc.DecodeServiceStub(channel).Decode(request, timeout=120)
     assert next(call).HasField("reserved")
     return channel, call
 
@@ -143,7 +144,7 @@ def test_a_decode_step_that_keeps_failing_takes_the_worker_not_serving_and_it_ex
     try:
         with Client(cluster.router_address, timeout=120) as client:
             for _ in range(3):  # each request's steps fail; by the third in a row the worker gives up
-                tokens, error = stream_until_error(client, 8)
+                _, error = stream_until_error(client, 8)
                 assert error is not None and error.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), error
             poll(lambda: health(decode.address) == NOT_SERVING, "decode-0 NOT_SERVING")  # draining: our reservation is still open
             assert decode.popen.poll() is None

@@ -54,6 +54,10 @@ class FailureStreak:
     def succeeded(self) -> None:
         self.count = 0
 
+    def cause(self, exc: BaseException, what: str) -> str:
+        """Why the worker stops: the fatal error itself, or the streak it ended (what: "steps", "prefills")."""
+        return describe(exc) if self.count < self.limit else f"{self.count} {what} in a row failed; the last: {describe(exc)}"
+
 
 @dataclass
 class InjectedFaults:
