@@ -247,9 +247,8 @@ class Batcher:
             if seq is not None:
                 self._finish(seq)
         elif verb == "start_failed":
-            key, exc = arg
-            seq = self._find(key)
-            if seq is not None:
+            seq, exc = arg
+            if self._active.get(seq.slot) is seq:
                 self._fail_rows([seq], f"decode step failed: {describe(exc)}")
                 self._count_failure(exc)
 
@@ -267,15 +266,18 @@ class Batcher:
             # Queued on the device thread: after every step that still held the slot's
             # previous owner, before the first step of this one.
             started = self._device.submit(self.backend.start_sequence, seq.slot, *seq.token_history())
-            started.add_done_callback(lambda done: self._start_done(seq.key, done))
+            started.add_done_callback(lambda done: self._start_done(seq, done))
         if reason is not FinishReason.NONE:
             self._publish([TokenEvent(seq.key, [], reason)])
             self._finish(seq)
 
-    def _start_done(self, key: str, done: Future) -> None:
+    def _start_done(self, seq: Sequence, done: Future) -> None:
         """Device thread: a sequence whose penalty state could not be set up fails like a step."""
         if not done.cancelled() and done.exception() is not None:
-            self._send("start_failed", (key, done.exception()))
+            # Before any step of this row ends (they run after this on the device thread):
+            # none of its tokens, computed without its penalties, is published.
+            seq.done = True
+            self._send("start_failed", (seq, done.exception()))
 
     def _fail_rows(self, rows: list[Sequence], message: str) -> None:
         """Ends these rows with an error event; their slots are retired as any finished row's."""

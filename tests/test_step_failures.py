@@ -206,3 +206,94 @@ def test_the_fault_hook_is_the_backend_step_itself_when_unset_and_refuses_a_malf
     assert not streak.failed(RuntimeError()) and not streak.failed(RuntimeError())
     streak.succeeded()
     assert not streak.failed(RuntimeError()) and streak.failed(DeviceLost())
+
+
+class BatcherUnderFaults:
+    """A batcher in this process whose step raises where `fails(step number)` says; what it publishes and retires."""
+
+    def __init__(self, fails, async_mode: bool = True, slots: int = 2):
+        from conftest import reference, tiny_model
+        from decode_worker.batcher import Batcher
+        from disagg.engine.backends import load_backend
+
+        self.ref = reference("llama")
+        self.backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+        self.backend.allocate_slots(slots)
+        self.events, self.retired, self.fatal, self.steps = [], [], [], 0
+
+        def step(inputs):
+            self.steps += 1
+            if fails(self.steps):
+                raise RuntimeError(f"bounds check at step {self.steps}")
+            return self.backend.decode_step(inputs)
+
+        self.batcher = Batcher(self.backend, self.events.extend, self.retired.extend, async_mode=async_mode, on_fatal=self.fatal.append, decode_step=step)
+        self.batcher.start()
+
+    def admit(self, key: str, slot: int, prompt: str, max_new: int, sampling=None) -> int:
+        from decode_worker.batcher import Sequence
+        from disagg.engine.requests import Sampling, Stopping
+        from test_backend import prefill_into_slot
+
+        sampling = sampling or Sampling()
+        ids = self.ref.ids(prompt)
+        first = prefill_into_slot(self.backend, ids, slot, sampling).first_token
+        self.batcher.admit(Sequence(key, slot, len(ids), first, sampling, Stopping(max_new), context_ids=tuple(ids)))
+        return first
+
+    def tokens(self, key: str) -> list[int]:
+        return [t for e in self.events if e.key == key for t in e.token_ids]
+
+    def errors(self) -> dict[str, str]:
+        return {e.key: e.error for e in self.events if e.error}
+
+    def wait_retired(self, *keys: str) -> None:
+        poll(lambda: set(keys) <= set(self.retired), f"requests {keys} retired", within=60)
+
+
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+def test_a_failing_step_fails_its_rows_frees_their_slots_and_the_next_request_decodes_exactly(async_mode):
+    run = BatcherUnderFaults(lambda step: step == 3, async_mode)
+    prompts = {"a": "The baker opens", "b": "Snow fell"}
+    firsts = {key: run.admit(key, slot, prompt, 12) for slot, (key, prompt) in enumerate(prompts.items())}
+    run.wait_retired("a", "b")  # both slots handed back
+    assert run.errors() == {"a": "decode step failed: RuntimeError: bounds check at step 3", "b": "decode step failed: RuntimeError: bounds check at step 3"}
+    for key, prompt in prompts.items():  # the first token and steps 1-2, then nothing
+        assert [firsts[key], *run.tokens(key)] == run.ref.greedy(prompt, 3, ignore_eos=True)
+    first = run.admit("c", 0, "A river runs", 10)  # the loop goes on
+    run.wait_retired("c")
+    assert [first, *run.tokens("c")] == run.ref.greedy("A river runs", 10, ignore_eos=True)
+    assert run.fatal == [] and run.batcher.failure is None
+    run.batcher.stop()
+
+
+def test_steps_failing_in_a_row_stop_the_batcher_once_and_later_requests_fail_at_once():
+    from disagg.engine.faults import FAILURES_BEFORE_EXIT
+
+    run = BatcherUnderFaults(lambda step: step >= 2)
+    for i in range(FAILURES_BEFORE_EXIT):
+        run.admit(str(i), 0, "The baker opens", 12)
+        run.wait_retired(str(i))
+    assert len(run.fatal) == 1 and "steps in a row failed" in run.fatal[0] and run.batcher.failure == run.fatal[0]
+    run.admit("late", 1, "Snow fell", 12)
+    run.wait_retired("late")
+    assert run.errors()["late"].startswith("decode worker stopped serving: ") and run.tokens("late") == []
+    run.batcher.stop()
+
+
+def test_a_penalized_request_whose_penalty_state_cannot_be_set_up_fails_alone():
+    from disagg.engine.requests import Sampling
+
+    run = BatcherUnderFaults(lambda step: False)
+
+    def broken_start(*args):
+        raise MemoryError("no room for the penalty counts")
+
+    run.backend.start_sequence = broken_start
+    run.admit("penalized", 0, "The baker opens", 12, Sampling(presence_penalty=0.5))
+    run.admit("plain", 1, "Snow fell", 6)
+    run.wait_retired("penalized", "plain")
+    assert run.errors() == {"penalized": "decode step failed: MemoryError: no room for the penalty counts"}
+    assert run.tokens("penalized") == []  # nothing decoded without its penalties reached the caller
+    assert run.tokens("plain") == run.ref.greedy("Snow fell", 6, ignore_eos=True)[1:]
+    run.batcher.stop()
