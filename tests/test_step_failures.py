@@ -209,7 +209,8 @@ def test_the_fault_hook_is_the_backend_step_itself_when_unset_and_refuses_a_malf
 
 
 class BatcherUnderFaults:
-    """A batcher in this process whose step raises where `fails(step number)` says; what it publishes and retires."""
+    """A batcher in this process whose step raises where `fails(step number)` says; what it publishes and retires.
+    Requests admitted before `batcher.start()` are all in its first step."""
 
     def __init__(self, fails, async_mode: bool = True, slots: int = 2):
         from conftest import reference, tiny_model
@@ -228,7 +229,6 @@ class BatcherUnderFaults:
             return self.backend.decode_step(inputs)
 
         self.batcher = Batcher(self.backend, self.events.extend, self.retired.extend, async_mode=async_mode, on_fatal=self.fatal.append, decode_step=step)
-        self.batcher.start()
 
     def admit(self, key: str, slot: int, prompt: str, max_new: int, sampling=None) -> int:
         from decode_worker.batcher import Sequence
@@ -256,6 +256,7 @@ def test_a_failing_step_fails_its_rows_frees_their_slots_and_the_next_request_de
     run = BatcherUnderFaults(lambda step: step == 3, async_mode)
     prompts = {"a": "The baker opens", "b": "Snow fell"}
     firsts = {key: run.admit(key, slot, prompt, 12) for slot, (key, prompt) in enumerate(prompts.items())}
+    run.batcher.start()  # both rows in steps 1-3
     run.wait_retired("a", "b")  # both slots handed back
     assert run.errors() == {"a": "decode step failed: RuntimeError: bounds check at step 3", "b": "decode step failed: RuntimeError: bounds check at step 3"}
     for key, prompt in prompts.items():  # the first token and steps 1-2, then nothing
@@ -271,6 +272,7 @@ def test_steps_failing_in_a_row_stop_the_batcher_once_and_later_requests_fail_at
     from disagg.engine.faults import FAILURES_BEFORE_EXIT
 
     run = BatcherUnderFaults(lambda step: step >= 2)
+    run.batcher.start()
     for i in range(FAILURES_BEFORE_EXIT):
         run.admit(str(i), 0, "The baker opens", 12)
         run.wait_retired(str(i))
@@ -292,6 +294,7 @@ def test_a_penalized_request_whose_penalty_state_cannot_be_set_up_fails_alone():
     run.backend.start_sequence = broken_start
     run.admit("penalized", 0, "The baker opens", 12, Sampling(presence_penalty=0.5))
     run.admit("plain", 1, "Snow fell", 6)
+    run.batcher.start()
     run.wait_retired("penalized", "plain")
     assert run.errors() == {"penalized": "decode step failed: MemoryError: no room for the penalty counts"}
     assert run.tokens("penalized") == []  # nothing decoded without its penalties reached the caller
