@@ -7,6 +7,7 @@ still answers transformers' greedy tokens afterwards, holding nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -93,13 +94,14 @@ def assert_too_large(status: int, headers: dict, body: dict) -> None:
 
 
 def assert_greedy(client, llama_ref) -> None:
-    out = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert out.choices[0].model_extra["token_ids"] == llama_ref.greedy(PROMPT, 8, ignore_eos=True)
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_sent(cluster):
     before = router_rss_mb(cluster)
-    with socket.create_connection(host_port(cluster)) as sock:  # no token, no body: the header alone is enough
+    with socket.create_connection(host_port(cluster), timeout=60) as sock:  # no token, no body: the header alone is enough
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {100 << 20}\r\n\r\n".encode())
         assert_too_large(*read_response(sock))
     assert router_rss_mb(cluster) - before < 200
@@ -118,7 +120,7 @@ def _send_chunked(sock: socket.socket, total: int, sent: list[int]) -> None:
 def test_a_chunked_body_is_cut_off_once_it_passes_the_limit_and_memory_stays_bounded(cluster):
     before = router_rss_mb(cluster)
     total, sent = 100 << 20, [0]
-    with socket.create_connection(host_port(cluster)) as sock:
+    with socket.create_connection(host_port(cluster), timeout=60) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
         sender = threading.Thread(target=_send_chunked, args=(sock, total, sent), daemon=True)
         sender.start()
@@ -131,9 +133,37 @@ def test_a_chunked_body_is_cut_off_once_it_passes_the_limit_and_memory_stays_bou
 
 
 def test_a_body_under_the_limit_is_still_parsed_and_judged_on_its_fields(cluster):
-    prompt = "word " * ((LIMIT - 1024) // 5)
-    response = httpx.post(f"{cluster.http_url}/v1/completions", json={"prompt": prompt, "max_tokens": None}, timeout=120)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    response = httpx.post(f"{cluster.http_url}/v1/completions", json={"prompt": "hi", "user": "u" * (LIMIT - 1024)}, timeout=120)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "user", response.text
+
+
+async def _chunks(count: int):
+    for _ in range(count):
+        yield b"x" * 512
+
+
+def test_the_limit_holds_with_or_without_a_token_and_follows_the_flag():
+    from router.http.app import FrontState
+    from router.http.server import HttpFront
+
+    async def statuses() -> list[int]:
+        state = FrontState(router=lambda: None, draining=lambda: False, auth_token="secret", model_path="m", max_body_bytes=2048)
+        front = HttpFront(state, "127.0.0.1", 0)
+        await front.start()
+        url, token = f"http://127.0.0.1:{front.port}/v1/completions", {"authorization": "Bearer secret"}
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                return [
+                    (await http.post(url, content=b"x" * 3000)).status_code,  # declared, no token
+                    (await http.post(url, content=b"x" * 3000, headers=token)).status_code,  # declared, the token
+                    (await http.post(url, content=_chunks(6), headers=token)).status_code,  # chunked, 3072 bytes
+                    (await http.post(url, content=b"x" * 2048)).status_code,  # at the limit: reaches the token check
+                    (await http.post(url, content=_chunks(4), headers=token)).status_code,  # and the JSON parser
+                ]
+        finally:
+            await front.stop()
+
+    assert asyncio.run(statuses()) == [413, 413, 413, 401, 400]
 
 
 def _refusal(cluster, path: str, body: dict) -> dict:
@@ -155,6 +185,19 @@ def test_messages_model_and_user_are_bounded_naming_the_field(cluster):
         error = _refusal(cluster, "/v1/chat/completions", body)
         assert error["param"] == param and says in error["message"] and error["type"] == "invalid_request_error", (param, error)
     assert _refusal(cluster, "/tokenize", {"prompt": "x", "model": "m" * 1025})["param"] == "model"
+
+
+def test_lone_surrogates_are_refused_naming_the_field_not_an_internal_error(cluster):
+    cases = [
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {"prompt": "ok", "stop": ["\udfff"]}, "stop[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages[0].content[0].text"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ]
+    for path, body, param in cases:  # json.dumps escapes them (\\ud800), as a client's JSON would
+        response = httpx.post(f"{cluster.http_url}{path}", content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (path, response.text)
+        assert "lone surrogate" in response.json()["error"]["message"]
 
 
 def test_a_prompt_batch_times_n_over_the_queue_is_refused_naming_the_field(cluster, client, model):
@@ -186,7 +229,7 @@ def _closed_gate(gate: pathlib.Path) -> pathlib.Path:
 
 def test_a_huge_prompt_being_tokenized_does_not_hold_small_requests(cluster, client, gate, llama_ref):
     entered = _closed_gate(gate)
-    huge = "word " * ((3 << 20) // 5)
+    huge = "word " * ((1 << 20) // 5)  # a million characters: 16 times LONG_TEXT_CHARS
     url = cluster.http_url
     try:
         with ThreadPoolExecutor(2) as threads:

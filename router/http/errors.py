@@ -78,7 +78,9 @@ def validation_error(errors: list[dict]) -> HttpError:
     """The first of pydantic's complaints about a body, as a 400 naming its parameter."""
     if not errors:
         return bad_request("the request body is not valid", None)
-    first = errors[0]
+    # A value_error is one of our own validators (a bound, a lone surrogate): where a union's
+    # other member also failed (a string or a list?), it is the complaint that says why.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     param = pydantic_param(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param)

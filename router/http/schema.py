@@ -27,7 +27,19 @@ MAX_MESSAGES = 512
 MAX_MESSAGE_CHARS = 1 << 20  # a million characters: a quarter of the default body limit
 MAX_CONTENT_PARTS = 64
 
-ModelName = Annotated[StrictStr, Field(max_length=MAX_MODEL_CHARS)]
+
+def _unicode(value: str) -> str:
+    """JSON's \\ud800 escapes parse to lone surrogates, which no tokenizer takes (a TypeError deep inside it): refused here."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"contains a lone surrogate (\\u{ord(value[exc.start]):04x}) at character {exc.start}: not valid Unicode text") from None
+    return value
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+ModelName = Annotated[Text, Field(max_length=MAX_MODEL_CHARS)]
 
 
 def _prompt_form(value):
@@ -37,8 +49,10 @@ def _prompt_form(value):
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
     if isinstance(value, str) or is_ids(value):
-        return value
+        return _unicode(value) if isinstance(value, str) else value
     if isinstance(value, list) and (all(isinstance(x, str) for x in value) or all(is_ids(x) for x in value)):
+        for text in (x for x in value if isinstance(x, str)):
+            _unicode(text)
         return value
     raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists")
 
@@ -62,7 +76,7 @@ class CommonRequest(BaseModel):
     top_k: StrictInt | None = None  # vLLM: -1 or 0 turns it off
     min_p: float | None = None
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[StrictInt] | None = None
     n: StrictInt = 1
     presence_penalty: float | None = None
@@ -71,7 +85,7 @@ class CommonRequest(BaseModel):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: Annotated[StrictStr, Field(max_length=MAX_USER_CHARS)] | None = None  # accepted, unused (OpenAI's abuse-monitoring tag)
+    user: Annotated[Text, Field(max_length=MAX_USER_CHARS)] | None = None  # accepted, unused (OpenAI's abuse-monitoring tag)
 
 
 class CompletionRequest(CommonRequest):
@@ -87,20 +101,20 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: ModelName | None = None
-    prompt: StrictStr
+    prompt: Text
     add_special_tokens: StrictBool = True
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    content: Text | list[TextPart]
 
     @field_validator("content")
     @classmethod
