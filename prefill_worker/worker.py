@@ -121,12 +121,17 @@ class PrefillWorker:
         try:
             result = await self._run_prefill(token_ids, sampling, on_layer if target and not pull else None, first_step)
             self.metrics.prefill.observe(time.perf_counter() - started)
+            # Each path counts "ok" before its last event: the caller may close the call on
+            # receiving it, which ends this generator at that yield.
+            if target is None:
+                outcome = "ok"
             yield FirstToken(result.first_token, time.perf_counter() - started, result.logprobs)
             if pull:
                 sent_at = time.perf_counter()
                 try:
-                    yield KvSent(await self._pull(target, result, timeout), time.perf_counter() - sent_at)
+                    sent = KvSent(await self._pull(target, result, timeout), time.perf_counter() - sent_at)
                     outcome = "ok"
+                    yield sent
                     return
                 except PeerHasNoNixl:
                     for layer, (keys, values) in enumerate(result.layers):
@@ -136,8 +141,9 @@ class PrefillWorker:
             if sender is not None:
                 outbox.put_nowait(KvCommit(result.first_token, len(token_ids), self.info.num_layers))
                 sent_at = time.perf_counter()
-                yield KvSent(await sender, time.perf_counter() - sent_at)
-            outcome = "ok"
+                sent = KvSent(await sender, time.perf_counter() - sent_at)
+                outcome = "ok"
+                yield sent
         except RequestError as exc:
             outcome = outcome_label(exc.code)
             raise
