@@ -166,6 +166,27 @@ def test_the_limit_holds_with_or_without_a_token_and_follows_the_flag():
     assert asyncio.run(statuses()) == [413, 413, 413, 401, 400]
 
 
+def test_a_body_that_never_arrives_in_full_gets_408_at_the_deadline():
+    from router.http.app import FrontState
+    from router.http.server import HttpFront
+
+    async def response() -> bytes:
+        state = FrontState(router=lambda: None, draining=lambda: False, auth_token=None, model_path="m", timeout_seconds=1.0)
+        front = HttpFront(state, "127.0.0.1", 0)
+        await front.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")  # and nothing more
+            answer = await asyncio.wait_for(reader.read(), 60)  # read() to EOF: the router closes the connection
+            writer.close()
+            return answer
+        finally:
+            await front.stop()
+
+    answer = asyncio.run(response())
+    assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer
+
+
 def _refusal(cluster, path: str, body: dict) -> dict:
     response = httpx.post(f"{cluster.http_url}{path}", json=body, timeout=60)
     assert response.status_code == 400, response.text

@@ -54,6 +54,10 @@ def body_too_large(max_bytes: int) -> HttpError:
                      "invalid_request_error", code="request_too_large")
 
 
+def body_too_slow(seconds: float) -> HttpError:
+    return HttpError(408, f"the request body did not arrive in full within {seconds:g} s (--http-timeout-seconds)", "invalid_request_error", code="request_timeout")
+
+
 def model_not_found(model: str) -> HttpError:
     return HttpError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 

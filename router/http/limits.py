@@ -8,11 +8,15 @@ the moment the count passes the limit: at once when Content-Length already says
 so, mid-body for a chunked one. The body it read is handed to the app unchanged;
 later receive() calls (the disconnect the routes watch for) reach the server as
 before. The refusal closes the connection: the rest of the body is never read.
+A body still incomplete after the request's deadline (a client that trickles
+it) gets 408 the same way: no connection waits forever on its body.
 """
 
 from __future__ import annotations
 
-from .errors import HttpError, bad_request, body_too_large
+import asyncio
+
+from .errors import HttpError, bad_request, body_too_large, body_too_slow
 
 
 class _BodyTooLarge(Exception):
@@ -70,8 +74,8 @@ async def _refuse(error: HttpError, scope, receive, send) -> None:
 class BodyLimit:
     """ASGI middleware: the app only ever sees bodies of at most max_bytes."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, read_seconds: float):
+        self.app, self.max_bytes, self.read_seconds = app, max_bytes, read_seconds
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -81,7 +85,10 @@ class BodyLimit:
             declared = _declared_length(scope)
             if declared is not None and declared > self.max_bytes:
                 raise _BodyTooLarge()
-            body = await _read_body(receive, self.max_bytes)
+            body = await asyncio.wait_for(_read_body(receive, self.max_bytes), self.read_seconds)
+        except asyncio.TimeoutError:
+            await _refuse(body_too_slow(self.read_seconds), scope, receive, send)
+            return
         except _BodyTooLarge:
             await _refuse(body_too_large(self.max_bytes), scope, receive, send)
             return

@@ -52,7 +52,7 @@ class HttpFront:
         self.sock = bind(host, port)
         self.port = self.sock.getsockname()[1]
         tls_files = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key} if tls else {}
-        app = BodyLimit(create_app(state), state.max_body_bytes)
+        app = BodyLimit(create_app(state), state.max_body_bytes, state.timeout_seconds)
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=2, **tls_files)
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
