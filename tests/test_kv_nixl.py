@@ -71,7 +71,10 @@ def test_cancelled_requests_during_nixl_transfers_leave_nothing_held(nixl_cluste
 
     async def run():
         async with AsyncClient(nixl_cluster.router_address, timeout=120) as client:
-            tasks = [asyncio.create_task(client.complete(p, max_new_tokens=n)) for p, n in work]
+            # The half that is cancelled streams long (300 tokens, EOS ignored), so it is still in
+            # flight when a worker is seen holding work, on a fast host too; the other half is checked exact.
+            tasks = [asyncio.create_task(client.complete(p, max_new_tokens=300, ignore_eos=True) if i % 2 == 0 else client.complete(p, max_new_tokens=n))
+                     for i, (p, n) in enumerate(work)]
             await asyncio.to_thread(wait_for, on_the_workers, 30, "a request held by a worker")
             cancelled = [task.cancel() for task in tasks[::2]]
             return cancelled, await asyncio.gather(*tasks, return_exceptions=True)
