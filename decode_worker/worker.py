@@ -21,7 +21,7 @@ from disagg import wire
 from disagg.engine.backends import Backend
 from disagg.engine.faults import TEST_FAIL_DECODE_STEP, with_injected_faults
 from disagg.kv.codec import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode
-from disagg.engine.requests import FinishReason, Sampling, Stopping
+from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
 from disagg.engine.slots import Reservation, SlotManager, SlotState
 from disagg.kv import open_fallible
 from disagg.kv.nixl_transport import NixlTransferError
@@ -111,13 +111,13 @@ class DecodeWorker:
     def open_stream(self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0, context_ids: tuple[int, ...] = ()) -> DecodeStream:
         if self.failure is not None:
             raise RequestError(f"decode worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
-        if not 0 < prompt_len < self.info.max_seq_len:
-            raise RequestError(f"prompt_len {prompt_len} must be in [1, {self.info.max_seq_len})")
-        if stopping.max_new_tokens < 1:
-            raise RequestError(f"stopping.max_new_tokens must be at least 1, got {stopping.max_new_tokens}")
+        # The server checked the order already (wire.decode_order_from_pb); in-process callers get the same rules.
+        with wire.worker_names():
+            check_prompt_len("prompt_len", prompt_len, self.info.max_seq_len)
+            if stopping.max_new_tokens < 1:
+                raise InvalidField("stopping.max_new_tokens", f"must be at least 1, got {stopping.max_new_tokens}")
+            wire.checked_context(context_ids, prompt_len, sampling.penalized, self.info.vocab_size)
         wire.check_sampling(self.backend, sampling)
-        if sampling.penalized:
-            check_context(context_ids, prompt_len, self.info.vocab_size)
         if not self.slots.can_reserve():
             raise RequestError(f"all {self.slots.num_slots} slots are in use", grpc.StatusCode.RESOURCE_EXHAUSTED)
         reservation = self.slots.reserve(request_id, prompt_len, self.config.lease_seconds)
@@ -352,14 +352,6 @@ class DecodeWorker:
             "active": self.batcher.active_count,
             "inflight_transfers": sum(1 for s in self._streams.values() if s.transferring),
         }
-
-
-def check_context(context_ids: tuple[int, ...], prompt_len: int, vocab_size: int) -> None:
-    if len(context_ids) != prompt_len:
-        raise RequestError(f"context_token_ids has {len(context_ids)} ids; a penalized request needs its prompt_len {prompt_len}")
-    bad = next((t for t in context_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"context_token_ids contains {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True)

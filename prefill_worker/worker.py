@@ -22,7 +22,7 @@ import grpc
 from disagg.engine.backends import Backend
 from disagg import wire
 from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, FailureStreak, describe, with_injected_faults
-from disagg.engine.requests import Sampling, TokenLogprobs
+from disagg.engine.requests import Sampling, TokenLogprobs, check_prompt_len, check_token_ids
 from disagg.flags import pin_this_thread
 from disagg.kv.codec import KvCommit, KvKind, encode
 from disagg.kv import open_fallible
@@ -89,13 +89,10 @@ class PrefillWorker:
         if self.failure is not None:
             raise RequestError(f"prefill worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
         wire.check_sampling(self.backend, sampling)
-        if not token_ids:
-            raise RequestError("token_ids is empty")
-        if len(token_ids) >= self.info.max_seq_len:
-            raise RequestError(f"token_ids has {len(token_ids)} tokens; the limit is {self.info.max_seq_len - 1}")
-        bad = next((t for t in token_ids if not 0 <= t < self.info.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"token_ids contains {bad}, outside the vocabulary [0, {self.info.vocab_size})")
+        # The server checked the order already (wire.prefill_order_from_pb); in-process callers get the same rules.
+        with wire.worker_names():
+            check_prompt_len("token_ids", len(token_ids), self.info.max_seq_len)
+            check_token_ids("token_ids", token_ids, self.info.vocab_size)
 
     async def prefill(self, token_ids: list[int], sampling: Sampling, target: KvTarget | None, first_step: int = 0, timeout: float | None = None) -> AsyncIterator[FirstToken | KvSent]:
         """Yields the first token, then (with a target) the acknowledged transfer.
