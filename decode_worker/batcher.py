@@ -154,6 +154,10 @@ class Batcher:
         self._thread.join(timeout=30)
         self._device.shutdown(wait=True)
 
+    def device_failed(self, cause: str) -> None:
+        """Device work beside the steps (a colocated prefill) says the device cannot be trusted: as a fatal step."""
+        self._send("device_failed", cause)
+
     def run_on_device(self, fn, *args):
         """Runs fn on the device thread between steps (colocated prefill); a concurrent future."""
         return self._device.submit(fn, *args)
@@ -246,6 +250,8 @@ class Batcher:
             seq = self._find(arg)
             if seq is not None:
                 self._finish(seq)
+        elif verb == "device_failed":
+            self._fail_all(arg)
         elif verb == "start_failed":
             seq, exc = arg
             if self._active.get(seq.slot) is seq:

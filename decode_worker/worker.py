@@ -282,9 +282,6 @@ class DecodeWorker:
         self.batcher.admit(Sequence(stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids))
 
     # -- colocated mode: prefill on this worker's own device thread --------------
-    async def colocated_prefill(self, token_ids: list[int], sampling: Sampling, first_step: int):
-        return await asyncio.wrap_future(self.batcher.run_on_device(self.backend.prefill, token_ids, sampling, None, first_step))
-
     async def colocated_fill(self, key: str, token_ids: list[int], first_token: int, layers) -> int:
         """Copies a local prefill's KV into the reserved slot and admits it: no wire, no codec."""
         stream = self._streams.get(key)

@@ -184,6 +184,63 @@ def test_a_prefill_device_lost_takes_the_prefill_worker_down_non_zero(one_decode
     assert_nothing_held(cluster)  # the decode worker holds nothing for the failed request
 
 
+@pytest.fixture
+def colocated_with(cluster_logs, request, monkeypatch):
+    """Starts a router and one colocated decode worker (it prefills too) whose prefills fail as the hook says."""
+    started = []
+
+    def start(hook: str):
+        monkeypatch.setenv(TEST_FAIL_PREFILL_STEP, hook)  # the worker process inherits it
+        started.append(start_cluster(cluster_logs / request.node.name, "llama", decode=1, colocated=True, batch_size=2))
+        return started[-1]
+
+    yield start
+    for cluster in started:
+        cluster.stop()
+
+
+def test_a_colocated_workers_failing_prefill_ends_only_its_request_and_decoding_goes_on(colocated_with, llama_ref):
+    cluster = colocated_with("after=1,count=1")  # the worker's second prefill raises
+    decode = cluster.process("decode-0")
+    with Client(cluster.router_address, timeout=120) as client:
+        running = client.generate(PROMPT, max_new_tokens=40, ignore_eos=True)  # prefill 1, then decoding on the worker
+        tokens = list(next(running).token_ids)
+        with pytest.raises(grpc.RpcError) as failed:  # prefill 2 raises on the device thread the decode steps use
+            client.complete("The cat", max_new_tokens=5)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL, failed.value
+        assert "prefill failed" in failed.value.details() and "injected failure of step 2" in failed.value.details()
+        for chunk in running:
+            tokens += chunk.token_ids
+        assert tokens == llama_ref.greedy(PROMPT, 40, ignore_eos=True)  # the running request lost nothing
+        assert_nothing_held(cluster)  # the failed request's reservation is freed
+        assert client.complete("The cat", max_new_tokens=6, ignore_eos=True).token_ids == llama_ref.greedy("The cat", 6, ignore_eos=True)
+    assert health(decode.address) == SERVING and decode.popen.poll() is None
+    assert_nothing_held(cluster)
+
+
+def test_a_colocated_workers_prefills_that_keep_failing_take_it_not_serving_and_it_exits_non_zero(colocated_with):
+    from disagg.engine.faults import FAILURES_BEFORE_EXIT
+
+    cluster = colocated_with("after=0,count=1000")
+    decode = cluster.process("decode-0")
+    channel, held = hold_a_reservation(decode.address)  # keeps the draining worker draining until we let go
+    try:
+        with Client(cluster.router_address, timeout=120) as client:
+            for _ in range(FAILURES_BEFORE_EXIT):
+                with pytest.raises(grpc.RpcError) as failed:
+                    client.complete(PROMPT, max_new_tokens=5)
+                assert failed.value.code() == grpc.StatusCode.INTERNAL and "injected failure" in failed.value.details(), failed.value
+        poll(lambda: health(decode.address) == NOT_SERVING, "decode-0 NOT_SERVING")
+        assert decode.popen.poll() is None
+    finally:
+        held.cancel()
+        channel.close()
+    assert decode.popen.wait(timeout=60) != 0  # its supervisor starts a fresh one
+    with open(f"{cluster.spec.log_dir}/decode-0.log") as f:
+        log = f.read()
+    assert f"{FAILURES_BEFORE_EXIT} prefills in a row failed" in log and "injected failure of step 3" in log
+
+
 def test_the_fault_hook_is_the_backend_step_itself_when_unset_and_refuses_a_malformed_value():
     from disagg.engine.faults import DeviceLost, FailureStreak, InjectedStepFailure, with_injected_faults
 
