@@ -28,6 +28,7 @@ from ...sampler import SampleOutput, params_tensor
 from ..base import Backend, LayerKvCallback, ModelInfo, PrefillResult, StepInputs
 from .compile import build_config, compile_or_load, model_class
 from .config import DTYPES, NeuronOptions, compiled_lines, prefill_line
+from .faults import device_errors
 from .layout import KvLayout, UnsupportedLayout, sort_rows
 from .packages import check_nxdi_release, check_seq_ids_mask, check_transformers_for_nxdi
 from .sampling import nxdi_sampling_params
@@ -180,6 +181,7 @@ class NeuronBackend(Backend):
                         )
 
     # -- Backend ---------------------------------------------------------------
+    @device_errors()  # a fatal Neuron runtime status raises DeviceLost: the worker drains and exits (faults.py)
     def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
         # NxDI samples with its own device RNG: seeds and first_step do not apply here.
         length, line = len(token_ids), prefill_line(self.options)
@@ -215,6 +217,7 @@ class NeuronBackend(Backend):
             raise ValueError(f"the compiled model has {self.options.batch_size} slots, not {num_slots}")
         return sum(c.numel() * c.element_size() for layer in range(self.info.num_layers) for kind in KvKind for c in self._caches(layer, kind))
 
+    @device_errors()
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
         self.layout.write_line(self._caches(layer, kind), slot, token_start, tensor)
 
@@ -226,6 +229,7 @@ class NeuronBackend(Backend):
     def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
         """Nothing to keep: no penalty reaches this backend (unsupported refuses them)."""
 
+    @device_errors()
     def decode_step(self, inputs: StepInputs) -> SampleOutput:
         order, inverse = sort_rows(inputs.slots.tolist())  # the batcher sorts already; NxDI requires it
         slots, positions = inputs.slots[order], inputs.positions[order]
