@@ -46,6 +46,16 @@ def serve_worker_args(args) -> list[str]:
     return out
 
 
+def serve_router_args(args) -> list[str]:
+    """Flags the router gets from `disagg serve` (only those given: the router's defaults otherwise)."""
+    out = []
+    if args.http_max_body_bytes is not None:
+        out += ["--http-max-body-bytes", str(args.http_max_body_bytes)]
+    if args.http_timeout_seconds is not None:
+        out += ["--http-timeout-seconds", str(args.http_timeout_seconds)]
+    return out
+
+
 def print_banner(cluster, model: str) -> None:
     print(f"\ndisagg is serving {model}\n  router (GenerationService): {cluster.router_address}")
     if cluster.http_url:
@@ -65,7 +75,8 @@ def cmd_serve(args) -> int:
 
     http_port = None if args.http_port < 0 else free_or_any(args.http_port) if args.http_port else 0
     spec = ClusterSpec(model=args.model or "", prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, http_port=http_port,
-                       dtype=args.dtype, batch_size=args.batch_size, worker_args=serve_worker_args(args), colocated=args.colocated, neuron=neuron_placement(args))
+                       dtype=args.dtype, batch_size=args.batch_size, worker_args=serve_worker_args(args), router_args=serve_router_args(args), colocated=args.colocated, neuron=neuron_placement(args),
+                       threads_per_worker=args.threads)
     try:
         cores = spec.neuron_cores()  # the one-line refusal comes before anything starts
     except NotEnoughCores as exc:
@@ -196,8 +207,11 @@ def main(argv=None) -> int:
     serve.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the built-in tiny model)")
     serve.add_argument("--port", type=int, default=int(os.environ.get("DISAGG_PORT", 50050)), help="router port")
     serve.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", 8000)), help="the router's OpenAI-compatible HTTP API (default 8000, or a free port when 8000 is taken; 0: a free port; -1: off)")
+    serve.add_argument("--http-max-body-bytes", type=int, default=None, help="refuse an HTTP request body over this many bytes (413) before reading it in full (default 4 MiB, as the gRPC API's)")
+    serve.add_argument("--http-timeout-seconds", type=float, default=None, help="an HTTP request still unanswered after this long ends with 504 (default 600)")
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
+    serve.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (default 0: the machine's cores split between the workers)")
     serve.add_argument("--batch-size", type=int, default=0, help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
     serve.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves from prefill to decode (nixl: read straight into the slot, needs nixl-cu12; auto: NIXL where it is installed, else the gRPC stream)")

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import sys
@@ -88,6 +89,15 @@ class ClusterSpec:
         return ["--backend", "neuron", "--tp-degree", str(self.neuron.prefill_tp if role == "prefill" else self.neuron.decode_tp)]
 
 
+def reserve_port() -> socket.socket:
+    """A bound (not listening) socket holding a free port on 127.0.0.1 until closed. SO_REUSEPORT
+    lets a gRPC server (which sets it too) bind the same port meanwhile; no one else can take it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 def compile_flag(compile: bool | None) -> list[str]:
     return [] if compile is None else ["--compile" if compile else "--no-compile"]
 
@@ -132,11 +142,20 @@ class LocalCluster:
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(threads), *spec.worker_args]
         decode_args = common + ["--batch-size", str(spec.batch_size), *compile_flag(spec.compile), *spec.decode_args] + (["--colocated"] if spec.colocated else [])
         # Every worker is started before any is waited for: each spends seconds importing
-        # torch before it binds its port, and those imports can run side by side.
-        launched = [self._launch(f"decode-{i}", "decode_worker", decode_args + spec.neuron_args("decode")) for i in range(spec.decode_workers)]
-        if not spec.colocated:
-            launched += [self._launch(f"prefill-{i}", "prefill_worker", common + spec.prefill_args + spec.neuron_args("prefill")) for i in range(spec.prefill_workers)]
-        workers = self._bind_all(launched)
+        # torch before it binds its port, and those imports can run side by side. The prefill
+        # workers need the decode workers' addresses (--decode: where they may send KV), so those
+        # ports are reserved here first (reserve_port) and each decode worker binds its own.
+        reserved = [reserve_port() for _ in range(spec.decode_workers)] if not spec.colocated else []
+        try:
+            launched = [self._launch(f"decode-{i}", "decode_worker", decode_args + spec.neuron_args("decode"), port=reserved[i].getsockname()[1] if reserved else 0)
+                        for i in range(spec.decode_workers)]
+            if not spec.colocated:
+                pool = [a for r in reserved for a in ("--decode", f"127.0.0.1:{r.getsockname()[1]}")]
+                launched += [self._launch(f"prefill-{i}", "prefill_worker", common + pool + spec.prefill_args + spec.neuron_args("prefill")) for i in range(spec.prefill_workers)]
+            workers = self._bind_all(launched)
+        finally:
+            for sock in reserved:
+                sock.close()
         decode = workers[: spec.decode_workers]
         prefill = decode if spec.colocated else workers[spec.decode_workers :]
         router_args = ["--model", spec.model, *spec.router_args]
@@ -162,6 +181,8 @@ class LocalCluster:
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(spec.threads_per_worker or 1), *spec.worker_args, *extra]
         if role == "decode":
             common += compile_flag(spec.compile)
+        if role == "prefill" and "--decode" not in extra:  # the decode workers started so far are its pool
+            common += [a for address in self.addresses("decode") for a in ("--decode", address)]
         return self._spawn(f"{role}-extra-{len(self.processes)}", f"{role}_worker", common)
 
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> Process:

@@ -2,7 +2,8 @@
 sends the prompt's KV straight to the reserved decode slot.
 
 Lifecycle of a request here, in order:
-1. `Prefill` arrives with token ids, sampling and (usually) a KV target.
+1. `Prefill` arrives with token ids, sampling and (usually) a KV target; a target
+   outside the decode pool (`--decode`, peers.py) is refused before anything else.
 2. It waits for the device thread (one prompt at a time, as NxDI's ctx_batch_size=1).
 3. As each layer's K/V is computed, it is cut into pieces for the decode
    worker's `PushKv`; on an accelerator they are sent at once, overlapping the

@@ -16,16 +16,23 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
     parser.add_argument("--kv-piece-bytes", type=int, default=4 * 1024 * 1024, help="largest KV piece in one gRPC message")
     parser.add_argument("--stream-kv", dest="stream_kv", action="store_true", default=None, help="send KV layer by layer during prefill (default on accelerators)")
     parser.add_argument("--kv-staging-buffers", type=int, default=2, help="NIXL: prompts staged in registered memory for decode workers to read at once")
+    parser.add_argument("--decode", action="append", default=[], metavar="TARGET",
+                        help="required: a decode worker (HOST:PORT) or pool (dns:///NAME:PORT, resolved again as the router does) this worker may send KV to; "
+                        "the router's --decode targets. A kv_target outside them is refused (PERMISSION_DENIED) and never dialled. Repeat for several")
     parser.add_argument("--no-stream-kv", dest="stream_kv", action="store_false", help="send KV after the first token (default on CPU)")
     args = parser.parse_args(argv)
     setup_process(args)
     shared, settings = worker_fields(args)
-    return PrefillWorkerConfig(
-        **shared,
-        kv_piece_bytes=args.kv_piece_bytes,
-        stream_kv_during_prefill=args.stream_kv,
-        kv_staging_buffers=args.kv_staging_buffers,
-    )
+    try:
+        return PrefillWorkerConfig(
+            **shared,
+            kv_piece_bytes=args.kv_piece_bytes,
+            stream_kv_during_prefill=args.stream_kv,
+            kv_staging_buffers=args.kv_staging_buffers,
+            decode_peers=tuple(args.decode),
+        )
+    except ValueError as exc:  # one line naming the flag, not a traceback
+        parser.error(str(exc))
 
 
 def main(argv=None) -> None:

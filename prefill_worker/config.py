@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 from disagg.worker_config import WorkerConfig
 
+from .peers import parse_pool
+
 
 @dataclass(frozen=True)
 class PrefillWorkerConfig(WorkerConfig):
@@ -15,6 +17,8 @@ class PrefillWorkerConfig(WorkerConfig):
     # accelerator; on a CPU the send takes cores from the prefill itself (3 ms of
     # a 12 ms TTFT measured here), so there the KV goes right after the first token.
     stream_kv_during_prefill: bool | None = None  # None: only when device is not "cpu"
+    # --decode: the decode pool KV may go to, as the router's targets (HOST:PORT, dns:[//SERVER/]NAME:PORT); required
+    decode_peers: tuple[str, ...] = ()
 
     @property
     def streams_kv_during_prefill(self) -> bool:
@@ -25,3 +29,4 @@ class PrefillWorkerConfig(WorkerConfig):
             raise ValueError("--kv-piece-bytes must be at least 1024")
         if self.kv_staging_buffers < 1:
             raise ValueError("--kv-staging-buffers must be at least 1")
+        parse_pool(self.decode_peers)

@@ -59,6 +59,7 @@ async def serve(config: PrefillWorkerConfig) -> None:
     options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1, neuron=config.neuron, torch=dict(prepack=config.prepack, native_step=config.native_step))
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **options))
     servicer.worker = await stop_on_failure(server, lambda: PrefillWorker(backend, config, metrics))
+    await servicer.worker.start()  # the decode pool resolved before the first kv_target is checked
     await server.set_serving(True)
     startup.report(startup.Phase.SERVING, "serving")
     reporter.stop()  # the launcher reads health from here on

@@ -32,7 +32,9 @@ from disagg.metrics import PrefillMetrics, outcome_label
 from disagg.rpc import RequestError
 from disagg.security import open_channel
 
+from .channels import MAX_KV_CHANNELS, ChannelCache
 from .config import PrefillWorkerConfig
+from .peers import DecodePeers
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,11 @@ class PrefillWorker:
         self._prefill_step = with_injected_faults(backend.prefill, TEST_FAIL_PREFILL_STEP)  # read once, here; unset: the backend's own
         self._streak = FailureStreak()
         self.failure: str | None = None  # why the device stopped being trusted; the process then exits non-zero
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # KV goes only to the decode pool (--decode), over at most MAX_KV_CHANNELS idle channels.
+        self._channels = ChannelCache(lambda address: open_channel(address, config.tls))
+        self.peers = DecodePeers(config.decode_peers)
+        self.peers.on_change = self._pool_changed
+        self._refresher: asyncio.Task | None = None
         self.pending = 0  # prefills submitted and not finished (running one included)
         self.pending_tokens = 0  # their prompt tokens
         self.inflight_transfers = 0
@@ -76,9 +82,20 @@ class PrefillWorker:
         metrics.queued.set_function(lambda: self.pending)
         metrics.queued_tokens.set_function(lambda: self.pending_tokens)
 
+    async def start(self) -> None:
+        """Resolves the decode pool, and keeps following it where DNS can change it."""
+        await self.peers.refresh()
+        if self.peers.dynamic:
+            self._refresher = asyncio.create_task(self.peers.refresh_forever())
+
+    def _pool_changed(self, allowed: frozenset[str]) -> None:
+        self._channels.capacity = max(MAX_KV_CHANNELS, len(allowed))
+        self._channels.retain(allowed)
+
     async def stop(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        if self._refresher is not None:
+            self._refresher.cancel()
+        await self._channels.close()
         self._device.shutdown(wait=True)
         if self.pull is not None:
             self.pull.close()
@@ -100,6 +117,8 @@ class PrefillWorker:
         timeout is what is left of the caller's deadline; the KV send inherits it.
         """
         self.validate(token_ids, sampling)
+        if target is not None:  # before any device work: nothing is held by a refused target
+            target = KvTarget(await self.peers.admit(target.address), target.reservation_id)
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue = asyncio.Queue()
 
@@ -176,22 +195,25 @@ class PrefillWorker:
 
     async def _push(self, target: KvTarget, outbox: asyncio.Queue, timeout: float | None) -> int:
         self.inflight_transfers += 1
+        self._channels.hold(target.address)
         try:
             return await self.push.send(target.address, target.reservation_id, outbox, timeout)
         finally:
+            self._channels.release(target.address)
             self.inflight_transfers -= 1  # the pieces not sent are dropped with the outbox
 
     async def _pull(self, target: KvTarget, result, timeout: float | None) -> int:
         self.inflight_transfers += 1
+        self._channels.hold(target.address)
         try:
             return await self.pull.send(target.address, target.reservation_id, result.layers, result.first_token, timeout)
         finally:
+            self._channels.release(target.address)
             self.inflight_transfers -= 1
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = open_channel(address, self.config.tls)
-        return self._channels[address]
+        """The transports' channel_for: only a channel a send holds, to an admitted address."""
+        return self._channels.get(address)
 
     def busy(self) -> bool:
         return self.pending > 0 or self.inflight_transfers > 0

@@ -48,6 +48,17 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def canonical_address(text: str, what: str = "address") -> str:
+    """HOST:PORT with an IP written one way (ipaddress's form) and a name in lower case, so two
+    spellings of one address compare equal; ValueError (naming `what`) for anything else."""
+    host, port = _split(text, what)
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        host = host.lower().rstrip(".")
+    return join_host_port(host, port)
+
+
 def _split(text: str, what: str) -> tuple[str, int]:
     match = _HOST_PORT.match(text)
     if not match or not 0 < int(match["port"]) < 65536:

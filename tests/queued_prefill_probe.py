@@ -32,7 +32,7 @@ from prefill_worker.worker import FirstToken, KvSent, KvTarget, PrefillWorker
 
 async def probe(args: dict) -> dict:
     ids, decode = args["prompt_ids"], args["decode"]
-    config = PrefillWorkerConfig(model=args["model"], dtype="float32", kv_transport="nixl")
+    config = PrefillWorkerConfig(model=args["model"], dtype="float32", kv_transport="nixl", decode_peers=(decode,))
     backend = load_backend("torch", model=config.model, dtype="float32", device="cpu", max_seq_len=256, global_topk=0, batch_size=1)
     worker = PrefillWorker(backend, config, PrefillMetrics(CollectorRegistry()))
     later_prefill = threading.Event()  # set: the prefill queued after the prompt ends

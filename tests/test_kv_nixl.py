@@ -93,8 +93,8 @@ def test_a_nixl_backend_that_does_not_load_stops_the_worker_in_one_line_or_falls
     logs = cluster_logs / "nixl-libfabric"
     cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(logs)))
     try:
-        strict = cluster.add_worker("prefill", ["--kv-transport", "nixl", "--nixl-backend", "LIBFABRIC"])
         lenient = cluster.add_worker("decode", ["--nixl-backend", "LIBFABRIC"])  # --kv-transport auto
+        strict = cluster.add_worker("prefill", ["--kv-transport", "nixl", "--nixl-backend", "LIBFABRIC"])  # its --decode: lenient
         assert strict.popen.wait(120) == 2
         last_line = (logs / f"{strict.name}.log").read_text().strip().splitlines()[-1]
         assert last_line == "prefill_worker: --kv-transport nixl: NIXL's LIBFABRIC backend did not load"

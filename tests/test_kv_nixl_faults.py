@@ -109,15 +109,16 @@ class Stager:
 @pytest.fixture(scope="module")
 def nixl_workers(cluster_logs):
     """A NIXL prefill worker and two NIXL decode workers, no router (the test plays it)."""
-    from disagg.launcher import ClusterSpec, LocalCluster
+    from disagg.launcher import ClusterSpec, LocalCluster, reserve_port
 
     cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "nixl-faults"), worker_args=["--kv-transport", "nixl"]))
     try:
-        prefill = cluster.add_worker("prefill")
         decode = cluster.add_worker("decode", ["--lease-seconds", "30", "--batch-size", "2"])
+        spare = reserve_port()  # a decode worker a test starts later: in the prefill worker's pool (--decode) from the start
+        prefill = cluster.add_worker("prefill", ["--decode", decode.address, "--decode", f"127.0.0.1:{spare.getsockname()[1]}"])
         for worker in (prefill, decode):
             cluster.wait_serving(120, worker.address)
-        yield cluster, prefill.address, decode.address
+        yield cluster, prefill.address, decode.address, spare
     finally:
         cluster.stop()
 
@@ -137,7 +138,7 @@ def held(stub) -> tuple[int, int, int]:
 
 
 def test_a_staging_side_that_died_fails_the_read_and_a_retry_from_another_is_exact(nixl_workers, tmp_path):
-    _, _, decode_address = nixl_workers
+    _, _, decode_address, _ = nixl_workers
     ref = reference("llama")
     ids = ref.ids(PROMPT)
     with grpc.insecure_channel(decode_address) as channel:
@@ -161,7 +162,7 @@ def test_a_staging_side_that_died_fails_the_read_and_a_retry_from_another_is_exa
 
 
 def test_a_staging_buffer_reused_during_the_read_is_refused_by_its_generation(nixl_workers, tmp_path):
-    _, _, decode_address = nixl_workers
+    _, _, decode_address, _ = nixl_workers
     ids = reference("llama").ids(PROMPT)
     with grpc.insecure_channel(decode_address) as channel:
         decode = wgrpc.DecodeServiceStub(channel)
@@ -183,10 +184,10 @@ def test_a_staging_buffer_reused_during_the_read_is_refused_by_its_generation(ni
 
 
 def test_a_decode_worker_killed_during_the_pull_fails_the_prefill_and_frees_its_staging(nixl_workers):
-    cluster, prefill_address, decode_address = nixl_workers
+    cluster, prefill_address, decode_address, spare = nixl_workers
     ref = reference("llama")
     ids = ref.ids(PROMPT)
-    doomed = cluster.add_worker("decode", ["--batch-size", "1"])
+    doomed = cluster.add_worker("decode", ["--batch-size", "1", "--port", str(spare.getsockname()[1])])
     cluster.wait_serving(120, doomed.address)
     with grpc.insecure_channel(prefill_address) as prefill_channel, grpc.insecure_channel(doomed.address) as doomed_channel:
         prefill = wgrpc.PrefillServiceStub(prefill_channel)
