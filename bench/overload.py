@@ -50,7 +50,9 @@ def main() -> None:
     texts = paragraphs()
     prompts = [" ".join(texts[i % len(texts)].split()[: 3 + i % 9]) for i in range(args.clients)]
     ref = Reference(model)
-    spec = ClusterSpec(model=model, dtype="float32", batch_size=args.slots, router_args=["--max-queue", str(args.max_queue)], log_dir="/tmp/disagg-overload-logs")
+    spec = ClusterSpec(
+        model=model, dtype="float32", batch_size=args.slots, router_args=["--max-queue", str(args.max_queue)], log_dir="/tmp/disagg-overload-logs"
+    )
     with LocalCluster(spec) as cluster:
         idle = {p.name: round(rss_mib(p.popen.pid), 1) for p in cluster.processes}
         peaks: dict = {}

@@ -32,7 +32,10 @@ def main() -> None:
         right.plot([float(r) for r in rates], [100 * by_rate[r]["goodput"]["share"] for r in rates], marker="o", label=system["name"])
     left.set(xlabel="concurrent streams", ylabel="output tokens/s", title="decode throughput")
     target = results["disaggregated"]["goodput"]
-    right.set(xlabel="offered rate (requests/s)", ylabel="% of requests good", title=f"goodput (TTFT <= {target['ttft_target']:g} s, ITL <= {target['itl_target'] * 1e3:g} ms)")
+    right.set(
+        xlabel="offered rate (requests/s)", ylabel="% of requests good",
+        title=f"goodput (TTFT <= {target['ttft_target']:g} s, ITL <= {target['itl_target'] * 1e3:g} ms)",
+    )
     right.axhline(90, color="grey", linestyle=":")
     for ax in (left, right):
         ax.legend()

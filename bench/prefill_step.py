@@ -53,7 +53,11 @@ def main() -> None:
                 backend.prefill_logits(prompt, lambda *kv: None)
                 times[name].append(time.perf_counter() - started)
         medians = {name: statistics.median(values[1:]) * 1e3 for name, values in times.items()}
-        print(f"{length:5d} tokens: modules {medians['modules']:8.1f} ms   native {medians['native']:8.1f} ms   ({medians['modules'] / medians['native']:.2f}x faster)", flush=True)
+        print(
+            f"{length:5d} tokens: modules {medians['modules']:8.1f} ms   native {medians['native']:8.1f} ms"
+            f"   ({medians['modules'] / medians['native']:.2f}x faster)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ async def read_streams(address: str, streams: int, tokens: int, read_delay: floa
         stub = gen_grpc.GenerationServiceStub(channel)
 
         async def one(i: int) -> tuple[int, int]:
-            request = pb.GenerateRequest(request_id=f"{tag}-{i}", prompt="The lighthouse keeper climbed", stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True))
+            request = pb.GenerateRequest(
+                request_id=f"{tag}-{i}", prompt="The lighthouse keeper climbed", stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True)
+            )
             received = messages = 0
             async for response in stub.Generate(request, timeout=600):
                 received += len(response.token_ids)
@@ -117,7 +119,10 @@ def main() -> None:
 
     bare = subprocess.Popen([sys.executable, "-c", BARE_STREAMER], stdout=subprocess.PIPE, text=True)
     bare_address = f"127.0.0.1:{bare.stdout.readline().strip()}"
-    spec = ClusterSpec(model=str(ensure_tiny_model(DEFAULT_SPEC)), decode_workers=args.decode_workers, batch_size=args.batch_size, threads_per_worker=1, log_dir="/tmp/disagg-router-bench-logs")
+    spec = ClusterSpec(
+        model=str(ensure_tiny_model(DEFAULT_SPEC)), decode_workers=args.decode_workers, batch_size=args.batch_size,
+        threads_per_worker=1, log_dir="/tmp/disagg-router-bench-logs",
+    )
     cluster = LocalCluster(spec).start()
     router_pid = cluster.process("router").popen.pid
     results = {}

@@ -56,7 +56,10 @@ def main() -> None:
     parser.add_argument("--stall", type=float, default=0.2, help="report later gaps longer than this (seconds)")
     parser.add_argument("--log-dir", default="/tmp/disagg-token-gaps-logs")
     args = parser.parse_args()
-    spec = ClusterSpec(model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype=args.dtype, batch_size=0, worker_args=["--kv-transport", args.kv_transport], log_dir=args.log_dir)
+    spec = ClusterSpec(
+        model=str(ensure_tiny_model(SMOLLM_135M_SHAPE)), dtype=args.dtype, batch_size=0,
+        worker_args=["--kv-transport", args.kv_transport], log_dir=args.log_dir,
+    )
     with LocalCluster(spec) as cluster:
         asyncio.run(timelines(cluster.router_address, args))
 

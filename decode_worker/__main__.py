@@ -13,8 +13,14 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
     parser = argparse.ArgumentParser(prog="decode_worker", description=__doc__)
     add_server_flags(parser, default_port=50061, default_metrics_port=9402)
     add_model_flags(parser)
-    parser.add_argument("--batch-size", type=int, default=0, help="decode slots: requests decoded together (default: as many as --kv-cache-gib holds, at most --max-batch-size; 8 on the neuron backend)")
-    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="memory for the slot cache when --batch-size is not given (default 4, as vLLM's CPU KV cache space)")
+    parser.add_argument(
+        "--batch-size", type=int, default=0,
+        help="decode slots: requests decoded together (default: as many as --kv-cache-gib holds, at most --max-batch-size; 8 on the neuron backend)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=4.0,
+        help="memory for the slot cache when --batch-size is not given (default 4, as vLLM's CPU KV cache space)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=64, help="at most this many slots when sized from --kv-cache-gib")
     parser.add_argument("--no-async", dest="async_mode", action="store_false", help="turn async mode off (host and device work in turn)")
     parser.add_argument("--colocated", action="store_true", help="also serve prefill from this process (one worker doing both phases)")

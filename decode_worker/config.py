@@ -39,5 +39,8 @@ class DecodeWorkerConfig(WorkerConfig):
             return self.batch_size
         fit = int(self.kv_cache_gib * GIB // bytes_per_slot)
         if fit < 1:
-            raise ValueError(f"--kv-cache-gib {self.kv_cache_gib} holds no slot of {bytes_per_slot / GIB:.2f} GiB (max_seq_len positions); raise it or lower --max-seq-len")
+            raise ValueError(
+                f"--kv-cache-gib {self.kv_cache_gib} holds no slot of {bytes_per_slot / GIB:.2f} GiB (max_seq_len positions);"
+                " raise it or lower --max-seq-len"
+            )
         return min(fit, self.max_batch_size)

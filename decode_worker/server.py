@@ -14,7 +14,10 @@ from disagg.engine.backends import load_backend
 from disagg.kv.codec import KvWireError
 from disagg.kv.push import PULL_KV, PUSH_KV, chunk_from_pb, split_kv_chunk
 from disagg.metrics import DecodeMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, stop_on_failure, RequestError, UnparsableMessage, lenient_parser, announce_ports, check_parsed, serve_until_signal, start_server
+from disagg.rpc import (
+    INTERNAL_MESSAGE_BYTES, load_while_not_serving, stop_on_failure, RequestError, UnparsableMessage, lenient_parser, announce_ports,
+    check_parsed, serve_until_signal, start_server,
+)
 from disagg.v1 import worker_pb2 as wpb
 
 from .colocated import ColocatedPrefillServicer
@@ -77,7 +80,10 @@ class DecodeServicer:
         worker = await self._ready(context)
         try:
             wire.check_pull(check_parsed(request), worker.info)
-            pull = KvPull(request.reservation_id, request.agent_name, request.agent_metadata, request.address, request.prompt_len, request.num_layers, request.first_token, request.generation)
+            pull = KvPull(
+                request.reservation_id, request.agent_name, request.agent_metadata, request.address,
+                request.prompt_len, request.num_layers, request.first_token, request.generation,
+            )
             received = await worker.pull_kv(pull, context.time_remaining())
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
@@ -103,8 +109,14 @@ def parse_kv_chunk(raw: bytes) -> tuple[wpb.KvChunk, memoryview | None] | Unpars
 
 def backend_options(config) -> dict:
     neuron = {**config.neuron, "async_mode": config.async_mode}
-    torch_options = dict(compile=config.compile, prepack=config.prepack, native_step=config.native_step, batch_buckets=config.batch_buckets, token_buckets=config.token_buckets)
-    return dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=config.slots_before_load(), neuron=neuron, torch=torch_options)
+    torch_options = dict(
+        compile=config.compile, prepack=config.prepack, native_step=config.native_step,
+        batch_buckets=config.batch_buckets, token_buckets=config.token_buckets,
+    )
+    return dict(
+        model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk,
+        batch_size=config.slots_before_load(), neuron=neuron, torch=torch_options,
+    )
 
 
 def size_slots(config: DecodeWorkerConfig, info) -> DecodeWorkerConfig:
@@ -131,7 +143,9 @@ async def serve(config: DecodeWorkerConfig) -> None:
     if config.colocated:
         services.append((ColocatedPrefillServicer(servicer), wpb.DESCRIPTOR.services_by_name["PrefillService"]))
     # While draining, KV still arrives for slots reserved before SIGTERM.
-    server = await start_server(config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=(PUSH_KV, PULL_KV), deserializers={PUSH_KV: parse_kv_chunk})
+    server = await start_server(
+        config.address, services, INTERNAL_MESSAGE_BYTES, credentials, drain_exempt=(PUSH_KV, PULL_KV), deserializers={PUSH_KV: parse_kv_chunk}
+    )
     metrics, metrics_port = serve_metrics(config.metrics_port, config.address.rsplit(":", 1)[0], DecodeMetrics)
     announce_ports(config.port_file, server.port, metrics_port)
     reporter = startup.install(config.status_file)

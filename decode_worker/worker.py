@@ -108,7 +108,9 @@ class DecodeWorker:
             raise SystemExit(f"decode_worker: stopped serving: {self.failure}")
 
     # -- Decode stream -----------------------------------------------------
-    def open_stream(self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0, context_ids: tuple[int, ...] = ()) -> DecodeStream:
+    def open_stream(
+        self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0, context_ids: tuple[int, ...] = ()
+    ) -> DecodeStream:
         if self.failure is not None:
             raise RequestError(f"decode worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
         # The server checked the order already (wire.decode_order_from_pb); in-process callers get the same rules.
@@ -211,9 +213,14 @@ class DecodeWorker:
         try:
             reservation = stream.reservation
             if pull.prompt_len != reservation.prompt_len or pull.num_layers != self.info.num_layers:
-                raise KvWireError(f"staged KV of {pull.prompt_len} tokens x {pull.num_layers} layers does not match the reservation ({reservation.prompt_len} x {self.info.num_layers})")
+                raise KvWireError(
+                    f"staged KV of {pull.prompt_len} tokens x {pull.num_layers} layers does not match the reservation"
+                    f" ({reservation.prompt_len} x {self.info.num_layers})"
+                )
             deadline = time.monotonic() + min(timeout or self.config.lease_seconds, self.config.lease_seconds)
-            read = functools.partial(self.nixl.read_into_slot, reservation.slot, pull.agent_name, pull.agent_metadata, pull.address, pull.prompt_len, pull.generation, deadline)
+            read = functools.partial(
+                self.nixl.read_into_slot, reservation.slot, pull.agent_name, pull.agent_metadata, pull.address, pull.prompt_len, pull.generation, deadline
+            )
             try:
                 received = await asyncio.shield(self._loop.run_in_executor(self._kv_writer, read))
             except NixlTransferError as exc:
@@ -272,14 +279,19 @@ class DecodeWorker:
         if not self.slots.is_reserved(stream.key):
             raise RequestError(f"reservation_id {stream.key!r} expired or was released during the transfer", grpc.StatusCode.NOT_FOUND)
         if commit.prompt_len != stream.reservation.prompt_len or commit.num_layers != self.info.num_layers:
-            raise KvWireError(f"commit for {commit.prompt_len} tokens x {commit.num_layers} layers does not match the reservation ({stream.reservation.prompt_len} x {self.info.num_layers})")
+            raise KvWireError(
+                f"commit for {commit.prompt_len} tokens x {commit.num_layers} layers does not match the reservation"
+                f" ({stream.reservation.prompt_len} x {self.info.num_layers})"
+            )
         if not 0 <= commit.first_token < self.info.vocab_size:
             raise KvWireError(f"first_token {commit.first_token} is not in the vocabulary")
         if missing:
             raise KvWireError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
         reservation = self.slots.activate(stream.key)
         stream.transferring = False
-        self.batcher.admit(Sequence(stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids))
+        self.batcher.admit(Sequence(
+            stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids
+        ))
 
     # -- colocated mode: prefill on this worker's own device thread --------------
     async def colocated_fill(self, key: str, token_ids: list[int], first_token: int, layers) -> int:
@@ -299,7 +311,9 @@ class DecodeWorker:
         if not self.slots.is_reserved(key):
             raise RequestError(f"reservation_id {key!r} was released during the copy", grpc.StatusCode.NOT_FOUND)
         reservation = self.slots.activate(key)
-        self.batcher.admit(Sequence(key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids))
+        self.batcher.admit(Sequence(
+            key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids
+        ))
         return copied
 
     # -- from the batcher's thread ------------------------------------------
@@ -335,7 +349,9 @@ class DecodeWorker:
             await asyncio.sleep(interval)
             for reservation in self.slots.expired():
                 log.warning("reservation %s: no KV within %.1fs; freeing slot %d", reservation.reservation_id, self.config.lease_seconds, reservation.slot)
-                self._fail(reservation.reservation_id, RequestError(f"KV did not arrive within the {self.config.lease_seconds}s lease", grpc.StatusCode.ABORTED))
+                self._fail(
+                    reservation.reservation_id, RequestError(f"KV did not arrive within the {self.config.lease_seconds}s lease", grpc.StatusCode.ABORTED)
+                )
 
     # -- load ----------------------------------------------------------------
     def busy(self) -> bool:
