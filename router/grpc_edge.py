@@ -1,4 +1,4 @@
-"""The public gRPC API's messages <-> the router's edge-neutral types.
+"""The router's public gRPC edge: the GenerationService servicer, and its messages <-> the router's edge-neutral types.
 
 Protobuf stops here: GenerateRequest -> GenerateParams on the way in (proto3
 defaults read as "not given" where the API says so), Chunk -> GenerateResponse
@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import grpc
+
 from disagg.engine.requests import TokenLogprobs
-from disagg.rpc import check_parsed
+from disagg.rpc import RequestError, check_parsed
 from disagg.v1 import generation_pb2 as pb
 
+from .coalesce import coalesced
+from .core import Router
 from .lifecycle import Chunk
 from .params import GenerateParams
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"]
 
 
 def params_from_pb(message: pb.GenerateRequest) -> GenerateParams:
@@ -62,3 +68,47 @@ def chunk_to_pb(chunk: Chunk, request_id: str, token_text: Callable[[int], str])
         response.timings.time_to_first_token_seconds = chunk.ttft_seconds
         response.timings.total_seconds = chunk.total_seconds
     return response
+
+
+class GenerationServicer:
+    def __init__(self):
+        self.router: Router | None = None  # set once the workers are ready
+
+    async def _ready(self, context) -> Router:
+        if self.router is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is waiting for its workers")
+        return self.router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        router = await self._ready(context)
+        try:
+            generation = await router.prepare(params_from_pb(request))
+            async for chunk in coalesced(router.generate(generation, context.time_remaining())):
+                yield chunk_to_pb(chunk, generation.request_id, router.token_text)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        router = await self._ready(context)
+        try:
+            check_parsed(request)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        ids = await router.tokenize(request.text, request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        router = await self._ready(context)
+        facts, limits = router.facts, router.config.limits
+        return pb.GetModelInfoResponse(
+            model_name=facts.name,
+            max_seq_len=facts.max_seq_len,
+            vocab_size=facts.vocab_size,
+            eos_token_ids=facts.eos_token_ids,
+            default_max_new_tokens=limits.default_max_new_tokens,
+            max_new_tokens_cap=limits.max_new_tokens_cap,
+            backend=facts.backend,
+            dtype=facts.dtype,
+            prefill_workers=sum(w.healthy for w in router.pool.prefill),
+            decode_workers=sum(w.healthy for w in router.pool.decode),
+        )
