@@ -296,3 +296,57 @@ def test_the_flags_default_to_the_grpc_message_limit_and_refuse_nonsense():
     assert parse_config(["--prefill", "a:1", "--decode", "b:2", "--http-max-body-bytes", "65536"]).http_max_body_bytes == 65536
     with pytest.raises(SystemExit):
         parse_config(["--prefill", "a:1", "--decode", "b:2", "--http-timeout-seconds", "0"])
+
+
+def test_a_large_body_is_parsed_off_the_event_loop_while_small_requests_are_answered(monkeypatch):
+    from router.http import bodies
+    from router.http.app import FrontState
+    from router.http.server import HttpFront
+
+    entered, release, parsed_on = threading.Event(), threading.Event(), []
+    parse = bodies.parse_large
+
+    def held_parse(body: bytes):  # the large body's parse, held until the small requests are answered
+        parsed_on.append(threading.current_thread())
+        entered.set()
+        assert release.wait(60), "the test never let the parse go"
+        return parse(body)
+
+    monkeypatch.setattr(bodies, "parse_large", held_parse)
+    large = {"prompt": "hi", "user": "u" * (bodies.OFF_LOOP_BYTES + 1)}  # judged on its fields once parsed: 400 naming user
+    small = {"prompt": "hi", "user": "u" * 300}
+
+    async def run() -> tuple[threading.Thread, list[int], dict]:
+        state = FrontState(router=lambda: None, draining=lambda: False, auth_token=None, model_path="m")
+        front = HttpFront(state, "127.0.0.1", 0)
+        await front.start()
+        url = f"http://127.0.0.1:{front.port}/v1/completions"
+        try:
+            async with httpx.AsyncClient(timeout=60) as http:
+                held = asyncio.create_task(http.post(url, json=large))
+                assert await asyncio.to_thread(entered.wait, 60), "the large body never reached its parser"
+                answered = [(await http.post(url, json=small)).status_code for _ in range(3)]  # while the parse is held
+                answered.append((await http.post(url, content=b"{not json")).status_code)
+                assert not held.done()
+                release.set()
+                return threading.current_thread(), answered, (await held).json()
+        finally:
+            release.set()
+            await front.stop()
+
+    loop_thread, answered, large_answer = asyncio.run(run())
+    assert answered == [400, 400, 400, 400]  # small bodies parsed (on the loop) and judged while the large one waits
+    assert large_answer["error"]["param"] == "user", large_answer
+    assert len(parsed_on) == 1 and parsed_on[0] is not loop_thread  # only the large body went to the thread
+
+
+def test_the_off_loop_parser_reads_json_as_the_c_parser_does():
+    from router.http.bodies import parse_large
+
+    body = json.dumps({"prompt": [[1, 2], "é\\ud83d\\ude00", {"a": None}], "n": 1.5e3, "t": True, "x": -0.0}).encode()
+    assert parse_large(body) == json.loads(body)
+    for bad in (b"{not json", b'{"a": 1,}', b"[" * 5 + b"]" * 4):
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(bad)
+        with pytest.raises(json.JSONDecodeError):
+            parse_large(bad)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from disagg.rpc import RequestError
 
 from . import errors
+from .bodies import OffLoopJsonRoute
 from .convert import chat_params, completion_params, echo_text, openai_param, split_prompts
 from .responses import Choice, Envelope, TokenText, chat_logprobs, completion_logprobs, finish_reason, gather, total_usage, usage
 from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest, TokenizeRequest
@@ -102,6 +103,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def create_app(state: FrontState) -> FastAPI:
     app = FastAPI(title="disagg OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = OffLoopJsonRoute  # before any route: large bodies are parsed on a thread (bodies.py)
     state.started = state.started or int(time.time())
 
     @app.exception_handler(errors.HttpError)
