@@ -164,7 +164,10 @@ def summarize(results: list[RequestResult], seconds: float, ttft_target: float, 
 
 def table(summary: dict, label: str = "") -> str:
     ms = lambda v: f"{v * 1000:9.2f}"  # noqa: E731
-    lines = [f"{label}{summary['ok']}/{summary['requests']} ok in {summary['seconds']:.1f}s; {summary['requests_per_second']:.2f} req/s; {summary['output_tokens_per_second']:.1f} output tok/s; errors {summary['errors'] or 'none'}"]
+    lines = [
+        f"{label}{summary['ok']}/{summary['requests']} ok in {summary['seconds']:.1f}s; {summary['requests_per_second']:.2f} req/s;"
+        f" {summary['output_tokens_per_second']:.1f} output tok/s; errors {summary['errors'] or 'none'}"
+    ]
     lines.append(f"{'metric (ms)':14s}{'p50':>10s}{'p90':>10s}{'p99':>10s}{'mean':>10s}")
     for name in ("ttft", "itl", "tpot", "e2e"):
         p = summary[name]

@@ -33,7 +33,10 @@ class PrefillMetrics:
         self.queued = Gauge("disagg_prefill_queued_requests", "Prefills submitted and not finished", registry=registry)
         # What the prefill pool's autoscaler watches: work waiting, in tokens (prompts differ in cost).
         self.queued_tokens = Gauge("disagg_prefill_queued_prompt_tokens", "Prompt tokens of the prefills submitted and not finished", registry=registry)
-        self.kv_seconds = Histogram("disagg_prefill_kv_transfer_seconds", "KV hand-off, first byte sent (or staged) to acknowledgement, by transport", ["transport"], buckets=SLOW, registry=registry)
+        self.kv_seconds = Histogram(
+            "disagg_prefill_kv_transfer_seconds", "KV hand-off, first byte sent (or staged) to acknowledgement, by transport", ["transport"],
+            buckets=SLOW, registry=registry,
+        )
         self.kv_bytes = Counter("disagg_prefill_kv_transfer_bytes", "KV bytes acknowledged by decode workers, by transport", ["transport"], registry=registry)
         self.kv_failures = Counter("disagg_prefill_kv_transfer_failures", "KV hand-offs that failed, by transport", ["transport"], registry=registry)
 
@@ -45,10 +48,14 @@ class DecodeMetrics:
         self.slots = Gauge("disagg_decode_slots", "Slots this worker has (its decode batch size)", registry=registry)
         self.batch_size = Gauge("disagg_decode_running_batch_size", "Rows in the last decode step", registry=registry)
         self.step = Histogram("disagg_decode_step_seconds", "Device time of one decode step", buckets=FAST, registry=registry)
-        self.host_gap = Histogram("disagg_decode_host_gap_seconds", "Device idle time between consecutive steps of a busy batch", buckets=FAST, registry=registry)
+        self.host_gap = Histogram(
+            "disagg_decode_host_gap_seconds", "Device idle time between consecutive steps of a busy batch", buckets=FAST, registry=registry
+        )
         self.tokens = Counter("disagg_decode_tokens", "Tokens produced by decode steps (dropped async extras excluded)", registry=registry)
         self.kv_bytes = Counter("disagg_decode_kv_received_bytes", "KV bytes received into slots, by transport", ["transport"], registry=registry)
-        self.kv_seconds = Histogram("disagg_decode_kv_receive_seconds", "A transfer into a slot, first byte to commit, by transport", ["transport"], buckets=SLOW, registry=registry)
+        self.kv_seconds = Histogram(
+            "disagg_decode_kv_receive_seconds", "A transfer into a slot, first byte to commit, by transport", ["transport"], buckets=SLOW, registry=registry
+        )
         self.kv_failures = Counter("disagg_decode_kv_receive_failures", "KV transfers refused or broken, by transport", ["transport"], registry=registry)
 
 

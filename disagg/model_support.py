@@ -98,7 +98,9 @@ def skip_reason(config, architecture: str) -> str | None:
 
 # SMALL's names for windows and position ranges: the long probe leaves the former at the
 # architecture's defaults and widens the latter.
-WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers", "sliding_window_pattern", "sliding_window_size", "attention_chunk_size", "window_size")
+WINDOW_KEYS = (
+    "sliding_window", "use_sliding_window", "max_window_layers", "sliding_window_pattern", "sliding_window_size", "attention_chunk_size", "window_size"
+)
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 

@@ -73,7 +73,9 @@ class OpenAIClient:
             self.model = response.json()["data"][0]["id"]
         return self.model
 
-    async def generate(self, prompt_token_ids: list[int], max_new_tokens: int, ignore_eos: bool = True, temperature: float = 0.0) -> AsyncIterator[CompletionChunk]:
+    async def generate(
+        self, prompt_token_ids: list[int], max_new_tokens: int, ignore_eos: bool = True, temperature: float = 0.0
+    ) -> AsyncIterator[CompletionChunk]:
         body = {
             "model": await self.served_model(),
             "prompt": list(prompt_token_ids),

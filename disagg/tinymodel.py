@@ -47,9 +47,13 @@ class TinyModelSpec:
 
 
 # A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks.
-SMOLLM_135M_SHAPE = TinyModelSpec(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, max_position_embeddings=2048, train_steps=0)
+SMOLLM_135M_SHAPE = TinyModelSpec(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, max_position_embeddings=2048, train_steps=0
+)
 
-DEFAULT_SPEC = TinyModelSpec(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, max_position_embeddings=1024, train_steps=400)
+DEFAULT_SPEC = TinyModelSpec(
+    vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, max_position_embeddings=1024, train_steps=400
+)
 
 
 def paragraphs() -> list[str]:
@@ -63,7 +67,9 @@ def build_tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[UNK, BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[UNK, BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(paragraphs(), trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])

@@ -124,7 +124,9 @@ def finish_from_pb(value: int) -> FinishReason:
 
 def worker_load(role: str, info, **counts) -> wpb.WorkerLoad:
     """GetLoad's answer: the model this worker serves, and what it holds now."""
-    return wpb.WorkerLoad(role=role, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **counts)
+    return wpb.WorkerLoad(
+        role=role, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype, **counts
+    )
 
 
 # -- the requests a worker takes, checked whole --------------------------------

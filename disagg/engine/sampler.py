@@ -42,7 +42,10 @@ def params_tensor(samplings: list[Sampling], device="cpu") -> torch.Tensor:
 
 
 def params_row(s: Sampling) -> tuple[float, ...]:
-    return (float(s.top_k), float(s.top_p), float(s.temperature), float(s.min_p), float(s.presence_penalty), float(s.frequency_penalty), float(s.repetition_penalty))
+    return (
+        float(s.top_k), float(s.top_p), float(s.temperature), float(s.min_p),
+        float(s.presence_penalty), float(s.frequency_penalty), float(s.repetition_penalty),
+    )
 
 
 @dataclass

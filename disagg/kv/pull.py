@@ -61,7 +61,9 @@ class NixlPullSender:
         itemsize = torch.empty(0, dtype=getattr(torch, info.dtype)).element_size()
         geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, itemsize, info.max_seq_len)
         source = NixlSource(geometry, max_tokens=info.max_seq_len, buffers=buffers, backend=backend)
-        log.info("KV transport: NIXL agent %s (%s), %d staging buffers of %.1f MiB", source.name, backend, buffers, geometry.prompt_bytes(info.max_seq_len) / 2**20)
+        log.info(
+            "KV transport: NIXL agent %s (%s), %d staging buffers of %.1f MiB", source.name, backend, buffers, geometry.prompt_bytes(info.max_seq_len) / 2**20
+        )
         return cls(source, channel_for, metrics, send_timeout, cpus)
 
     def close(self) -> None:

@@ -115,7 +115,9 @@ _DATA_TAG = _varint_bytes(_DATA_FIELD << 3 | LENGTH_DELIMITED)
 
 def piece_bytes(piece: KvPiece, reservation_id: str = "") -> bytes:
     """The serialized KvChunk of piece: its small fields, then the tensor bytes."""
-    header = wpb.KvChunk(reservation_id=reservation_id, layer=piece.layer, kind=int(piece.kind), token_start=piece.token_start, dtype=piece.dtype, shape=list(piece.shape))
+    header = wpb.KvChunk(
+        reservation_id=reservation_id, layer=piece.layer, kind=int(piece.kind), token_start=piece.token_start, dtype=piece.dtype, shape=list(piece.shape)
+    )
     return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(len(piece.data)), piece.data))
 
 

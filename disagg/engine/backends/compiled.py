@@ -85,13 +85,18 @@ def bucket_for(buckets: tuple[int, ...], size: int) -> int:
 class CompiledDecode:
     """The decode step's logits through one compiled graph, padded to buckets."""
 
-    def __init__(self, model, plans: list[LayerPlan], cache: SlotKvCache, num_slots: int, batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...], max_seq_len: int):
+    def __init__(
+        self, model, plans: list[LayerPlan], cache: SlotKvCache, num_slots: int,
+        batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...], max_seq_len: int,
+    ):
         self.model, self.plans, self.cache = model, plans, cache
         self.scratch_slot = num_slots  # the cache holds one slot more than the worker hands out
         assert cache.keys[0].shape[0] == num_slots + 1, "allocate the scratch slot"
         device = cache.keys[0].device
         self.batch_buckets = check_buckets("batch", batch_buckets or default_batch_buckets(num_slots, device), num_slots, "--batch-buckets")
-        self.token_buckets = check_buckets("KV-length", token_buckets or powers_of_two(min(KV_BUCKET_MIN, max_seq_len), max_seq_len), max_seq_len, "--token-buckets")
+        self.token_buckets = check_buckets(
+            "KV-length", token_buckets or powers_of_two(min(KV_BUCKET_MIN, max_seq_len), max_seq_len), max_seq_len, "--token-buckets"
+        )
         self._kv_positions = torch.arange(max_seq_len, device=device)
         log.info("compiled code cached in %s", use_disk_cache())
         # Dynamo keeps compiled entries per code object, so each model in one process

@@ -112,18 +112,30 @@ def unserved(model, plans: list[LayerPlan]) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None or not all(type(layer) in SERVED for layer in layers):
         return f"{type(model).__name__}'s decoder layers are not Llama's, Mistral's or Qwen2's"
-    if type(inner.norm) is not SERVED[type(layers[0])] or not all(type(layer.input_layernorm) is type(layer.post_attention_layernorm) is SERVED[type(layer)] for layer in layers):
+    if type(inner.norm) is not SERVED[type(layers[0])] or not all(
+        type(layer.input_layernorm) is type(layer.post_attention_layernorm) is SERVED[type(layer)] for layer in layers
+    ):
         return "its norms are not the RMSNorm of its decoder layers"
     if getattr(model.config, "hidden_act", None) != "silu":
         return f"its MLP's activation is {getattr(model.config, 'hidden_act', None)!r}, not silu"
-    if any({name for name, _ in layer.self_attn.named_children()} != ATTENTION_PARTS or {name for name, _ in layer.mlp.named_children()} != MLP_PARTS for layer in layers):
+    if any(
+        {name for name, _ in layer.self_attn.named_children()} != ATTENTION_PARTS or {name for name, _ in layer.mlp.named_children()} != MLP_PARTS
+        for layer in layers
+    ):
         return "its attention or MLP holds parts other than Llama's"
-    linears = [model.lm_head] + [getattr(part, name) for layer in layers for part, names in ((layer.self_attn, ATTENTION_PARTS), (layer.mlp, MLP_PARTS - {"act_fn"})) for name in names]
+    linears = [model.lm_head] + [
+        getattr(part, name)
+        for layer in layers
+        for part, names in ((layer.self_attn, ATTENTION_PARTS), (layer.mlp, MLP_PARTS - {"act_fn"}))
+        for name in names
+    ]
     if not all(isinstance(linear, PackedLinear) and linear.few_rows.dim() == 3 for linear in linears):
         return "its linears are not packed for the few-row kernel (float32, one torch thread, an AVX2 CPU)"
     if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
         return "it has layers that are neither full nor sliding-window attention"
-    if len({layer.self_attn.scaling for layer in layers}) != 1 or len({norm.variance_epsilon for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)} | {inner.norm.variance_epsilon}) != 1:
+    if len({layer.self_attn.scaling for layer in layers}) != 1 or len(
+        {norm.variance_epsilon for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)} | {inner.norm.variance_epsilon}
+    ) != 1:
         return "its layers differ in attention scale or norm epsilon"
     if small_gemm.kernel() is None or slot_attention.kernel() is None or _library() is None:
         return "its kernels cannot be built here"
@@ -150,7 +162,9 @@ def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor]) -> _KvCache:
     if any(t.shape != shape or not t.is_contiguous() or t.dtype != torch.float32 for t in (*keys, *values)):
         raise ValueError(f"native step: a K/V cache that is not [slots, kv_heads, positions, head_dim] contiguous float32 in every layer ({tuple(shape)})")
     pointers = [(ctypes.c_void_p * len(keys))(*[t.data_ptr() for t in tensors]) for tensors in (keys, values)]
-    cache = _KvCache(ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_void_p)), *keys[0].stride()[:3])
+    cache = _KvCache(
+        ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_void_p)), *keys[0].stride()[:3]
+    )
     cache._keep = (pointers, keys, values)  # what the C side points at lives as long as the struct
     return cache
 
@@ -241,7 +255,9 @@ class NativeModel:
         # The C side reads raw pointers: a slot, position or token id out of range would read past the buffers, not fail.
         n = slots.shape[0]
         ranges = torch.stack([slots.min(), slots.max(), positions.min(), positions.max(), input_ids.min(), input_ids.max()]).tolist() if n else []
-        if not n or positions.shape != (n,) or input_ids.shape != (n,) or not (0 <= ranges[0] <= ranges[1] < num_slots and 0 <= ranges[2] <= ranges[3] < kv_len and 0 <= ranges[4] <= ranges[5] < self.embed.shape[0]):
+        if not n or positions.shape != (n,) or input_ids.shape != (n,) or not (
+            0 <= ranges[0] <= ranges[1] < num_slots and 0 <= ranges[2] <= ranges[3] < kv_len and 0 <= ranges[4] <= ranges[5] < self.embed.shape[0]
+        ):
             raise ValueError(f"native step: slots {tuple(slots.shape)}, positions {tuple(positions.shape)}, ids {tuple(input_ids.shape)}, kv_len {kv_len}")
 
     def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done) -> torch.Tensor:

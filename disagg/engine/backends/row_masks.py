@@ -42,7 +42,10 @@ def _per_row(name: str, builder):
     def build(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, dtype=torch.float32, device="cpu", **kwargs):
         if not is_row_offset(q_offset):
             extra = {} if mask_function is None else {"mask_function": mask_function}
-            return builder(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask, dtype=dtype, device=device, **extra, **kwargs)
+            return builder(
+                batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+                dtype=dtype, device=device, **extra, **kwargs,
+            )
         allowed = row_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, device)
         if name == "sdpa":
             return allowed

@@ -43,7 +43,9 @@ class SlotAttention:
         self._call.argtypes = [pointer, long, long, long, long, pointer, pointer, long, long, long, pointer, long, pointer, ctypes.c_float, pointer, pointer]
         self._call.restype = None
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         """query [n, q_heads, d]; keys/values [slots, kv_heads, length, d] (a span of
         the cache, d contiguous, the same strides); slots [n] int64; mask [n, length]
         bool or None -> [n, q_heads, d]."""
@@ -51,9 +53,13 @@ class SlotAttention:
         _, kv_heads, length, _ = keys.shape
         # The C side reads raw pointers: anything off here would read past the buffers, not fail.
         if keys.stride() != values.stride() or keys.shape != values.shape or keys.stride(3) != 1 or q_heads % kv_heads or keys.shape[3] != d:
-            raise ValueError(f"slot_attention: keys {tuple(keys.shape)} {keys.stride()} values {tuple(values.shape)} {values.stride()} query {tuple(query.shape)}")
+            raise ValueError(
+                f"slot_attention: keys {tuple(keys.shape)} {keys.stride()} values {tuple(values.shape)} {values.stride()} query {tuple(query.shape)}"
+            )
         if slots.shape != (n,) or slots.dtype != torch.long or (mask is not None and mask.shape != (n, length)):
-            raise ValueError(f"slot_attention: slots {tuple(slots.shape)} {slots.dtype}, mask {None if mask is None else tuple(mask.shape)} for {n} rows of {length}")
+            raise ValueError(
+                f"slot_attention: slots {tuple(slots.shape)} {slots.dtype}, mask {None if mask is None else tuple(mask.shape)} for {n} rows of {length}"
+            )
         query, slots = query.contiguous(), slots.contiguous()
         mask = None if mask is None else mask.contiguous().view(torch.uint8)
         out = torch.empty(n, q_heads, d, dtype=torch.float32)
@@ -89,7 +95,13 @@ def _served(query, key, value, attention_mask, dropout, kwargs) -> bool:
         and all(kwargs.get(name) is None for name in UNSERVED)
         and query.shape[-1] == key.shape[-1] == value.shape[-1]
         and query.shape[1] % key.shape[1] == 0
-        and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1) and attention_mask.shape[0] in (1, n) and attention_mask.shape[3] == key.shape[2]))
+        and (attention_mask is None or (
+            attention_mask.dtype == torch.bool
+            and attention_mask.dim() == 4
+            and attention_mask.shape[1:3] == (1, 1)
+            and attention_mask.shape[0] in (1, n)
+            and attention_mask.shape[3] == key.shape[2]
+        ))
     )
 
 

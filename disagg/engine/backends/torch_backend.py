@@ -201,10 +201,14 @@ class TorchBackend(Backend):
         # non-contiguous, the last bucket too, so all buckets share one graph (a view
         # spanning a whole dimension takes other guards in Dynamo and compiled anew).
         scratch = 1 if self.compile else 0
-        self.cache = SlotKvCache.allocate(info.num_layers, num_slots + scratch, info.kv_heads, info.max_seq_len + scratch, info.head_dim, self.dtype, self.device)
+        self.cache = SlotKvCache.allocate(
+            info.num_layers, num_slots + scratch, info.kv_heads, info.max_seq_len + scratch, info.head_dim, self.dtype, self.device
+        )
         self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)  # penalties: 5 bytes per slot and vocabulary entry
         if self.compile:
-            self.compiled = CompiledDecode(self.model, self.plans, self.cache, num_slots, self.config.batch_buckets, self.config.token_buckets, info.max_seq_len)
+            self.compiled = CompiledDecode(
+                self.model, self.plans, self.cache, num_slots, self.config.batch_buckets, self.config.token_buckets, info.max_seq_len
+            )
             log.info("compiling the decode step: batch buckets %s, KV-length buckets %s", list(self.compiled.batch_buckets), list(self.compiled.token_buckets))
             seconds = self.compiled.warm_up()
             log.info("decode step compiled in %.1fs", seconds)
