@@ -17,19 +17,32 @@ def parse_config(argv=None) -> RouterConfig:
     parser = argparse.ArgumentParser(prog="router", description=__doc__)
     add_server_flags(parser, default_port=50050, default_metrics_port=9400)
     parser.add_argument("--model", default=None, help="checkpoint whose tokenizer and EOS ids to use (default: the built-in tiny model)")
-    target_help = "; or dns:///NAME:PORT for every address NAME resolves to, resolved again every --resolve-seconds (dns://DNS_SERVER/NAME:PORT asks that server). Repeat for several; both kinds mix"
+    target_help = (
+        "; or dns:///NAME:PORT for every address NAME resolves to, resolved again every --resolve-seconds"
+        " (dns://DNS_SERVER/NAME:PORT asks that server). Repeat for several; both kinds mix"
+    )
     parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker at HOST:PORT" + target_help)
     parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker at HOST:PORT" + target_help)
-    parser.add_argument("--resolve-seconds", type=float, default=5.0, help="how often dns: worker targets are resolved again (default 5, CoreDNS's TTL for Services)")
+    parser.add_argument(
+        "--resolve-seconds", type=float, default=5.0, help="how often dns: worker targets are resolved again (default 5, CoreDNS's TTL for Services)"
+    )
     parser.add_argument("--default-max-new-tokens", type=int, default=Limits.default_max_new_tokens)
     parser.add_argument("--max-new-tokens-cap", type=int, default=Limits.max_new_tokens_cap)
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a decode slot")
     parser.add_argument("--public-tls-cert", help="TLS certificate (PEM) for the public port")
     parser.add_argument("--public-tls-key", help="its private key (PEM)")
-    parser.add_argument("--auth-token", default=os.environ.get("DISAGG_AUTH_TOKEN"), help="require 'authorization: Bearer <token>' on the public API (default: $DISAGG_AUTH_TOKEN)")
-    parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port, same host, TLS and token as the gRPC API (default: off; 0 picks a free port)")
+    parser.add_argument(
+        "--auth-token", default=os.environ.get("DISAGG_AUTH_TOKEN"),
+        help="require 'authorization: Bearer <token>' on the public API (default: $DISAGG_AUTH_TOKEN)",
+    )
+    parser.add_argument(
+        "--http-port", type=int, default=None,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port,"
+        " same host, TLS and token as the gRPC API (default: off; 0 picks a free port)",
+    )
     parser.add_argument("--http-max-body-bytes", type=int, default=RouterConfig.http_max_body_bytes,
-                        help="refuse an HTTP request body over this many bytes (413) before reading it in full (default 4 MiB, as the gRPC API's message limit)")
+                        help="refuse an HTTP request body over this many bytes (413) before reading it in full"
+                        " (default 4 MiB, as the gRPC API's message limit)")
     parser.add_argument("--http-timeout-seconds", type=float, default=RouterConfig.http_timeout_seconds,
                         help="an HTTP request still unanswered after this long ends with 504, freeing what it held (default 600)")
     args = parser.parse_args(argv)

@@ -329,7 +329,9 @@ class Lifecycle:
         )
         return PrefillCall(worker, worker.stub.Prefill(message, timeout=deadline.remaining()))
 
-    async def _prefill(self, plan: Plan, lease: DecodeLease | None, deadline: Deadline, calls, exclude: set[str] | None = None) -> tuple[int, TokenLogprobs | None, PrefillCall]:
+    async def _prefill(
+        self, plan: Plan, lease: DecodeLease | None, deadline: Deadline, calls, exclude: set[str] | None = None
+    ) -> tuple[int, TokenLogprobs | None, PrefillCall]:
         """The first token, from the first prefill worker that lives to give it."""
         exclude = set() if exclude is None else exclude
         while True:

@@ -146,7 +146,11 @@ def _check_backend(p: GenerateParams, facts: ModelFacts) -> None:
     }
     for name in NEURON_REFUSES:
         if used[name]:
-            raise refuse(name, "is not supported on the neuron backend: NxDI's on-device sampler takes top_k, top_p and temperature only and returns token ids (see docs/neuron.md)")
+            raise refuse(
+                name,
+                "is not supported on the neuron backend: NxDI's on-device sampler takes top_k, top_p and temperature only"
+                " and returns token ids (see docs/neuron.md)",
+            )
 
 
 def build_request(params: GenerateParams, prompt_ids: list[int], limits: Limits, facts: ModelFacts) -> GenerationRequest:

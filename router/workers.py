@@ -212,7 +212,10 @@ class WorkerPool:
         else:
             reason = "NOT_SERVING"
         if serving != worker.healthy:
-            log.log(logging.INFO if serving else logging.WARNING, "%s worker %s is %s", worker.role, worker.address, "ready" if serving else f"unavailable ({reason})")
+            log.log(
+                logging.INFO if serving else logging.WARNING, "%s worker %s is %s",
+                worker.role, worker.address, "ready" if serving else f"unavailable ({reason})",
+            )
         worker.healthy = serving
 
     def mark_unavailable(self, worker: Worker) -> None:

@@ -126,7 +126,8 @@ def generate(backend, ids: list[int], new_tokens: int) -> tuple[list[int], float
 
 
 LOAD = ("import sys; from disagg.engine.backends import load_backend; "
-        "load_backend('neuron', model=sys.argv[1], max_seq_len=int(sys.argv[2]), batch_size=1, neuron={'tp_degree': int(sys.argv[3]), 'compiled_root': sys.argv[4]})")
+        "load_backend('neuron', model=sys.argv[1], max_seq_len=int(sys.argv[2]), batch_size=1,"
+        " neuron={'tp_degree': int(sys.argv[3]), 'compiled_root': sys.argv[4]})")
 
 
 def loader(args, root: str) -> subprocess.Popen:
@@ -236,7 +237,10 @@ def in_process_checks(args, tokenizer, expected, results: dict) -> None:
         ttfts.append(ttft)
         steps += step_times[2:]
         matches.append(got[: args.new_tokens] == expected[prompt])
-        print(f"   {'MATCH' if matches[-1] else 'DIFFER'}  {prompt!r}\n     neuron: {tokenizer.decode(got)!r}\n     cpu:    {tokenizer.decode(expected[prompt])!r}")
+        print(
+            f"   {'MATCH' if matches[-1] else 'DIFFER'}  {prompt!r}\n     neuron: {tokenizer.decode(got)!r}"
+            f"\n     cpu:    {tokenizer.decode(expected[prompt])!r}"
+        )
     record(results, "greedy tokens (in process)", all(matches))
     print(f"   time to first token: median {statistics.median(ttfts) * 1000:.1f} ms; step: median {statistics.median(steps) * 1000:.2f} ms (NxDI async off)")
     with_async = load_backend("neuron", **options, neuron={"tp_degree": args.tp_degree, "nxdi_async_mode": True})
