@@ -95,6 +95,16 @@ def test_router_resolves_the_headless_worker_services(rendered):
 
 
 @pytest.mark.parametrize("case", ["default", "everything"])
+def test_prefill_pods_send_kv_only_to_the_decode_pool_the_router_uses(rendered, case):
+    objects = rendered[case]
+    router, prefill = container(objects, "router")["args"], container(objects, "prefill")["args"]
+    pairs = lambda args: [args[i + 1] for i, a in enumerate(args) if a == "--decode"]  # noqa: E731
+    assert pairs(prefill) == pairs(router) and pairs(router)[0].startswith("dns://")
+    assert ("10.0.0.9:50061" in pairs(prefill)) == (case == "everything")  # router.extraDecodeTargets too
+    assert "--decode" not in container(objects, "decode").get("args", [])
+
+
+@pytest.mark.parametrize("case", ["default", "everything"])
 def test_probes_ask_the_standard_health_service_and_drain_fits_the_grace_period(rendered, case):
     objects = rendered[case]
     values = yaml.safe_load((CHART / "values.yaml").read_text())

@@ -3,7 +3,7 @@
 # or DISAGG_ROLE. Everything after the role goes to the part as flags.
 #
 #   entrypoint.sh router  --prefill dns:///prefill.ns.svc.cluster.local:50051 --decode ...
-#   entrypoint.sh prefill --tp-degree 8
+#   entrypoint.sh prefill --decode dns:///decode.ns.svc.cluster.local:50061 --tp-degree 8
 #   entrypoint.sh decode  --batch-size 16
 #   entrypoint.sh probe   [--service liveness]      (a health check of this container's part)
 #
