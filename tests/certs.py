@@ -53,7 +53,9 @@ class CertificateAuthority:
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([*map(x509.DNSName, dns_names), *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips)]), critical=False)
+            .add_extension(
+                x509.SubjectAlternativeName([*map(x509.DNSName, dns_names), *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips)]), critical=False
+            )
             .sign(self.key, hashes.SHA256())
         )
         return _write(self.directory, stem, key, cert)

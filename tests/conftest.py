@@ -121,7 +121,9 @@ def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, d
     name = f"{architecture}-{prefill}p{decode}d" + (f"-{transport}" if transport else "")
     if transport:
         spec["worker_args"] = [*spec.get("worker_args", ()), "--kv-transport", transport]
-    cluster = LocalCluster(ClusterSpec(model=tiny_model(architecture), prefill_workers=prefill, decode_workers=decode, dtype="float32", log_dir=str(tmp_root / name), compile=compile, **spec))
+    cluster = LocalCluster(ClusterSpec(
+        model=tiny_model(architecture), prefill_workers=prefill, decode_workers=decode, dtype="float32", log_dir=str(tmp_root / name), compile=compile, **spec
+    ))
     try:
         return cluster.start(timeout=600.0 if compile else 180.0)  # compiling takes minutes on a loaded CI machine
     except Exception:

@@ -42,7 +42,9 @@ def test_sliding_window_models_past_their_window_equal_generate(cluster_logs, mo
     # Gemma 2 (sliding and full layers) compiled; the others eager: each compile costs CI a
     # minute or more, and tests/test_compiled.py runs Mistral's sliding window compiled in process.
     compiled = model == "gemma2-sw"  # batch buckets from 2: the llama cluster runs the 1-row graph
-    cluster = start_cluster(cluster_logs, model, prefill=prefill, decode=decode, batch_size=4, compile=compiled, decode_args=["--batch-buckets", "2,4"] if compiled else [])
+    cluster = start_cluster(
+        cluster_logs, model, prefill=prefill, decode=decode, batch_size=4, compile=compiled, decode_args=["--batch-buckets", "2,4"] if compiled else []
+    )
     try:
         assert_generate_output(cluster, model, prompts, max_new_tokens=24)
     finally:

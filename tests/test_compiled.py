@@ -20,7 +20,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("architecture", COMPILED_ARCHITECTURES)
 def test_compiled_bucketed_decode_equals_generate(architecture, device):
     ref = reference(architecture)
-    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", device=device, max_seq_len=128, compile=True, batch_buckets=(2, 4, 6), token_buckets=(32, 64, 128))
+    backend = load_backend(
+        "torch", model=tiny_model(architecture), dtype="float32", device=device, max_seq_len=128, compile=True,
+        batch_buckets=(2, 4, 6), token_buckets=(32, 64, 128),
+    )
     graphs = counters["stats"]["unique_graphs"]
     backend.allocate_slots(6)
     # Every bucket is a shape of one graph, the last KV-length bucket (the cache's whole length) too.

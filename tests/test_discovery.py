@@ -97,7 +97,9 @@ def test_targets_parse_as_grpc_dns_names_and_bad_ones_name_the_flag():
 def test_the_router_refuses_a_bad_target_with_one_line_naming_the_flag(capsys, llama_path):
     from router.__main__ import parse_config
 
-    config = parse_config(["--model", llama_path, "--prefill", "dns:///p.test:1", "--prefill", "10.0.0.1:1", "--decode", "dns://127.0.0.1:5353/d.test:2", "--resolve-seconds", "2"])
+    config = parse_config([
+        "--model", llama_path, "--prefill", "dns:///p.test:1", "--prefill", "10.0.0.1:1", "--decode", "dns://127.0.0.1:5353/d.test:2", "--resolve-seconds", "2"
+    ])
     assert config.prefill_workers == ("dns:///p.test:1", "10.0.0.1:1") and config.resolve_seconds == 2
     with pytest.raises(SystemExit) as exit:
         parse_config(["--model", llama_path, "--prefill", "dns:///p.test", "--decode", "10.0.0.1:2"])

@@ -89,7 +89,9 @@ def test_chat_greedy_equals_generate_on_the_chat_template_sync_and_async_streame
 
     async def streamed():
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as aclient:
-            stream = await aclient.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True})
+            stream = await aclient.chat.completions.create(
+                model=model, messages=CHAT, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+            )
             return [chunk async for chunk in stream]
 
     chunks = asyncio.run(streamed())

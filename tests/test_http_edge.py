@@ -54,7 +54,9 @@ def test_a_stream_that_breaks_off_ends_with_an_error_event_and_done():
 
     out = asyncio.run(events())
     assert json.loads(out[0].removeprefix("data: "))["choices"][0]["text"] == " a"
-    assert json.loads(out[1].removeprefix("data: ")) == {"error": {"message": "no decode worker is available", "type": "service_unavailable_error", "param": None, "code": "unavailable"}}
+    assert json.loads(out[1].removeprefix("data: ")) == {
+        "error": {"message": "no decode worker is available", "type": "service_unavailable_error", "param": None, "code": "unavailable"}
+    }
     assert out[2] == "data: [DONE]\n\n" and len(out) == 3
 
 

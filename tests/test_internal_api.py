@@ -31,7 +31,9 @@ def info():
 
 
 def open_reservation(stub, prompt_len=PROMPT_LEN, max_new=3):
-    call = stub.Decode(wpb.DecodeRequest(request_id="t", prompt_len=prompt_len, sampling=wpb.WorkerSampling(top_p=1.0), stopping=wpb.WorkerStopping(max_new_tokens=max_new)), timeout=30)
+    call = stub.Decode(wpb.DecodeRequest(
+        request_id="t", prompt_len=prompt_len, sampling=wpb.WorkerSampling(top_p=1.0), stopping=wpb.WorkerStopping(max_new_tokens=max_new)
+    ), timeout=30)
     return call, next(call).reserved.reservation_id
 
 
@@ -41,7 +43,10 @@ def pieces(reservation_id, layers=None, dtype=torch.float32, tokens=PROMPT_LEN, 
     for layer in range(num_layers) if layers is None else layers:
         for kind in KvKind:
             for piece in encode(layer, kind, torch.zeros(heads or kv_heads, tokens, head_dim, dtype=dtype), 1 << 20):
-                out.append(wpb.KvChunk(reservation_id=reservation_id, layer=piece.layer, kind=int(piece.kind), token_start=piece.token_start, dtype=piece.dtype, shape=list(piece.shape), data=piece.data))
+                out.append(wpb.KvChunk(
+                    reservation_id=reservation_id, layer=piece.layer, kind=int(piece.kind), token_start=piece.token_start,
+                    dtype=piece.dtype, shape=list(piece.shape), data=piece.data,
+                ))
     return out
 
 
@@ -87,7 +92,10 @@ def test_unknown_reservation_is_not_found(decode):
         (lambda r: pieces(r) + [commit(r, first_token=10**6)], "first_token 1000000"),
         (lambda r: pieces(r), "ended without a commit"),
         (lambda r: [wpb.KvChunk(reservation_id=r, layer=0, kind=0, dtype="float32", shape=[1, 1, 1], data=b"1234")], "kind 0 is not KEY or VALUE"),
-        (lambda r: [p if i else wpb.KvChunk(**{**{f.name: v for f, v in p.ListFields()}, "data": p.data[:-4]}) for i, p in enumerate(pieces(r))], "bytes do not match"),
+        (
+            lambda r: [p if i else wpb.KvChunk(**{**{f.name: v for f, v in p.ListFields()}, "data": p.data[:-4]}) for i, p in enumerate(pieces(r))],
+            "bytes do not match",
+        ),
     ],
     ids=["dtype", "shape", "range", "layer", "duplicate", "missing", "commit-len", "first-token", "no-commit", "kind", "bytes"],
 )

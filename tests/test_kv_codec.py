@@ -64,13 +64,20 @@ def test_protobuf_serialized_chunks_parse_with_the_data_anywhere():
     piece = a_piece()
     message = wire.piece_to_pb(piece, "res-2")
     assert wire.chunk_from_pb(*parse_kv_chunk(message.SerializeToString())) == ("res-2", piece)
-    data_first = wpb.KvChunk(data=piece.data).SerializeToString() + wpb.KvChunk(reservation_id="res-2", layer=3, kind=2, dtype="bfloat16", shape=[2, 5, 4]).SerializeToString()
+    data_first = (
+        wpb.KvChunk(data=piece.data).SerializeToString()
+        + wpb.KvChunk(reservation_id="res-2", layer=3, kind=2, dtype="bfloat16", shape=[2, 5, 4]).SerializeToString()
+    )
     assert wire.chunk_from_pb(*parse_kv_chunk(data_first)) == ("res-2", piece)
     commit = KvCommit(first_token=9, prompt_len=5, num_layers=4)
     assert wire.chunk_from_pb(*parse_kv_chunk(wire.commit_bytes(commit, "res-2"))) == ("res-2", commit)
 
 
-@pytest.mark.parametrize("raw", [b"\x3a\x10abc", b"\x3a", b"\x0f\x01", b"\x0a\x02\xff\xfe", b"\x80\x80\x80"], ids=["data runs past the end", "no length", "wire type 7", "invalid UTF-8 in reservation_id", "truncated varint"])
+@pytest.mark.parametrize(
+    "raw",
+    [b"\x3a\x10abc", b"\x3a", b"\x0f\x01", b"\x0a\x02\xff\xfe", b"\x80\x80\x80"],
+    ids=["data runs past the end", "no length", "wire type 7", "invalid UTF-8 in reservation_id", "truncated varint"],
+)
 def test_bytes_that_are_not_a_kv_chunk_are_refused_not_raised(raw):
     parsed = parse_kv_chunk(raw)
     assert isinstance(parsed, UnparsableMessage) and parsed.type_name == "disagg.v1.KvChunk"

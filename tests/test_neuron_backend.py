@@ -37,7 +37,9 @@ NEURON_TRANSPORT = resolve("auto")  # NIXL where installed: the host-staging lan
 
 # -- the NxDI config we build ------------------------------------------------------
 def test_neuron_config_for_continuous_batching_with_on_device_sampling_and_a_spare_line():
-    options = NeuronOptions(model="/m", tp_degree=8, batch_size=16, seq_len=4096, max_context_length=2048, context_buckets=(512, 1024, 2048), token_buckets=(4096,))
+    options = NeuronOptions(
+        model="/m", tp_degree=8, batch_size=16, seq_len=4096, max_context_length=2048, context_buckets=(512, 1024, 2048), token_buckets=(4096,)
+    )
     sampling = object()
     kwargs = neuron_config_kwargs(options, sampling)
     assert kwargs == {
@@ -55,10 +57,13 @@ def test_a_changed_config_compiles_into_a_new_directory(tmp_path):
     assert compiled_path(base) == compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path)))
     assert compiled_path(base) != compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), tp_degree=2))
     assert compiled_path(base) != compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), token_buckets=(128, 2048)))
-    assert compiled_path(base) == compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), async_mode=False))  # the batcher's, not compiled
+    # async_mode: the batcher's, not compiled
+    assert compiled_path(base) == compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), async_mode=False))
 
 
-@pytest.mark.parametrize("bad", [dict(dtype="int8"), dict(seq_len=128, max_context_length=256), dict(context_buckets=(512, 128)), dict(k_cache_transposed=True)])
+@pytest.mark.parametrize(
+    "bad", [dict(dtype="int8"), dict(seq_len=128, max_context_length=256), dict(context_buckets=(512, 128)), dict(k_cache_transposed=True)]
+)
 def test_invalid_options_are_refused(bad):
     with pytest.raises(ValueError):
         NeuronOptions(model="/m", **bad)
@@ -89,7 +94,10 @@ def rank_caches(layout: KvLayout, slots=3, seq_len=10, head_dim=4):
     return [torch.zeros((slots, layout.heads_per_rank, seq_len, head_dim), dtype=torch.bfloat16) for _ in range(layout.tp_degree)]
 
 
-@pytest.mark.parametrize("tp,kv_heads,sharding", [(1, 2, Sharding.SHARD), (2, 2, Sharding.SHARD), (4, 2, Sharding.REPLICATE), (2, 8, Sharding.SHARD), (8, 2, Sharding.REPLICATE)])
+@pytest.mark.parametrize(
+    "tp,kv_heads,sharding",
+    [(1, 2, Sharding.SHARD), (2, 2, Sharding.SHARD), (4, 2, Sharding.REPLICATE), (2, 8, Sharding.SHARD), (8, 2, Sharding.REPLICATE)],
+)
 def test_write_then_read_is_byte_exact(tp, kv_heads, sharding):
     layout = KvLayout(tp, kv_heads, num_attention_heads=kv_heads * 4)
     assert layout.sharding is sharding
@@ -120,7 +128,10 @@ def test_prefill_tp2_to_decode_tp8_conversion_through_the_wire():
     assert dst[7][2, 0, :5].view(torch.int16).equal(line[3].view(torch.int16))  # rank 7 holds head 3
 
 
-@pytest.mark.parametrize("tp,kv_heads,heads,why", [(3, 2, 8, "neither divides the other"), (3, 8, 8, "do not divide by tp_degree"), (6, 4, 32, "neither divides the other")])
+@pytest.mark.parametrize(
+    "tp,kv_heads,heads,why",
+    [(3, 2, 8, "neither divides the other"), (3, 8, 8, "do not divide by tp_degree"), (6, 4, 32, "neither divides the other")],
+)
 def test_layouts_the_conversion_does_not_cover_are_refused_at_start_up(tp, kv_heads, heads, why):
     with pytest.raises(UnsupportedLayout, match=why):
         KvLayout(tp, kv_heads, heads)
@@ -138,7 +149,11 @@ def test_missing_packages_name_the_install_command(monkeypatch):
 def test_the_torch_backend_never_imports_nxdi():
     import disagg.engine.backends.torch_backend  # noqa: F401
 
-    assert not any(name.startswith("neuronx_distributed_inference") and sys.modules[name] is not None for name in sys.modules if name.startswith("neuronx_distributed_inference"))
+    assert not any(
+        name.startswith("neuronx_distributed_inference") and sys.modules[name] is not None
+        for name in sys.modules
+        if name.startswith("neuronx_distributed_inference")
+    )
 
 
 # -- settings files users already have -------------------------------------------------
@@ -217,7 +232,8 @@ def neuron_cluster(cluster_logs, tmp_path_factory):
     compiled = tmp_path_factory.mktemp("neuron-compiled")
     try:
         # Different tensor-parallel layouts on the two sides: KV heads sharded (tp 2) and replicated (tp 4).
-        cluster = start_cluster(cluster_logs, "llama", batch_size=4, worker_args=["--backend", "neuron", "--max-seq-len", "512", "--neuron-compiled-path", str(compiled)],
+        cluster = start_cluster(cluster_logs, "llama", batch_size=4,
+                                worker_args=["--backend", "neuron", "--max-seq-len", "512", "--neuron-compiled-path", str(compiled)],
                                 prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "4"], transport=NEURON_TRANSPORT)
     finally:
         os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
@@ -241,7 +257,8 @@ def test_the_grpc_path_with_backend_neuron_gives_transformers_tokens(neuron_clus
     assert kv_bytes_received(neuron_cluster, NEURON_TRANSPORT) > 0
 
 
-NXDI_CANNOT = [(dict(min_p=0.1), "sampling.min_p"), (dict(presence_penalty=0.5), "sampling.presence_penalty"), (dict(frequency_penalty=0.5), "sampling.frequency_penalty"),
+NXDI_CANNOT = [(dict(min_p=0.1), "sampling.min_p"), (dict(presence_penalty=0.5), "sampling.presence_penalty"),
+               (dict(frequency_penalty=0.5), "sampling.frequency_penalty"),
                (dict(repetition_penalty=1.3), "sampling.repetition_penalty"), (dict(logprobs=True), "logprobs")]
 
 

@@ -21,7 +21,7 @@ from disagg.engine.backends.neuron.layout import UnsupportedLayout
 from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling
 from disagg.engine.sampler import params_tensor
-from test_neuron_backend import standin, standin_any_transformers  # noqa: F401  (fixtures)
+from test_neuron_backend import standin, standin_any_transformers  # noqa: F401  (fixtures: the tests taking them say noqa: F811)
 
 GREEDY = (1.0, 1.0, 1.0)  # a row NxDI accepts as greedy, for tests that isolate another finding
 
@@ -88,7 +88,10 @@ def slot_line(backend, slot, layer, length, kind=KvKind.KEY):
 def test_1_sampling_rows_are_mapped_to_what_nxdi_accepts():
     from disagg.engine.backends.neuron.sampling import nxdi_sampling_params
 
-    ours = params_tensor([Sampling(), Sampling(temperature=0.7), Sampling(temperature=0.7, top_k=5000, top_p=0.9), Sampling(temperature=0.5, top_k=40), Sampling(temperature=0.9, top_k=1)])
+    ours = params_tensor([
+        Sampling(), Sampling(temperature=0.7), Sampling(temperature=0.7, top_k=5000, top_p=0.9),
+        Sampling(temperature=0.5, top_k=40), Sampling(temperature=0.9, top_k=1),
+    ])
     expected = torch.tensor([[1, 1, 1], [256, 1, 0.7], [256, 0.9, 0.7], [40, 1, 0.5], [1, 1, 1]])
     torch.testing.assert_close(nxdi_sampling_params(ours, global_topk=256), expected)
 
@@ -227,7 +230,9 @@ def test_8_settings_that_change_the_kv_layout_are_refused(work_dir, tmp_path, ex
 def test_8_a_rolling_cache_is_refused(work_dir, tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    config = MistralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, sliding_window=16
+    )
     MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
     with pytest.raises(UnsupportedLayout, match="sliding_window 16"):
         neuron(tmp_path, model=str(tmp_path / "mistral"))
@@ -374,7 +379,7 @@ def test_r3_a_one_token_prompt_gets_transformers_tokens(work_dir, tmp_path):
 
 
 # -- rule 4: NxDI's release, and a config that kept apply_seq_ids_mask -------------------------------
-def test_r4_the_standin_exposes_its_version_as_nxdi_does_and_old_releases_drop_the_mask(standin, monkeypatch, caplog):
+def test_r4_the_standin_exposes_its_version_as_nxdi_does_and_old_releases_drop_the_mask(standin, monkeypatch, caplog):  # noqa: F811 (a fixture)
     import importlib.metadata
 
     package = standin_module("_version")
@@ -411,7 +416,7 @@ def test_r4_a_loaded_config_without_apply_seq_ids_mask_is_refused(work_dir, tmp_
                                                 ("qwen2.modeling_qwen2", "Qwen2InferenceConfig", "pad_token_id"),
                                                 ("qwen3.modeling_qwen3", "Qwen3InferenceConfig", "head_dim"),
                                                 ("mixtral.modeling_mixtral", "MixtralInferenceConfig", "num_local_experts")])
-def test_r5_a_missing_required_attribute_fails_as_in_nxdi(standin_any_transformers, module, cls, missing):
+def test_r5_a_missing_required_attribute_fails_as_in_nxdi(standin_any_transformers, module, cls, missing):  # noqa: F811 (a fixture)
     config_cls = getattr(standin_module(f"models.{module}"), cls)
     required = config_cls.get_required_attributes(None)
 
@@ -425,7 +430,7 @@ def test_r5_a_missing_required_attribute_fails_as_in_nxdi(standin_any_transforme
 
 
 @pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5, reason="transformers 4.x configs carry rope_theta")
-def test_r5_under_transformers_5_the_backend_serves_exactly_or_refuses_naming_transformers(standin_any_transformers, tmp_path, monkeypatch):
+def test_r5_under_transformers_5_the_backend_serves_exactly_or_refuses_naming_transformers(standin_any_transformers, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setattr(standin_module("models.standin_model"), "DEFAULT_COMPILE_WORK_DIR", str(tmp_path / "nxd_model") + "/")
     try:
         backend = neuron(tmp_path)
@@ -439,7 +444,7 @@ def test_r5_under_transformers_5_the_backend_serves_exactly_or_refuses_naming_tr
 
 
 # -- rule 7 (finding 6): context buckets below the context limit ------------------------------------
-def test_r7_the_standin_picks_buckets_as_get_target_bucket_and_generate_buckets(standin_any_transformers):
+def test_r7_the_standin_picks_buckets_as_get_target_bucket_and_generate_buckets(standin_any_transformers):  # noqa: F811 (a fixture)
     wrapper = standin_module("models.model_wrapper")
     buckets = standin_module("modules.autobucketing")
     picks = {length: wrapper.get_target_bucket([128, 512], torch.ones(1, length), "context_encoding_model") for length in (1, 127, 128, 511, 512)}

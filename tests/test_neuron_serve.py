@@ -303,7 +303,10 @@ def test_a_stuck_compile_fails_the_start_and_a_killed_one_is_compiled_again(tmp_
                 p.popen.kill()
             cluster.stop()
     assert len(failures) == 1 and isinstance(failures[0], TimeoutError), failures
-    assert re.fullmatch(r"decode-0 is stuck: no heartbeat for \d+ s while compiling tiny-llama-\w+ for Neuron \(tp 1, 3 KV lines, seq 256, float32\) into .*: \d+ s", str(failures[0]))
+    assert re.fullmatch(
+        r"decode-0 is stuck: no heartbeat for \d+ s while compiling tiny-llama-\w+ for Neuron \(tp 1, 3 KV lines, seq 256, float32\) into .*: \d+ s",
+        str(failures[0]),
+    )
     compiled = tmp_path / "compiled"
     partial = [p for p in compiled.iterdir() if p.name.endswith(".partial")]
     assert len(partial) == 2 and all((p / "model.pt").exists() for p in partial)

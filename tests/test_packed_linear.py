@@ -152,7 +152,7 @@ def in_new_thread(body):
     def run():
         try:
             outcome["value"] = body()
-        except BaseException as exc:  # noqa: BLE001: re-raised below, in the test's thread
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, in the test's thread)
             outcome["error"] = exc
 
     thread = threading.Thread(target=run)
@@ -271,7 +271,7 @@ def test_a_forked_child_splits_rows_with_a_helper_of_its_own(splittable):
     if pid == 0:  # the child: exit code 0 if its own helper computed the same bits
         try:
             os._exit(0 if torch.equal(split(), want) and kernel.helper_jobs() == 1 else 1)
-        except BaseException:  # noqa: BLE001: a child must never return into pytest
+        except BaseException:  # noqa: BLE001 (a child must never return into pytest)
             os._exit(2)
     deadline = time.monotonic() + 60
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:

@@ -91,7 +91,10 @@ def test_penalties_equal_transformers_processors_in_a_mixed_batch(penalty):
     vocab = 40
     lg = logits(batch=3, vocab=vocab, seed=3)
     histories = [([1, 5, 5, 9], [5, 7, 7, 7]), ([2, 3], []), ([30, 31, 32], [4, 4, 30])]
-    sampling = Sampling(repetition_penalty=penalty.get("repetition", 1.0), presence_penalty=penalty.get("presence", 0.0), frequency_penalty=penalty.get("frequency", 0.0), logprobs=5)
+    sampling = Sampling(
+        repetition_penalty=penalty.get("repetition", 1.0), presence_penalty=penalty.get("presence", 0.0),
+        frequency_penalty=penalty.get("frequency", 0.0), logprobs=5,
+    )
     rows = [token_rows(p, g, vocab, "cpu") for p, g in histories]
     counts, in_prompt = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
     plain = Sampling(logprobs=5)  # row 1 has no penalty: its logits are untouched

@@ -71,7 +71,9 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_the_same_processing(
 
 
 def test_seeded_penalized_sampling_is_the_same_alone_and_in_a_batch(llama_cluster):
-    params = dict(max_new_tokens=30, temperature=1.2, top_p=0.95, min_p=0.02, seed=4321, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=True)
+    params = dict(
+        max_new_tokens=30, temperature=1.2, top_p=0.95, min_p=0.02, seed=4321, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=True
+    )
     with Client(llama_cluster.router_address, timeout=60) as client:
         alone = client.complete(PROMPT, **params)
 
@@ -120,7 +122,9 @@ def test_cancelling_an_n_choice_call_frees_every_choice_on_every_worker(llama_cl
 
 def test_messages_render_with_the_chat_template_as_apply_chat_template(llama_cluster, llama_ref):
     conversation = [("system", "You answer briefly."), ("user", "The lighthouse keeper climbed")]
-    ids = llama_ref.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in conversation], add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = llama_ref.tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in conversation], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     with Client(llama_cluster.router_address, timeout=60) as client:
         result = client.complete(messages=conversation, max_new_tokens=NEW)
     assert result.prompt_tokens == len(ids)

@@ -22,7 +22,10 @@ TOKEN = "s3cret-token"
 def pki(tmp_path_factory) -> dict:
     directory = tmp_path_factory.mktemp("pki")
     ca, rogue = CertificateAuthority(directory, "ca"), CertificateAuthority(directory, "rogue-ca")
-    return {"ca": ca.cert_path, "rogue_ca": rogue.cert_path, "internal": ca.issue("internal"), "public": ca.issue("public"), "client": ca.issue("client"), "rogue_client": rogue.issue("rogue-client")}
+    return {
+        "ca": ca.cert_path, "rogue_ca": rogue.cert_path, "internal": ca.issue("internal"), "public": ca.issue("public"),
+        "client": ca.issue("client"), "rogue_client": rogue.issue("rogue-client"),
+    }
 
 
 @pytest.fixture(scope="module")

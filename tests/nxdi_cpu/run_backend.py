@@ -86,7 +86,9 @@ def run(job: dict) -> dict:
         return {"load_error": f"{type(exc).__name__}: {exc}"}
     for action in job["actions"]:
         if action["do"] == "shapes":
-            results["shapes"] = [(tuple(c.shape), str(c.dtype)) for layer in range(backend.info.num_layers) for kind in KvKind for c in backend._caches(layer, kind)]
+            results["shapes"] = [
+                (tuple(c.shape), str(c.dtype)) for layer in range(backend.info.num_layers) for kind in KvKind for c in backend._caches(layer, kind)
+            ]
         elif action["do"] == "prefill":
             result = backend.prefill(action["prompt"], Sampling())
             results[action["name"]] = {"first": result.first_token, "layers": result.layers}
