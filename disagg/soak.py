@@ -31,6 +31,7 @@ class Report:
     requests: int = 0
     sent: int = 0  # requests started so far: the kills are spread over them
     outcomes: collections.Counter = field(default_factory=collections.Counter)
+    planned: collections.Counter = field(default_factory=collections.Counter)  # requests by fate: plain, cancel, deadline
     finished: list = field(default_factory=list)  # (prompt, n, token ids), checked after the run
     wrong: list = field(default_factory=list)
     kills: list = field(default_factory=list)
@@ -95,6 +96,33 @@ def check_outputs(ref: Reference, report: Report, longest: int) -> None:
             report.wrong.append({"prompt": prompt, "n": n, "got": got, "expected": expected})
 
 
+# A cancelled request asks for this many tokens (past EOS too) and leaves after at most
+# --max-new-tokens of them: its end is hundreds of steps away whatever the host's speed,
+# even where the router merges a lagging client's chunks, so every planned cancel happens.
+CANCELLED_LENGTH = 360
+
+
+async def cancelled_after(client: AsyncClient, prompt: str, k: int) -> str:
+    """A request cancelled after its k-th token (0: as soon as it is sent)."""
+    n = CANCELLED_LENGTH
+    if k == 0:
+        task = asyncio.ensure_future(client.complete(prompt, max_new_tokens=n, ignore_eos=True))
+        await asyncio.sleep(0)  # lets the call start: the cancel then reaches the router's queue or a prefill
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "CANCELLED (by client)"
+        raise AssertionError("a request cancelled as it was sent finished")
+    received = 0
+    async for chunk in client.generate(prompt, max_new_tokens=n, ignore_eos=True):
+        assert chunk.finish_reason is None, f"a stream of {n} tokens ended at {received + len(chunk.token_ids)}, before its cancel at {k}"
+        received += len(chunk.token_ids)
+        if received >= k:
+            break  # leaving the stream cancels the call
+    return "CANCELLED (by client)"
+
+
 async def workload(cluster: LocalCluster, args, rng: random.Random, report: Report) -> None:
     texts = paragraphs()
     gate = asyncio.Semaphore(args.concurrency)
@@ -104,18 +132,15 @@ async def workload(cluster: LocalCluster, args, rng: random.Random, report: Repo
         prompt = " ".join(text[: rng.randint(2, min(30, len(text)))])
         n = rng.randint(1, args.max_new_tokens)
         fate = rng.random()
+        cancel_after = rng.randint(0, n - 1) if args.deadline_share <= fate < args.deadline_share + args.cancel_share else None
+        report.planned["cancel" if cancel_after is not None else "deadline" if fate < args.deadline_share else "plain"] += 1
         async with gate:
             report.sent += 1
-            target = hurried if fate < args.deadline_share else client
-            task = asyncio.ensure_future(target.complete(prompt, max_new_tokens=n))
-            if args.deadline_share <= fate < args.deadline_share + args.cancel_share:
-                await asyncio.sleep(rng.uniform(0, 0.1))
-                task.cancel()
             try:
-                result = await task
-            except asyncio.CancelledError:
-                report.outcomes["CANCELLED (by client)"] += 1
-                return
+                if cancel_after is not None:
+                    report.outcomes[await cancelled_after(client, prompt, cancel_after)] += 1
+                    return
+                result = await (hurried if fate < args.deadline_share else client).complete(prompt, max_new_tokens=n)
             except grpc.aio.AioRpcError as exc:
                 report.outcomes[exc.code().name] += 1
                 return
@@ -136,8 +161,7 @@ async def soak(cluster: LocalCluster, args) -> Report:
     stop.set()
     await killer
     report.seconds = time.perf_counter() - started
-    await asyncio.sleep(1.0)  # everything is freed within a second
-    report.held_at_end = cluster.held()
+    report.held_at_end = await asyncio.get_running_loop().run_in_executor(None, cluster.wait_until_idle, 5.0)  # freed within seconds
     report.rss_mib = {p.name: round(rss_mib(p.popen.pid), 1) for p in cluster.processes if p.popen.poll() is None}
     return report
 
