@@ -95,6 +95,28 @@ def test_ten_times_the_slots_all_complete_exactly(small_cluster, llama_ref):
     assert_nothing_held(small_cluster)
 
 
+async def with_prefill_frozen(cluster, calls: list, refused_type) -> list:
+    """The calls' results, sent while the prefill worker is stopped (SIGSTOP): the first two take
+    the decode slots and wait on the prefill, the next 18 fill the router's queue, and the rest
+    must be refused at once. Nothing can free a slot until the prefill goes on (SIGCONT), so
+    which requests are refused does not depend on how fast the host decodes. The stop lasts
+    until those refusals are in: well within the two missed load polls (1 s timeout each)
+    that would make the router doubt the prefill worker."""
+    import signal
+
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    cluster.signal("prefill-0", signal.SIGSTOP)
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while sum(task.done() for task in tasks) < len(tasks) - 20:  # polling the condition
+            assert asyncio.get_running_loop().time() < deadline, [task.done() for task in tasks]
+            await asyncio.sleep(0.01)
+        assert all(isinstance(task.result(), refused_type) for task in tasks if task.done())
+    finally:
+        cluster.signal("prefill-0", signal.SIGCONT)
+    return await asyncio.gather(*tasks)
+
+
 def test_past_the_queue_bound_requests_are_refused_at_once_and_the_rest_complete(small_cluster, llama_ref):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(40)]
 
@@ -106,23 +128,20 @@ def test_past_the_queue_bound_requests_are_refused_at_once_and_the_rest_complete
 
     async def run():
         async with AsyncClient(small_cluster.router_address, timeout=120) as client:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
+            return await with_prefill_frozen(small_cluster, [one(client, p) for p in prompts], grpc.aio.AioRpcError)
 
     results = asyncio.run(run())
     refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-    assert refused and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting for a decode slot" in r.details() for r in refused)
+    assert len(refused) == 20 and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting for a decode slot" in r.details() for r in refused)
     for prompt, result in zip(prompts, results):
         if not isinstance(result, grpc.aio.AioRpcError):
             assert result.token_ids == llama_ref.greedy(prompt, 40, ignore_eos=True)
-    assert len(results) - len(refused) >= 20  # 2 running + 18 queued at least
     assert_nothing_held(small_cluster)
 
 
 def test_past_the_queue_bound_the_http_api_answers_429_and_the_rest_complete(small_cluster, llama_ref):
     import openai
 
-    # As many and as long as the gRPC test's: with 20 tokens each, 30 requests no longer filled
-    # the queue once decode steps got faster (the running ones freed their slots too soon).
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(40)]
 
     async def one(client, prompt):
@@ -134,13 +153,12 @@ def test_past_the_queue_bound_the_http_api_answers_429_and_the_rest_complete(sma
 
     async def run():
         async with openai.AsyncOpenAI(base_url=f"{small_cluster.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
+            return await with_prefill_frozen(small_cluster, [one(client, p) for p in prompts], openai.RateLimitError)
 
     results = asyncio.run(run())
     refused = [r for r in results if isinstance(r, openai.RateLimitError)]
-    assert refused and all(r.status_code == 429 and "waiting for a decode slot" in r.message for r in refused)
+    assert len(refused) == 20 and all(r.status_code == 429 and "waiting for a decode slot" in r.message for r in refused)
     for prompt, result in zip(prompts, results):
         if isinstance(result, str):
             assert result == llama_ref.tokenizer.decode(llama_ref.greedy(prompt, 40, ignore_eos=True), skip_special_tokens=True)  # past EOS, as the API detokenizes
-    assert len(results) - len(refused) >= 20  # 2 running + 18 queued at least
     assert_nothing_held(small_cluster)
