@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import assert_nothing_held, start_cluster
+from polling import wait_for
 from disagg.client import Client
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
@@ -35,21 +36,26 @@ def active_decode_worker(cluster) -> str:
 
 def wait_not_serving(address: str, within: float = 30.0) -> None:
     """Until the server's health says NOT_SERVING (its drain has begun)."""
-    deadline = time.monotonic() + within
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() < deadline, f"{address} still SERVING {within} s after SIGTERM"
-            time.sleep(0.02)  # polling the condition, not waiting for it
+        wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING,
+                 within, f"{address} saying NOT_SERVING after SIGTERM")
 
 
 def wait_router_counts(cluster, decode: int, within: float = 60.0) -> None:
     """Until the router reports this many healthy decode workers (GetModelInfo)."""
-    deadline = time.monotonic() + within
     with Client(cluster.router_address, timeout=5) as client:
-        while client.model_info().decode_workers != decode:
-            assert time.monotonic() < deadline, "the router did not see the decode worker come back"
-            time.sleep(0.1)
+        wait_for(lambda: client.model_info().decode_workers == decode, within, f"the router counting {decode} decode workers")
+
+
+def reserved_on_decode(cluster) -> bool:
+    """Whether a decode worker holds a reservation: the router has admitted the request and
+    gone on to its prefill (the slot is reserved before any prefill is sent)."""
+    for name in ("decode-0", "decode-1"):
+        with grpc.insecure_channel(cluster.process(name).address) as channel:
+            if wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5).reservations:
+                return True
+    return False
 
 
 def test_a_prefill_worker_killed_during_prefill_is_retried_elsewhere(cluster, llama_ref):
@@ -57,11 +63,13 @@ def test_a_prefill_worker_killed_during_prefill_is_retried_elsewhere(cluster, ll
         assert client.complete("The cat", max_new_tokens=3).token_ids == llama_ref.greedy("The cat", 3)
         # Freeze prefill-0 (the router's first choice when both are idle), send, then kill it mid-prefill.
         cluster.signal("prefill-0", signal.SIGSTOP)
-        stream = client.generate(LONG_PROMPT, max_new_tokens=20)
-        time.sleep(0.3)
-        cluster.signal("prefill-0", signal.SIGKILL)
-        tokens = [t for chunk in stream for t in chunk.token_ids]
-        assert tokens == llama_ref.greedy(LONG_PROMPT, 20)
+        # Streamed on a thread (client.generate sends nothing until read); killed once the
+        # request is past admission, with prefill-0 frozen before it could run it.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(lambda: [t for chunk in client.generate(LONG_PROMPT, max_new_tokens=20) for t in chunk.token_ids])
+            wait_for(lambda: reserved_on_decode(cluster), 30, "the request's decode reservation")
+            cluster.signal("prefill-0", signal.SIGKILL)
+            assert streamed.result(timeout=60) == llama_ref.greedy(LONG_PROMPT, 20)
 
         cluster.signal("prefill-1", signal.SIGKILL)
         cluster.process("prefill-1").popen.wait()
@@ -104,14 +112,7 @@ def test_sigterm_on_a_decode_worker_drains_it_and_new_requests_go_elsewhere(clus
         received = [t for _, chunk in zip(range(5), stream) for t in chunk.token_ids]
         draining = active_decode_worker(cluster)
         cluster.signal(draining, signal.SIGTERM)
-        with grpc.insecure_channel(cluster.process(draining).address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            for _ in range(50):
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-                time.sleep(0.02)
-            else:
-                raise AssertionError("draining worker still reports SERVING")
+        wait_not_serving(cluster.process(draining).address)
         # New requests are served by the other worker while this one drains.
         assert client.complete("The cat", max_new_tokens=5).token_ids == llama_ref.greedy("The cat", 5)
         tokens = received + [t for chunk in stream for t in chunk.token_ids]
@@ -122,9 +123,11 @@ def test_sigterm_on_a_decode_worker_drains_it_and_new_requests_go_elsewhere(clus
 def test_sigterm_on_the_router_finishes_streams_refuses_new_calls_and_exits_zero(cluster, llama_ref):
     import httpx
 
-    # Streams long enough that the drain outlasts the checks below on a fast host too (the
-    # cluster's whole 512-position context): the HTTP listener closes once they finish, and a
-    # refused connection is not a 503.
+    # The drain must outlast the checks below (the HTTP listener closes once the streams finish,
+    # and a refused connection is not a 503): the decode workers are stopped (SIGSTOP) while the
+    # router drains, so the streams cannot finish however fast the host, and go on after (SIGCONT).
+    # The stop is far shorter than the two missed load polls (1 s timeout each) that would make
+    # the router doubt them.
     tokens_out = 480
     expected = llama_ref.greedy(LONG_PROMPT, tokens_out, ignore_eos=True)
     body = {"prompt": LONG_PROMPT, "max_tokens": tokens_out, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
@@ -134,12 +137,18 @@ def test_sigterm_on_the_router_finishes_streams_refuses_new_calls_and_exits_zero
         with http.stream("POST", "/v1/completions", json=body) as http_stream:  # the same over HTTP
             events = http_stream.iter_lines()
             assert next(events).startswith("data: {")
-            cluster.signal("router", signal.SIGTERM)
-            wait_not_serving(cluster.router_address)
-            with Client(cluster.router_address, timeout=10) as late, pytest.raises(grpc.RpcError) as error:
-                late.complete("The cat", max_new_tokens=3)
-            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-            refused = http.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 3})
+            for name in ("decode-0", "decode-1"):
+                cluster.signal(name, signal.SIGSTOP)
+            try:
+                cluster.signal("router", signal.SIGTERM)
+                wait_not_serving(cluster.router_address)
+                with Client(cluster.router_address, timeout=10) as late, pytest.raises(grpc.RpcError) as error:
+                    late.complete("The cat", max_new_tokens=3)
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+                refused = http.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 3})
+            finally:
+                for name in ("decode-0", "decode-1"):
+                    cluster.signal(name, signal.SIGCONT)
             assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
             tokens = received + [t for chunk in stream for t in chunk.token_ids]
             payloads = [line[len("data: "):] for line in events if line.startswith("data: ")]
