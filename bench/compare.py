@@ -30,13 +30,13 @@ import urllib.request
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.client import AsyncClient
+from disagg.clients.grpc_client import AsyncClient
 from disagg.engine.backends import load_backend
-from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling, Stopping
-from disagg.launcher import ClusterSpec, LocalCluster
-from disagg.loadgen import RequestSpec, closed_loop, open_loop, percentiles, run_one, summarize
-from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
+from disagg.kv_transport.chunk_codec import KvKind
+from disagg.tools.loadgen import RequestSpec, closed_loop, open_loop, percentiles, run_one, summarize
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
 
 
 class _NoBar:
@@ -150,7 +150,7 @@ def run_transformers(model_path: str, streams: list[int], workload_for, args, rn
 
 # -- the floor: the same backend without the service ------------------------------------------
 def in_process(model_path: str, prompt_len: int, streams: list[int], rng: random.Random) -> dict:
-    from decode_worker.batcher import Batcher, Sequence
+    from decode_worker.decode_loop import DecodeLoop, Sequence
 
     torch.set_num_threads(1)
     backend = load_backend("torch", model=model_path, dtype="bfloat16", max_seq_len=2048)
@@ -168,7 +168,7 @@ def in_process(model_path: str, prompt_len: int, streams: list[int], rng: random
                 backend.write_kv(slot, layer, KvKind.KEY, 0, k)
                 backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
         done = []
-        batcher = Batcher(backend, lambda events: None, lambda keys: done.extend(keys))
+        batcher = DecodeLoop(backend, lambda events: None, lambda keys: done.extend(keys))
         batcher.start()
         for slot in range(n):
             batcher.admit(Sequence(str(slot), slot, prompt_len, result.first_token, Sampling(), Stopping(24, frozenset())))

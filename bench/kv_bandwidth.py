@@ -31,13 +31,13 @@ import time
 import grpc
 import torch
 
-from disagg.kv.codec import KvCommit, KvKind, encode
-from disagg.launcher import ClusterSpec, LocalCluster
-from disagg.rpc import channel_options
-from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
+from disagg.kv_transport.chunk_codec import KvCommit, KvKind, encode
+from disagg.kv_transport.grpc_push import commit_bytes, piece_bytes, push_kv_call
+from disagg.rpc.server import channel_options
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
-from disagg.kv.push import commit_bytes, piece_bytes, push_kv_call
 
 SINK = """
 import asyncio, grpc, sys
@@ -137,7 +137,7 @@ def main() -> None:
 RAW_READER = """
 import sys, time
 import torch
-from disagg.kv.nixl_transport import MEMORY, POLL_SECONDS, new_agent
+from disagg.kv_transport.nixl_transport import MEMORY, POLL_SECONDS, new_agent
 metadata_file, address, nbytes, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 agent = new_agent("raw-reader")
 buffer = torch.empty(nbytes, dtype=torch.uint8)
@@ -190,8 +190,8 @@ async def pull_kv(address: str, source, buffer, generation: int, tokens: int) ->
 def nixl_bandwidth(args) -> None:
     import tempfile
 
-    from disagg.kv.layout import KvGeometry
-    from disagg.kv.nixl_transport import NixlSource
+    from disagg.kv_transport.layout import KvGeometry
+    from disagg.kv_transport.nixl_transport import NixlSource
 
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the worker and the raw reader
@@ -242,7 +242,7 @@ def nixl_bandwidth(args) -> None:
 
 def handoff_gap(args) -> None:
     """Client-seen gap between the first and second token of a long prompt, per transport."""
-    from disagg.client import Client
+    from disagg.clients.grpc_client import Client
 
     prompt = list(range(100, 100 + args.tokens))
     gaps = {}

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
-from disagg.engine.backends import small_gemm  # noqa: E402
+from disagg.engine.cpu_kernels import small_gemm  # noqa: E402
 
 HIDDEN, KV, INTERMEDIATE, LAYERS = 576, 192, 1536, 30  # SmolLM-135M
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # [out, in]

@@ -15,10 +15,10 @@ import time
 
 import grpc
 
-from disagg.client import AsyncClient
-from disagg.launcher import ClusterSpec, LocalCluster
-from disagg.soak import Reference, rss_mib
-from disagg.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs
+from disagg.clients.grpc_client import AsyncClient
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.soak import Reference, rss_mib
+from disagg.tools.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs
 
 
 def sample_memory(cluster: LocalCluster, peaks: dict, stop: threading.Event) -> None:

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
-from disagg.engine.backends import native_step, small_gemm  # noqa: E402
 from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
+from disagg.engine.cpu_kernels import native_step, small_gemm  # noqa: E402
+from disagg.tools.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
 
 
 def main() -> None:

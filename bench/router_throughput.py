@@ -28,8 +28,8 @@ import time
 
 import grpc
 
-from disagg.launcher import ClusterSpec, LocalCluster
-from disagg.tinymodel import DEFAULT_SPEC, ensure_tiny_model
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.tinymodel import DEFAULT_SPEC, ensure_tiny_model
 from disagg.v1 import generation_pb2 as pb
 from disagg.v1 import generation_pb2_grpc as gen_grpc
 

@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from decode_worker.batcher import Batcher, Sequence
-from disagg.client import Client
+from decode_worker.decode_loop import DecodeLoop, Sequence
+from disagg.clients.grpc_client import Client
 from disagg.engine.backends import load_backend
-from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling, Stopping
-from disagg.launcher import ClusterSpec, LocalCluster
-from disagg.tinymodel import ensure_tiny_model
+from disagg.kv_transport.chunk_codec import KvKind
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.tinymodel import ensure_tiny_model
 
 PROMPT = "The lighthouse keeper climbed the stairs every evening at dusk. He lit the lamp,"
 
@@ -39,7 +39,7 @@ def in_process(model: str, prompt_ids: list[int], new_tokens: int, repeats: int,
         backend.write_kv(0, layer, KvKind.VALUE, 0, v)
     for _ in range(max(1, repeats // 4)):
         done = threading.Event()
-        batcher = Batcher(backend, lambda events: None, lambda keys: done.set())
+        batcher = DecodeLoop(backend, lambda events: None, lambda keys: done.set())
         batcher.start()
         batcher.admit(Sequence("x", 0, len(prompt_ids), result.first_token, Sampling(), Stopping(new_tokens, frozenset())))
         done.wait(120)

@@ -21,12 +21,12 @@ import time
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
-from disagg.client import AsyncClient  # noqa: E402
-from disagg.launcher import ClusterSpec, LocalCluster  # noqa: E402
-from disagg.loadgen import closed_loop  # noqa: E402
-from disagg.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
-
 from compare_vllm import NoBar, workload  # noqa: E402
+
+from disagg.clients.grpc_client import AsyncClient  # noqa: E402
+from disagg.tools.loadgen import closed_loop  # noqa: E402
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
+from disagg.tools.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
 
 
 async def timelines(address: str, args) -> None:

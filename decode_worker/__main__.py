@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from disagg.flags import add_model_flags, add_server_flags, run_worker, setup_process, worker_fields
+from disagg.cli.flags import add_model_flags, add_server_flags, run_worker, setup_process, worker_fields
 
 from .config import DecodeWorkerConfig
 
@@ -40,7 +40,7 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
 
 
 def main(argv=None) -> None:
-    from .server import serve
+    from .grpc_edge import serve
 
     run_worker("decode_worker", serve, parse_config(argv))
 

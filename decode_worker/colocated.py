@@ -20,9 +20,9 @@ import time
 
 import grpc
 
-from disagg import wire
 from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, FailureStreak, describe, with_injected_faults
-from disagg.rpc import RequestError, check_parsed
+from disagg.rpc import worker_messages
+from disagg.rpc.server import RequestError, check_parsed
 from disagg.v1 import worker_pb2 as wpb
 
 from .worker import DecodeWorker
@@ -44,7 +44,7 @@ class ColocatedPrefillServicer:
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
         worker: DecodeWorker = await self._decode._ready(context)
         try:
-            order = wire.prefill_order_from_pb(check_parsed(request), worker.info)
+            order = worker_messages.prefill_order_from_pb(check_parsed(request), worker.info)
             ids, sampling = order.token_ids, order.sampling
             key = order.target[1] if order.target else None
             if worker.failure is not None:
@@ -52,12 +52,12 @@ class ColocatedPrefillServicer:
             self.pending += 1
             started = time.perf_counter()
             try:
-                wire.check_sampling(worker.backend, sampling)
+                worker_messages.check_sampling(worker.backend, sampling)
                 on_device = worker.batcher.run_on_device(self._prefill_step, ids, sampling, None, order.first_step)
                 result = await self._contained(worker, key, f"prefill of {len(ids)} tokens", asyncio.wrap_future(on_device))
             finally:
                 self.pending -= 1
-            logprobs = wire.logprobs_to_pb(result.logprobs) if result.logprobs else None
+            logprobs = worker_messages.logprobs_to_pb(result.logprobs) if result.logprobs else None
             yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=result.first_token, prefill_seconds=time.perf_counter() - started, logprobs=logprobs))
             if key is not None:
                 copied = await self._contained(worker, key, "KV copy", worker.colocated_fill(key, ids, result.first_token, result.layers))
@@ -86,4 +86,4 @@ class ColocatedPrefillServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._decode._ready(context)
-        return wire.worker_load("prefill", worker.info, capacity=1, queued=self.pending)
+        return worker_messages.worker_load("prefill", worker.info, capacity=1, queued=self.pending)

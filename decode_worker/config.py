@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.worker_config import WorkerConfig
+from disagg.rpc.worker_config import WorkerConfig
 
 GIB = 2**30
 # NxDI compiles for a fixed batch, chosen before the model (and its KV size) is known.

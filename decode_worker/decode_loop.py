@@ -46,10 +46,10 @@ from prometheus_client import CollectorRegistry
 
 from disagg.engine.backends import Backend, StepInputs
 from disagg.engine.faults import FailureStreak, describe
-from disagg.flags import pin_this_thread
-from disagg.metrics import DecodeMetrics
 from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs, token_finish
 from disagg.engine.sampler import SampleOutput, params_row
+from disagg.engine.threads import pin_this_thread
+from disagg.rpc.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class BatcherStats:
     step_seconds: list[float] = field(default_factory=list)  # recent device step times
 
 
-class Batcher:
+class DecodeLoop:
     def __init__(
         self,
         backend: Backend,

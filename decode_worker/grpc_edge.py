@@ -9,14 +9,22 @@ import sys
 import grpc
 import torch
 
-from disagg import startup, wire
 from disagg.engine.backends import load_backend
-from disagg.kv.codec import KvWireError
-from disagg.kv.push import PULL_KV, PUSH_KV, chunk_from_pb, split_kv_chunk
-from disagg.metrics import DecodeMetrics, serve_metrics
-from disagg.rpc import (
-    INTERNAL_MESSAGE_BYTES, load_while_not_serving, stop_on_failure, RequestError, UnparsableMessage, lenient_parser, announce_ports,
-    check_parsed, serve_until_signal, start_server,
+from disagg.kv_transport.chunk_codec import KvChunkError
+from disagg.kv_transport.grpc_push import PULL_KV, PUSH_KV, chunk_from_pb, split_kv_chunk
+from disagg.rpc import startup, worker_messages
+from disagg.rpc.metrics import DecodeMetrics, serve_metrics
+from disagg.rpc.server import (
+    INTERNAL_MESSAGE_BYTES,
+    RequestError,
+    UnparsableMessage,
+    announce_ports,
+    check_parsed,
+    lenient_parser,
+    load_while_not_serving,
+    serve_until_signal,
+    start_server,
+    stop_on_failure,
 )
 from disagg.v1 import worker_pb2 as wpb
 
@@ -42,7 +50,7 @@ class DecodeServicer:
     async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
         worker = await self._ready(context)
         try:
-            order = wire.decode_order_from_pb(check_parsed(request), worker.info)
+            order = worker_messages.decode_order_from_pb(check_parsed(request), worker.info)
             stream = worker.open_stream(order.request_id, order.prompt_len, order.sampling, order.stopping, order.first_step, order.context_ids)
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
@@ -50,7 +58,7 @@ class DecodeServicer:
             r = stream.reservation
             yield wpb.DecodeEvent(reserved=wpb.Reserved(reservation_id=r.reservation_id, slot=r.slot, lease_seconds=worker.config.lease_seconds))
             async for event in worker.events(stream):
-                logprobs = [wire.logprobs_to_pb(x) for x in event.logprobs] if event.logprobs else None
+                logprobs = [worker_messages.logprobs_to_pb(x) for x in event.logprobs] if event.logprobs else None
                 yield wpb.DecodeEvent(tokens=wpb.DecodeTokens(token_ids=event.token_ids, finish=int(event.finish), logprobs=logprobs))
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
@@ -63,12 +71,12 @@ class DecodeServicer:
         async def messages():
             async for chunk in request_iterator:  # parsed by parse_kv_chunk
                 if isinstance(chunk, UnparsableMessage):
-                    raise KvWireError(chunk.as_error().args[0])
-                wire.check_chunk_header(chunk[0])
+                    raise KvChunkError(chunk.as_error().args[0])
+                worker_messages.check_chunk_header(chunk[0])
                 try:
                     yield chunk_from_pb(*chunk)
                 except ValueError as exc:
-                    raise KvWireError(str(exc)) from exc
+                    raise KvChunkError(str(exc)) from exc
 
         try:
             received = await worker.receive_kv(messages())
@@ -79,7 +87,7 @@ class DecodeServicer:
     async def PullKv(self, request: wpb.PullKvRequest, context: grpc.aio.ServicerContext) -> wpb.KvAck:
         worker = await self._ready(context)
         try:
-            wire.check_pull(check_parsed(request), worker.info)
+            worker_messages.check_pull(check_parsed(request), worker.info)
             pull = KvPull(
                 request.reservation_id, request.agent_name, request.agent_metadata, request.address,
                 request.prompt_len, request.num_layers, request.first_token, request.generation,
@@ -91,7 +99,7 @@ class DecodeServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._ready(context)
-        return wire.worker_load("decode", worker.info, **worker.load())
+        return worker_messages.worker_load("decode", worker.info, **worker.load())
 
 
 _parse_kv_header = lenient_parser(wpb.KvChunk)

@@ -17,19 +17,19 @@ from typing import AsyncIterator
 
 import grpc
 
-from disagg import wire
 from disagg.engine.backends import Backend
 from disagg.engine.faults import TEST_FAIL_DECODE_STEP, with_injected_faults
-from disagg.kv.codec import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode
 from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
-from disagg.engine.slots import Reservation, SlotManager, SlotState
-from disagg.kv import open_fallible
-from disagg.kv.nixl_transport import NixlTransferError
-from disagg.metrics import DecodeMetrics
-from disagg.rpc import RequestError
+from disagg.engine.slot_manager import Reservation, SlotManager, SlotState
+from disagg.kv_transport import open_fallible
+from disagg.kv_transport.chunk_codec import KvChunkError, KvCommit, KvCoverage, KvKind, KvPiece, decode
+from disagg.kv_transport.nixl_transport import NixlTransferError
+from disagg.rpc import worker_messages
+from disagg.rpc.metrics import DecodeMetrics
+from disagg.rpc.server import RequestError
 
-from .batcher import Batcher, Sequence, TokenEvent
 from .config import DecodeWorkerConfig
+from .decode_loop import DecodeLoop, Sequence, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class DecodeWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failure: str | None = None  # why the device stopped being trusted; the process then exits non-zero
         step = with_injected_faults(backend.decode_step, TEST_FAIL_DECODE_STEP)  # read once, here; unset: the backend's step
-        self.batcher = Batcher(
+        self.batcher = DecodeLoop(
             backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics,
             device_cpus=config.device_cpus, on_fatal=self._fatal_threadsafe, decode_step=step,
         )
@@ -113,13 +113,13 @@ class DecodeWorker:
     ) -> DecodeStream:
         if self.failure is not None:
             raise RequestError(f"decode worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
-        # The server checked the order already (wire.decode_order_from_pb); in-process callers get the same rules.
-        with wire.worker_names():
+        # The server checked the order already (worker_messages.decode_order_from_pb); in-process callers get the same rules.
+        with worker_messages.worker_names():
             check_prompt_len("prompt_len", prompt_len, self.info.max_seq_len)
             if stopping.max_new_tokens < 1:
                 raise InvalidField("stopping.max_new_tokens", f"must be at least 1, got {stopping.max_new_tokens}")
-            wire.checked_context(context_ids, prompt_len, sampling.penalized, self.info.vocab_size)
-        wire.check_sampling(self.backend, sampling)
+            worker_messages.checked_context(context_ids, prompt_len, sampling.penalized, self.info.vocab_size)
+        worker_messages.check_sampling(self.backend, sampling)
         if not self.slots.can_reserve():
             raise RequestError(f"all {self.slots.num_slots} slots are in use", grpc.StatusCode.RESOURCE_EXHAUSTED)
         reservation = self.slots.reserve(request_id, prompt_len, self.config.lease_seconds)
@@ -213,7 +213,7 @@ class DecodeWorker:
         try:
             reservation = stream.reservation
             if pull.prompt_len != reservation.prompt_len or pull.num_layers != self.info.num_layers:
-                raise KvWireError(
+                raise KvChunkError(
                     f"staged KV of {pull.prompt_len} tokens x {pull.num_layers} layers does not match the reservation"
                     f" ({reservation.prompt_len} x {self.info.num_layers})"
                 )
@@ -241,7 +241,7 @@ class DecodeWorker:
     def _transfer_failed(self, exc: BaseException, refused: str, transport: str) -> BaseException:
         """Counts a failed transfer; a malformed one becomes INVALID_ARGUMENT naming what was wrong."""
         self.metrics.kv_failures.labels(transport).inc()
-        if isinstance(exc, KvWireError):
+        if isinstance(exc, KvChunkError):
             error = RequestError(f"{refused}: {exc}")
             error.__cause__ = exc
             return error
@@ -262,13 +262,13 @@ class DecodeWorker:
         if not self.slots.is_reserved(stream.key):
             raise RequestError(f"reservation_id {stream.key!r} expired during the transfer", grpc.StatusCode.NOT_FOUND)
         if not 0 <= piece.layer < info.num_layers:
-            raise KvWireError(f"layer {piece.layer} is not in [0, {info.num_layers})")
+            raise KvChunkError(f"layer {piece.layer} is not in [0, {info.num_layers})")
         if piece.dtype != info.dtype:
-            raise KvWireError(f"dtype {piece.dtype!r} does not match the cache dtype {info.dtype!r}")
+            raise KvChunkError(f"dtype {piece.dtype!r} does not match the cache dtype {info.dtype!r}")
         if len(piece.shape) != 3 or piece.shape[0] != info.kv_heads or piece.shape[2] != info.head_dim:
-            raise KvWireError(f"shape {list(piece.shape)} does not match [kv_heads={info.kv_heads}, tokens, head_dim={info.head_dim}]")
+            raise KvChunkError(f"shape {list(piece.shape)} does not match [kv_heads={info.kv_heads}, tokens, head_dim={info.head_dim}]")
         if piece.token_start < 0 or piece.token_end > stream.reservation.prompt_len:
-            raise KvWireError(f"tokens [{piece.token_start}, {piece.token_end}) fall outside the prompt of {stream.reservation.prompt_len}")
+            raise KvChunkError(f"tokens [{piece.token_start}, {piece.token_end}) fall outside the prompt of {stream.reservation.prompt_len}")
         tensor = decode(piece)
         coverage.add(piece)
         return self._loop.run_in_executor(self._kv_writer, self.backend.write_kv, stream.reservation.slot, piece.layer, piece.kind, piece.token_start, tensor)
@@ -279,14 +279,14 @@ class DecodeWorker:
         if not self.slots.is_reserved(stream.key):
             raise RequestError(f"reservation_id {stream.key!r} expired or was released during the transfer", grpc.StatusCode.NOT_FOUND)
         if commit.prompt_len != stream.reservation.prompt_len or commit.num_layers != self.info.num_layers:
-            raise KvWireError(
+            raise KvChunkError(
                 f"commit for {commit.prompt_len} tokens x {commit.num_layers} layers does not match the reservation"
                 f" ({stream.reservation.prompt_len} x {self.info.num_layers})"
             )
         if not 0 <= commit.first_token < self.info.vocab_size:
-            raise KvWireError(f"first_token {commit.first_token} is not in the vocabulary")
+            raise KvChunkError(f"first_token {commit.first_token} is not in the vocabulary")
         if missing:
-            raise KvWireError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
+            raise KvChunkError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
         reservation = self.slots.activate(stream.key)
         stream.transferring = False
         self.batcher.admit(Sequence(
@@ -386,8 +386,8 @@ def open_nixl_sink(backend: Backend, nixl_backend: str = "UCX"):
     registered host buffer the KV lands in first (Neuron, CUDA: see docs/neuron.md)."""
     import torch
 
-    from disagg.kv.layout import KvGeometry
-    from disagg.kv.nixl_transport import NixlHostStagingSink, NixlSink
+    from disagg.kv_transport.layout import KvGeometry
+    from disagg.kv_transport.nixl_transport import NixlHostStagingSink, NixlSink
 
     info = backend.info
     dtype = getattr(torch, info.dtype)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.worker_config import WorkerConfig
+from disagg.rpc.worker_config import WorkerConfig
 
 from .peers import parse_pool
 

@@ -6,10 +6,19 @@ import logging
 
 import grpc
 
-from disagg import startup, wire
 from disagg.engine.backends import load_backend
-from disagg.metrics import PrefillMetrics, serve_metrics
-from disagg.rpc import INTERNAL_MESSAGE_BYTES, load_while_not_serving, stop_on_failure, RequestError, announce_ports, check_parsed, serve_until_signal, start_server
+from disagg.rpc import startup, worker_messages
+from disagg.rpc.metrics import PrefillMetrics, serve_metrics
+from disagg.rpc.server import (
+    INTERNAL_MESSAGE_BYTES,
+    RequestError,
+    announce_ports,
+    check_parsed,
+    load_while_not_serving,
+    serve_until_signal,
+    start_server,
+    stop_on_failure,
+)
 from disagg.v1 import worker_pb2 as wpb
 
 from .config import PrefillWorkerConfig
@@ -31,12 +40,12 @@ class PrefillServicer:
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
         worker = await self._ready(context)
         try:
-            order = wire.prefill_order_from_pb(check_parsed(request), worker.info)
+            order = worker_messages.prefill_order_from_pb(check_parsed(request), worker.info)
             target = KvTarget(*order.target) if order.target else None
             events = worker.prefill(order.token_ids, order.sampling, target, order.first_step, context.time_remaining())
             async for event in events:
                 if isinstance(event, FirstToken):
-                    logprobs = wire.logprobs_to_pb(event.logprobs) if event.logprobs else None
+                    logprobs = worker_messages.logprobs_to_pb(event.logprobs) if event.logprobs else None
                     yield wpb.PrefillEvent(first_token=wpb.FirstToken(token_id=event.token_id, prefill_seconds=event.prefill_seconds, logprobs=logprobs))
                 else:
                     yield wpb.PrefillEvent(kv_sent=wpb.KvSent(bytes=event.bytes, seconds=event.seconds))
@@ -45,7 +54,7 @@ class PrefillServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._ready(context)
-        return wire.worker_load("prefill", worker.info, **worker.load())
+        return worker_messages.worker_load("prefill", worker.info, **worker.load())
 
 
 async def serve(config: PrefillWorkerConfig) -> None:

@@ -2,7 +2,7 @@
 
 A Prefill's kv_target comes from whoever reaches the worker's port. Unchecked, any caller could
 have the worker dial any address and stream a prompt's KV there (and keep a channel open to it).
-The pool is named as the router names it (router/discovery.py: HOST:PORT, or
+The pool is named as the router names it (disagg/rpc/discovery.py: HOST:PORT, or
 dns:[//SERVER/]NAME:PORT resolved again), so one decode target is handed to both, and the router
 only ever sends addresses its own discovery produced: the resolved IP:PORT of a DNS target, or a
 fixed HOST:PORT as written.
@@ -32,8 +32,8 @@ from typing import Callable
 
 import grpc
 
-from disagg.rpc import RequestError
-from router.discovery import LookupFailed, Resolver, Target, canonical_address, parse_target, resolve  # moves to shared plumbing with the layout issue
+from disagg.rpc.discovery import LookupFailed, Resolver, Target, canonical_address, parse_target, resolve  # moves to shared plumbing with the layout issue
+from disagg.rpc.server import RequestError
 
 log = logging.getLogger(__name__)
 REFRESH_SECONDS = 5.0  # as the router's --resolve-seconds default (CoreDNS's TTL for Services)

@@ -20,17 +20,17 @@ from typing import AsyncIterator
 import grpc
 
 from disagg.engine.backends import Backend
-from disagg import wire
 from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, FailureStreak, describe, with_injected_faults
 from disagg.engine.requests import Sampling, TokenLogprobs, check_prompt_len, check_token_ids
-from disagg.flags import pin_this_thread
-from disagg.kv.codec import KvCommit, KvKind, encode
-from disagg.kv import open_fallible
-from disagg.kv.pull import NixlPullSender, PeerHasNoNixl
-from disagg.kv.push import GrpcPushSender
-from disagg.metrics import PrefillMetrics, outcome_label
-from disagg.rpc import RequestError
-from disagg.security import open_channel
+from disagg.engine.threads import pin_this_thread
+from disagg.kv_transport import open_fallible
+from disagg.kv_transport.chunk_codec import KvCommit, KvKind, encode
+from disagg.kv_transport.grpc_push import GrpcPushSender
+from disagg.kv_transport.nixl_control import NixlPullSender, PeerHasNoNixl
+from disagg.rpc import worker_messages
+from disagg.rpc.metrics import PrefillMetrics, outcome_label
+from disagg.rpc.security import open_channel
+from disagg.rpc.server import RequestError
 
 from .channels import MAX_KV_CHANNELS, ChannelCache
 from .config import PrefillWorkerConfig
@@ -76,7 +76,7 @@ class PrefillWorker:
         self.pending = 0  # prefills submitted and not finished (running one included)
         self.pending_tokens = 0  # their prompt tokens
         self.inflight_transfers = 0
-        # How KV moves (disagg.kv): pushed as a gRPC stream, or staged for the decode worker to pull through NIXL.
+        # How KV moves (disagg.kv_transport): pushed as a gRPC stream, or staged for the decode worker to pull through NIXL.
         self.push = GrpcPushSender(self._channel, metrics, config.kv_send_timeout)
         self.pull = open_fallible(lambda: NixlPullSender.open(backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout, config.nixl_backend, config.device_cpus), config) if config.kv_transport == "nixl" else None
         metrics.queued.set_function(lambda: self.pending)
@@ -105,9 +105,9 @@ class PrefillWorker:
     def validate(self, token_ids: list[int], sampling: Sampling) -> None:
         if self.failure is not None:
             raise RequestError(f"prefill worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
-        wire.check_sampling(self.backend, sampling)
-        # The server checked the order already (wire.prefill_order_from_pb); in-process callers get the same rules.
-        with wire.worker_names():
+        worker_messages.check_sampling(self.backend, sampling)
+        # The server checked the order already (worker_messages.prefill_order_from_pb); in-process callers get the same rules.
+        with worker_messages.worker_names():
             check_prompt_len("token_ids", len(token_ids), self.info.max_seq_len)
             check_token_ids("token_ids", token_ids, self.info.vocab_size)
 

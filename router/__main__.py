@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-
 import os
 
-from disagg.flags import add_server_flags, address, internal_tls, resolve_model, setup_process
-from disagg.security import tls_from_flags
+from disagg.cli.flags import add_server_flags, address, internal_tls, resolve_model, setup_process
+from disagg.rpc.security import tls_from_flags
 
 from .config import Limits, RouterConfig
 

@@ -3,9 +3,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.engine.requests import MAX_REQUEST_ID_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
-from disagg.security import TlsFiles
-
-from .discovery import parse_target
+from disagg.rpc.discovery import parse_target
+from disagg.rpc.security import TlsFiles
 
 
 @dataclass(frozen=True)

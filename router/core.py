@@ -8,8 +8,8 @@ import functools
 import logging
 
 from disagg.engine.model_files import eos_token_ids, vocab_size
-from disagg.metrics import RouterMetrics, outcome_label
-from disagg.rpc import RequestError
+from disagg.rpc.metrics import RouterMetrics, outcome_label
+from disagg.rpc.server import RequestError
 
 from .choices import choice_requests, merged_choices
 from .config import RouterConfig

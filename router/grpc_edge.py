@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from disagg.engine.requests import TokenLogprobs
-from disagg.rpc import RequestError, check_parsed
+from disagg.rpc.server import RequestError, check_parsed
 from disagg.v1 import generation_pb2 as pb
 
 from .coalesce import coalesced

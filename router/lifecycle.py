@@ -28,10 +28,10 @@ from typing import AsyncIterator
 
 import grpc
 
-from disagg import wire
 from disagg.engine.requests import FinishReason, Stopping, TokenLogprobs, token_finish
-from disagg.metrics import RouterMetrics
-from disagg.rpc import RequestError
+from disagg.rpc import worker_messages
+from disagg.rpc.metrics import RouterMetrics
+from disagg.rpc.server import RequestError
 from disagg.v1 import worker_pb2 as wpb
 
 from .detokenizer import IncrementalDetokenizer, StopSequenceMatcher
@@ -190,8 +190,8 @@ class DecodeLease:
             if event is grpc.aio.EOF:
                 raise self.error or WorkerLost(self.worker, "the stream ended without finishing")
             ids = list(event.tokens.token_ids)
-            logprobs = [wire.logprobs_from_pb(t, x) for t, x in zip(ids, event.tokens.logprobs)] if event.tokens.logprobs else None
-            yield ids, wire.finish_from_pb(event.tokens.finish), logprobs
+            logprobs = [worker_messages.logprobs_from_pb(t, x) for t, x in zip(ids, event.tokens.logprobs)] if event.tokens.logprobs else None
+            yield ids, worker_messages.finish_from_pb(event.tokens.finish), logprobs
 
     async def close(self) -> None:
         self.call.cancel()
@@ -291,8 +291,8 @@ class Lifecycle:
         message = wpb.DecodeRequest(
             request_id=plan.request.request_id,
             prompt_len=len(plan.context_ids),
-            sampling=wire.sampling_to_pb(plan.request.sampling),
-            stopping=wire.stopping_to_pb(plan.stopping),
+            sampling=worker_messages.sampling_to_pb(plan.request.sampling),
+            stopping=worker_messages.stopping_to_pb(plan.stopping),
             first_step=len(plan.done),
             # Penalties count the prompt and the tokens before this worker: the decode worker needs their ids.
             context_token_ids=plan.context_ids if plan.request.sampling.penalized else None,
@@ -323,7 +323,7 @@ class Lifecycle:
         message = wpb.PrefillRequest(
             request_id=plan.request.request_id,
             token_ids=plan.context_ids,
-            sampling=wire.sampling_to_pb(plan.request.sampling),
+            sampling=worker_messages.sampling_to_pb(plan.request.sampling),
             kv_target=target,
             first_step=len(plan.done),
         )
@@ -351,7 +351,7 @@ class Lifecycle:
             if event is grpc.aio.EOF or not event.HasField("first_token"):
                 raise WorkerLost(prefill.worker, "ended without a first token")
             first = event.first_token
-            logprobs = wire.logprobs_from_pb(first.token_id, first.logprobs) if first.HasField("logprobs") else None
+            logprobs = worker_messages.logprobs_from_pb(first.token_id, first.logprobs) if first.HasField("logprobs") else None
             return first.token_id, logprobs, prefill
 
     async def _watch_delivery(self, prefill: PrefillCall, plan: Plan, lease: DecodeLease, deadline: Deadline, calls) -> None:

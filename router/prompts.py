@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jinja2
 
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 
 from .params import GenerateParams
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from disagg.metrics import RouterMetrics, serve_metrics
-from disagg.rpc import PUBLIC_MESSAGE_BYTES, announce_ports, serve_until_signal, start_server
-from disagg.security import BearerTokenInterceptor
+from disagg.rpc.metrics import RouterMetrics, serve_metrics
+from disagg.rpc.security import BearerTokenInterceptor
+from disagg.rpc.server import PUBLIC_MESSAGE_BYTES, announce_ports, serve_until_signal, start_server
 
 from .config import RouterConfig
 from .core import Router, model_facts

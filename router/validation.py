@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from disagg.engine.requests import InvalidField, Sampling, Stopping, check_logprobs, check_prompt_len, check_request_id, check_token_ids, stop_token_bound
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 
 from .config import Limits
 from .params import FIELD_NAMES, GenerateParams

@@ -4,7 +4,7 @@ Decode capacity is admitted first-come first-served: a request takes a slot on
 the decode worker with the most free slots, or waits in a bounded FIFO queue;
 past the bound it is refused with RESOURCE_EXHAUSTED at once.
 
-Membership: fixed addresses stay; DNS targets (router/discovery.py) are
+Membership: fixed addresses stay; DNS targets (disagg/rpc/discovery.py) are
 resolved again every `resolve_seconds`. A worker that appears is connected and
 used once its health says SERVING; one that disappears is retired: it gets no
 new requests, the calls it has run to the end, and its channel is closed once
@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.rpc import RequestError
-from disagg.security import TlsFiles, open_channel
+from disagg.rpc.discovery import LookupFailed, Resolver, Target, parse_target, resolve
+from disagg.rpc.security import TlsFiles, open_channel
+from disagg.rpc.server import RequestError
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
-
-from .discovery import LookupFailed, Resolver, Target, parse_target, resolve
 
 log = logging.getLogger(__name__)
 

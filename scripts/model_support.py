@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from disagg.engine.backends.architectures import VERDICTS  # noqa: E402
-from disagg.model_support import DECODE_STEPS, LONG_PROMPT_LENGTHS, PROMPT_LENGTHS, WINDOW, Verdict, sweep, verdict_table  # noqa: E402
+from disagg.tools.model_support import DECODE_STEPS, LONG_PROMPT_LENGTHS, PROMPT_LENGTHS, WINDOW, Verdict, sweep, verdict_table  # noqa: E402
 
 DOC = ROOT / "docs" / "models.md"
 

@@ -5,7 +5,7 @@
 Runs on a trn1.2xlarge or inf2.xlarge (2 NeuronCores) with Llama-3.2-1B, through
 the code the workers run (load_backend, the launcher of `disagg serve`), and
 prints each check's result, then a summary; exit status 1 if any failed:
- 0. the NeuronCores found (disagg/neuron_cores.py: sysfs, neuron-ls or --neuron-cores);
+ 0. the NeuronCores found (disagg/tools/neuron_cores.py: sysfs, neuron-ls or --neuron-cores);
  1. `disagg serve --backend neuron`: a prefill and a decode worker on their own
     cores (--serve-tp each), compiled once, serving greedy tokens equal to
     transformers' generate() on the CPU;
@@ -36,16 +36,16 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decode_worker.batcher import Batcher, Sequence
-from disagg import startup
+from decode_worker.decode_loop import DecodeLoop, Sequence
 from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
 from disagg.engine.backends.neuron import artifacts
 from disagg.engine.backends.neuron.config import prefill_line
-from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling, Stopping
 from disagg.engine.sampler import params_tensor
-from disagg.neuron_cores import CorePool, discover
+from disagg.kv_transport.chunk_codec import KvKind
+from disagg.rpc import startup
+from disagg.tools.neuron_cores import CorePool, discover
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
@@ -117,7 +117,7 @@ def generate(backend, ids: list[int], new_tokens: int) -> tuple[list[int], float
     ttft = time.perf_counter() - start
     write_prompt(backend, 0, result.layers)
     tokens, done = [result.first_token], threading.Event()
-    batcher = Batcher(backend, lambda events: [tokens.extend(e.token_ids) for e in events], lambda keys: done.set())
+    batcher = DecodeLoop(backend, lambda events: [tokens.extend(e.token_ids) for e in events], lambda keys: done.set())
     batcher.start()
     batcher.admit(Sequence("v", 0, len(ids), result.first_token, Sampling(), Stopping(new_tokens, frozenset())))
     done.wait(600)
@@ -173,10 +173,9 @@ def reference_tokens(args, tokenizer) -> dict[str, list[int]]:
 
 def serves_on_split_cores(args, pool: CorePool, tokenizer, expected: dict[str, list[int]]) -> bool:
     """`disagg serve --backend neuron`'s launcher: a prefill and a decode worker, each on its own cores."""
-    from disagg.client import Client
-    from disagg.launcher import ClusterSpec, LocalCluster, NeuronPlacement
-
-    from disagg.neuron_cores import NotEnoughCores
+    from disagg.clients.grpc_client import Client
+    from disagg.tools.local_cluster import ClusterSpec, LocalCluster, NeuronPlacement
+    from disagg.tools.neuron_cores import NotEnoughCores
 
     placement = NeuronPlacement(pool, prefill_tp=args.serve_tp, decode_tp=args.serve_tp)
     spec = ClusterSpec(model=args.model, batch_size=args.batch_size, neuron=placement, worker_args=["--max-seq-len", str(args.max_seq_len)])

@@ -8,8 +8,8 @@ import pathlib
 
 import pytest
 
-from disagg.kv import DEFAULT, TRANSPORTS, resolve
-from disagg.tinymodel import TinyModelSpec, cache_dir, checkpoint_path, ensure_tiny_model
+from disagg.kv_transport import DEFAULT, TRANSPORTS, resolve
+from disagg.tools.tinymodel import TinyModelSpec, cache_dir, checkpoint_path, ensure_tiny_model
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 # What a worker started without --kv-transport uses here.
@@ -114,7 +114,7 @@ def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, d
     Each worker runs one torch thread unless the test asks otherwise (threads_per_worker):
     the launcher's default splits the machine's cores, and the float32 C kernels run only
     on one thread, so without it a 64-core host would run other code than a 2-core one."""
-    from disagg.launcher import ClusterSpec, LocalCluster
+    from disagg.tools.local_cluster import ClusterSpec, LocalCluster
 
     spec.setdefault("threads_per_worker", 1)
 
@@ -157,7 +157,7 @@ def transport(request) -> str:
 @pytest.fixture(scope="module")
 def lone_decode_worker(cluster_logs):
     """One decode worker process alone (no router), with a 1 s lease, for the internal API."""
-    from disagg.launcher import ClusterSpec, LocalCluster
+    from disagg.tools.local_cluster import ClusterSpec, LocalCluster
 
     cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "lone-decode")))
     worker = cluster.add_worker("decode", ["--lease-seconds", "1", "--batch-size", "2"])

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from disagg.engine.backends import load_backend
 from disagg.engine.requests import Sampling
-from disagg.metrics import PrefillMetrics
+from disagg.rpc.metrics import PrefillMetrics
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 from prefill_worker.config import PrefillWorkerConfig

@@ -7,13 +7,13 @@ import asyncio
 
 import grpc
 import pytest
-
 from conftest import assert_nothing_held, start_cluster
-from disagg.client import AsyncClient
-from disagg.rpc import RequestError
+from test_e2e import PROMPTS
+
+from disagg.clients.grpc_client import AsyncClient
+from disagg.rpc.server import RequestError
 from disagg.v1 import worker_pb2 as wpb
 from router.workers import Worker, WorkerPool
-from test_e2e import PROMPTS
 
 
 def pool_with(capacities: list[int], max_queue: int) -> WorkerPool:

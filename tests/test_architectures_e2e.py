@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from conftest import TEST_MODELS, assert_nothing_held, reference, start_cluster
-from disagg.client import AsyncClient
-from disagg.tinymodel import paragraphs
+
+from disagg.clients.grpc_client import AsyncClient
+from disagg.tools.tinymodel import paragraphs
 
 
 def long_prompts(count: int, words: int) -> list[str]:

@@ -5,12 +5,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ARCHITECTURES, reference, tiny_model
-from decode_worker.batcher import Batcher, Sequence
+
+from decode_worker.decode_loop import DecodeLoop, Sequence
 from disagg.engine.backends import load_backend
-from disagg.kv.codec import KvKind
 from disagg.engine.requests import FinishReason, Sampling, Stopping
+from disagg.kv_transport.chunk_codec import KvKind
 
 PROMPTS = ["The baker opens", "Our café on the corner serves", "Snow fell", "A river runs through the old town. Seven bridges"]
 
@@ -40,7 +40,7 @@ def run_batch(backend, ref, prompts, max_new, async_mode, slots=None):
         if len(retired) == len(prompts):
             done.set()
 
-    batcher = Batcher(backend, publish, on_retired, async_mode=async_mode)
+    batcher = DecodeLoop(backend, publish, on_retired, async_mode=async_mode)
     batcher.start()
     for i, prompt in enumerate(prompts):
         ids = ref.ids(prompt)
@@ -93,7 +93,6 @@ def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_proc
     """Prefill samples the first token, the batcher the rest, next to unpenalized rows
     (the per-slot counts are set on admission and updated on the device each step)."""
     import torch
-
     from test_sampling_e2e import reference_run
 
     ref = reference("llama")
@@ -113,7 +112,7 @@ def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_proc
         if len(retired) == len(rows):
             done.set()
 
-    batcher = Batcher(backend, publish, on_retired, async_mode=async_mode)
+    batcher = DecodeLoop(backend, publish, on_retired, async_mode=async_mode)
     batcher.start()
     for slot, (prompt, sampling) in enumerate(rows):
         ids = ref.ids(prompt)
@@ -149,7 +148,7 @@ def held_batcher(prompts: list[str]) -> SimpleNamespace:
         if len(held.retired) == len(prompts):
             held.done.set()
 
-    held.batcher = Batcher(backend, lambda events: held.batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
+    held.batcher = DecodeLoop(backend, lambda events: held.batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
     held.first = [prefill_into_slot(backend, ref.ids(prompt), slot, Sampling()).first_token for slot, prompt in enumerate(prompts)]
     held.sequence = lambda slot, max_new: Sequence(str(slot), slot, len(ref.ids(prompts[slot])), held.first[slot], Sampling(), Stopping(max_new))
     held.decoded = lambda slot: [held.first[slot]] + [t for batch in held.batches for t in batch.get(str(slot), [])]
@@ -164,7 +163,7 @@ def wait_until(condition, failure: str) -> None:
         time.sleep(0.01)
 
 
-def steps_queued(batcher: Batcher) -> int:
+def steps_queued(batcher: DecodeLoop) -> int:
     """Work waiting on the device thread behind what runs there."""
     return batcher._device._work_queue.qsize()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from disagg.cli import main
+from disagg.cli.main import main
 
 
 def test_open_loop_sweep_with_json_and_plots(llama_cluster, tmp_path):

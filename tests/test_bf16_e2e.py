@@ -38,10 +38,10 @@ import functools
 
 import pytest
 import torch
-
 from conftest import assert_nothing_held, tiny_model
-from disagg.client import AsyncClient
-from disagg.tinymodel import paragraphs
+
+from disagg.clients.grpc_client import AsyncClient
+from disagg.tools.tinymodel import paragraphs
 
 TOL = 0.5  # logits: see the module docstring
 LOGPROB_TOL = 0.25  # a logprob moves by at most twice the largest logit's move
@@ -64,7 +64,7 @@ def bf16_reference():
 
 @pytest.fixture(scope="module")
 def bf16_cluster(cluster_logs):
-    from disagg.launcher import ClusterSpec, LocalCluster
+    from disagg.tools.local_cluster import ClusterSpec, LocalCluster
 
     log_dir = cluster_logs / "llama-bf16"
     cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="bfloat16", threads_per_worker=1, log_dir=str(log_dir)))

@@ -16,10 +16,10 @@ import collections
 import random
 
 import grpc
-
-from disagg.client import AsyncClient
 from conftest import assert_nothing_held
 from test_e2e import PROMPTS
+
+from disagg.clients.grpc_client import AsyncClient
 
 REQUESTS = 300
 WHOLE_CONTEXT = 440  # new tokens a long request asks for: the cluster's 512 positions less the longest prompt (37)

@@ -24,7 +24,7 @@ from helm_chart import (
 )
 from prometheus_client import CollectorRegistry
 
-from disagg.metrics import DecodeMetrics, PrefillMetrics, RouterMetrics
+from disagg.rpc.metrics import DecodeMetrics, PrefillMetrics, RouterMetrics
 
 NEURON_VALUES = CHART / "values-neuron.yaml"
 EVERYTHING_ON = {
@@ -228,7 +228,7 @@ def test_the_tls_probe_runs_as_the_chart_runs_it_against_a_pod_dialled_by_ip(tmp
     from certs import CertificateAuthority
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from disagg.security import TlsFiles, open_channel
+    from disagg.rpc.security import TlsFiles, open_channel
 
     ca = CertificateAuthority(tmp_path, "ca")
     secret = tmp_path / "secret"  # what cert-manager writes into the Secret
@@ -261,7 +261,7 @@ def test_the_tls_probe_runs_as_the_chart_runs_it_against_a_pod_dialled_by_ip(tmp
         env.pop("DISAGG_TLS_SERVER_NAME")  # the certificate does not name 127.0.0.1
         assert probe("readinessProbe") == 1
 
-        # The router's and the prefill worker's channels (disagg.security.open_channel) check the same way.
+        # The router's and the prefill worker's channels (disagg.rpc.security.open_channel) check the same way.
         async def check(server_name):
             files = TlsFiles(str(secret / "tls.crt"), str(secret / "tls.key"), str(secret / "ca.crt"), server_name=server_name)
             async with open_channel(f"127.0.0.1:{port}", files) as channel:

@@ -8,10 +8,10 @@ import grpc
 import pytest
 from conftest import reference
 
-from decode_worker.batcher import TokenEvent
+from decode_worker.decode_loop import TokenEvent
 from decode_worker.worker import _first_merged
 from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 from router.coalesce import coalesced, merge, merge_per_choice
 from router.lifecycle import Chunk, TextAssembler
 from router.validation import GenerationRequest

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from conftest import reference, tiny_model
+from test_backend import PROMPTS, run_batch
 from torch._dynamo.utils import counters
 
-from conftest import reference, tiny_model
 from disagg.engine.backends import load_backend
 from disagg.engine.backends.compiled import BadBuckets, bucket_for, check_buckets, default_batch_buckets, powers_of_two
-from test_backend import PROMPTS, run_batch
 
 # Plain attention, and sliding-window layers (alone, and between full layers)
 # that the bucket's whole KV length reaches past: the model's own mask must cut.
@@ -77,7 +77,7 @@ def test_compiling_is_the_default_on_cuda_only():
 
 def test_a_compiled_step_that_differs_from_eager_is_refused_at_start_up(monkeypatch):
     from disagg.engine.backends.architectures import UnsupportedModel
-    from disagg.engine.backends.slot_cache import BucketDecodeCache
+    from disagg.engine.backends.slot_kv_cache import BucketDecodeCache
 
     # Every row's query as if at position 0: the mask hides the rows' history. Dynamo
     # forgets the graphs earlier tests traced, so this one is traced with the patch.

@@ -1,4 +1,4 @@
-"""Worker discovery by DNS (router/discovery.py, router/workers.py).
+"""Worker discovery by DNS (disagg/rpc/discovery.py, router/workers.py).
 
 Unit tests on WorkerPool with an injected resolver; the resolver itself
 against a stub DNS server on loopback; then real processes, each started from
@@ -27,10 +27,10 @@ from helm_chart import container, render, run_container
 from polling import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.client import Client
-from disagg.rpc import RequestError
+from disagg.clients.grpc_client import Client
+from disagg.rpc.discovery import LookupFailed, parse_target, resolve
+from disagg.rpc.server import RequestError
 from disagg.v1 import worker_pb2 as wpb
-from router.discovery import LookupFailed, parse_target, resolve
 from router.workers import WorkerPool
 
 

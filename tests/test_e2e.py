@@ -10,10 +10,10 @@ import asyncio
 
 import grpc
 import pytest
+from conftest import ARCHITECTURES, DEFAULT_TRANSPORT, assert_nothing_held, kv_bytes_received, reference, start_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import ARCHITECTURES, DEFAULT_TRANSPORT, assert_nothing_held, kv_bytes_received, reference, start_cluster
-from disagg.client import AsyncClient, Client
+from disagg.clients.grpc_client import AsyncClient, Client
 
 PROMPTS = [
     "The lighthouse keeper climbed",
@@ -83,7 +83,7 @@ def test_two_prefill_and_two_decode_workers_give_generate_output_and_share_load(
 
 
 def test_sixteen_concurrent_requests_each_equal_their_solo_generate(e2e_cluster, transport, llama_ref):
-    from disagg.tinymodel import paragraphs
+    from disagg.tools.tinymodel import paragraphs
 
     before = kv_bytes_received(e2e_cluster, transport)
     texts = paragraphs()

@@ -8,11 +8,11 @@ import signal
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from conftest import assert_nothing_held, start_cluster
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polling import wait_for
-from disagg.client import Client
+
+from disagg.clients.grpc_client import Client
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 

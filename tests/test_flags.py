@@ -6,8 +6,8 @@ import os
 import pytest
 
 from decode_worker.__main__ import parse_config
-from decode_worker.batcher import Batcher
-from disagg.flags import cpu_list
+from decode_worker.decode_loop import DecodeLoop
+from disagg.cli.flags import cpu_list
 
 
 def test_cpu_lists_parse_and_bad_ones_are_refused():
@@ -26,7 +26,7 @@ def test_only_the_device_thread_is_pinned(llama_path):
     device_cpu = min(process_cpus)
     config = parse_config(["--model", llama_path, "--device-cpus", str(device_cpu)])
     assert config.device_cpus == {device_cpu}
-    batcher = Batcher(load_backend("torch", model=llama_path, dtype="float32"), lambda events: None, lambda keys: None, device_cpus=config.device_cpus)
+    batcher = DecodeLoop(load_backend("torch", model=llama_path, dtype="float32"), lambda events: None, lambda keys: None, device_cpus=config.device_cpus)
     batcher.start()
     try:
         assert batcher.run_on_device(os.sched_getaffinity, 0).result(timeout=30) == {device_cpu}

@@ -12,10 +12,10 @@ import json
 import httpx
 import openai
 import pytest
-
 from conftest import assert_nothing_held
-from disagg.cli import main
-from disagg.client import Client, by_choice
+
+from disagg.cli.main import main
+from disagg.clients.grpc_client import Client, by_choice
 
 PROMPT = "The lighthouse keeper"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the harbour."}]

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 from conftest import assert_nothing_held, start_cluster
 
 LIMIT = 4 * 1024 * 1024  # the default --http-max-body-bytes

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from disagg.engine.requests import FinishReason
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 from router.http.app import completion_events
 from router.http.convert import openai_param
 from router.http.errors import pydantic_param

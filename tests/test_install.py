@@ -41,7 +41,7 @@ KERNELS = ("small_gemm", "native_step", "slot_attention")
 # library that source builds to under DISAGG_CACHE, and which test-extra distributions are installed.
 PROBE = """
 import importlib, importlib.metadata, json, sys
-from disagg.engine.backends import small_gemm
+from disagg.engine.cpu_kernels import small_gemm
 kernels = {}
 for name in sys.argv[1].split(","):
     module = importlib.import_module(f"disagg.engine.backends.{name}")
@@ -95,8 +95,9 @@ def test_a_wheel_in_a_fresh_virtualenv_serves_exact_tokens_with_its_own_kernels(
     import os
     import signal
 
-    from disagg.client import Client
     from polling import wait_for
+
+    from disagg.clients.grpc_client import Client
 
     bin_dir = fresh_venv_with(wheel, tmp_path / "venv")
     site = str(tmp_path / "venv" / "lib")

@@ -8,10 +8,10 @@ import threading
 import grpc
 import pytest
 import torch
-
 from conftest import reference
 from polling import eventually, wait_for
-from disagg.kv.codec import KvKind, encode
+
+from disagg.kv_transport.chunk_codec import KvKind, encode
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 

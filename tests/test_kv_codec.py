@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from decode_worker.server import parse_kv_chunk
-from disagg.kv import push as wire
-from disagg.kv.codec import KvCommit, KvCoverage, KvKind, KvPiece, KvWireError, decode, encode
-from disagg.rpc import UnparsableMessage
+from decode_worker.grpc_edge import parse_kv_chunk
+from disagg.kv_transport import grpc_push
+from disagg.kv_transport.chunk_codec import KvChunkError, KvCommit, KvCoverage, KvKind, KvPiece, decode, encode
+from disagg.rpc.server import UnparsableMessage
 from disagg.v1 import worker_pb2 as wpb
 
 
@@ -22,11 +22,11 @@ def test_roundtrip_is_byte_exact_and_respects_the_size_limit(dtype):
 
 def test_decode_refuses_mismatched_bytes_dtype_and_shape():
     good = encode(0, KvKind.KEY, torch.zeros(2, 4, 8), 1 << 20)[0]
-    with pytest.raises(KvWireError, match="bytes do not match"):
+    with pytest.raises(KvChunkError, match="bytes do not match"):
         decode(KvPiece(0, KvKind.KEY, 0, "float32", (2, 5, 8), good.data))
-    with pytest.raises(KvWireError, match="dtype"):
+    with pytest.raises(KvChunkError, match="dtype"):
         decode(KvPiece(0, KvKind.KEY, 0, "int8", (2, 4, 8), good.data))
-    with pytest.raises(KvWireError, match="shape"):
+    with pytest.raises(KvChunkError, match="shape"):
         decode(KvPiece(0, KvKind.KEY, 0, "float32", (64,), good.data))
 
 
@@ -35,7 +35,7 @@ def test_coverage_finds_duplicates_and_gaps():
     for layer in range(2):
         for kind in KvKind:
             coverage.add(KvPiece(layer, kind, 0, "float32", (1, 6, 1), b""))
-    with pytest.raises(KvWireError, match="twice"):
+    with pytest.raises(KvChunkError, match="twice"):
         coverage.add(KvPiece(1, KvKind.KEY, 5, "float32", (1, 2, 1), b""))
     assert len(coverage.missing()) == 4
     for layer in range(2):
@@ -53,24 +53,24 @@ def a_piece() -> KvPiece:
 
 def test_framed_pieces_parse_as_protobuf_kv_chunks_and_back():
     piece = a_piece()
-    framed = wire.piece_bytes(piece, "res-1")
-    assert wpb.KvChunk.FromString(framed) == wire.piece_to_pb(piece, "res-1")
+    framed = grpc_push.piece_bytes(piece, "res-1")
+    assert wpb.KvChunk.FromString(framed) == grpc_push.piece_to_pb(piece, "res-1")
     header, data = parse_kv_chunk(framed)
-    assert wire.chunk_from_pb(header, data) == ("res-1", piece)
-    assert torch.equal(decode(wire.chunk_from_pb(header, data)[1]), decode(piece))
+    assert grpc_push.chunk_from_pb(header, data) == ("res-1", piece)
+    assert torch.equal(decode(grpc_push.chunk_from_pb(header, data)[1]), decode(piece))
 
 
 def test_protobuf_serialized_chunks_parse_with_the_data_anywhere():
     piece = a_piece()
-    message = wire.piece_to_pb(piece, "res-2")
-    assert wire.chunk_from_pb(*parse_kv_chunk(message.SerializeToString())) == ("res-2", piece)
+    message = grpc_push.piece_to_pb(piece, "res-2")
+    assert grpc_push.chunk_from_pb(*parse_kv_chunk(message.SerializeToString())) == ("res-2", piece)
     data_first = (
         wpb.KvChunk(data=piece.data).SerializeToString()
         + wpb.KvChunk(reservation_id="res-2", layer=3, kind=2, dtype="bfloat16", shape=[2, 5, 4]).SerializeToString()
     )
-    assert wire.chunk_from_pb(*parse_kv_chunk(data_first)) == ("res-2", piece)
+    assert grpc_push.chunk_from_pb(*parse_kv_chunk(data_first)) == ("res-2", piece)
     commit = KvCommit(first_token=9, prompt_len=5, num_layers=4)
-    assert wire.chunk_from_pb(*parse_kv_chunk(wire.commit_bytes(commit, "res-2"))) == ("res-2", commit)
+    assert grpc_push.chunk_from_pb(*parse_kv_chunk(grpc_push.commit_bytes(commit, "res-2"))) == ("res-2", commit)
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from conftest import assert_nothing_held, kv_bytes_received, reference, start_cluster, tiny_model
-from disagg.client import AsyncClient
-from disagg.kv import nixl_transport
-from disagg.tinymodel import paragraphs
 from polling import wait_for
+
+from disagg.clients.grpc_client import AsyncClient
+from disagg.kv_transport import nixl_transport
+from disagg.tools.tinymodel import paragraphs
 
 pytestmark = pytest.mark.skipif(not nixl_transport.available(), reason="NIXL is not installed (pip install nixl-cu12)")
 
@@ -87,7 +87,7 @@ def test_cancelled_requests_during_nixl_transfers_leave_nothing_held(nixl_cluste
 
 
 def test_a_nixl_backend_that_does_not_load_stops_the_worker_in_one_line_or_falls_back_under_auto(cluster_logs):
-    from disagg.launcher import ClusterSpec, LocalCluster
+    from disagg.tools.local_cluster import ClusterSpec, LocalCluster
 
     # PyPI's NIXL ships a LIBFABRIC plugin that cannot load without libfabric >= 1.21 and CUDA.
     logs = cluster_logs / "nixl-libfabric"

@@ -19,10 +19,10 @@ import time
 
 import grpc
 import pytest
-
 from conftest import reference, tiny_model
 from polling import wait_for
-from disagg.kv import nixl_transport
+
+from disagg.kv_transport import nixl_transport
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
@@ -38,8 +38,8 @@ STAGER = r"""
 import json, sys
 from disagg.engine.backends import load_backend
 from disagg.engine.requests import Sampling
-from disagg.kv.layout import KvGeometry
-from disagg.kv.nixl_transport import HEADER_BYTES, NixlSource
+from disagg.kv_transport.layout import KvGeometry
+from disagg.kv_transport.nixl_transport import HEADER_BYTES, NixlSource
 
 model, ids, metadata_file = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3]
 backend = load_backend("torch", model=model, dtype="float32", device="cpu", max_seq_len=0, global_topk=0)
@@ -109,7 +109,7 @@ class Stager:
 @pytest.fixture(scope="module")
 def nixl_workers(cluster_logs):
     """A NIXL prefill worker and two NIXL decode workers, no router (the test plays it)."""
-    from disagg.launcher import ClusterSpec, LocalCluster, reserve_port
+    from disagg.tools.local_cluster import ClusterSpec, LocalCluster, reserve_port
 
     cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "nixl-faults"), worker_args=["--kv-transport", "nixl"]))
     try:

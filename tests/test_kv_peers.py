@@ -9,15 +9,15 @@ import socket
 
 import grpc
 import pytest
-
 from conftest import assert_nothing_held, start_cluster
-from disagg.client import Client
+
+from disagg.clients.grpc_client import Client
+from disagg.rpc.discovery import LookupFailed
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 from prefill_worker import peers as peers_module
 from prefill_worker.channels import ChannelCache
 from prefill_worker.peers import DecodePeers
-from router.discovery import LookupFailed
 
 PROMPT = "The lighthouse keeper"
 

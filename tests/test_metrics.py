@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import urllib.request
 
+from conftest import DEFAULT_TRANSPORT
+from polling import eventually
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import DEFAULT_TRANSPORT
-from disagg.client import Client
-from polling import eventually
+from disagg.clients.grpc_client import Client
 
 PROMPTS = ["The cat slept", "The market is busy on Saturdays", "A clock tower stands"]
 NEW_TOKENS = 9

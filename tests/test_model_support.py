@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from disagg import model_support
 from disagg.engine.backends import architectures, load_backend, row_masks
 from disagg.engine.backends.architectures import UnsupportedModel
+from disagg.tools import model_support
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +74,9 @@ def test_a_window_under_a_name_the_sweep_does_not_shrink_is_caught_by_the_long_p
 
 
 def test_rows_at_the_wrong_position_are_caught(monkeypatch):
-    from disagg.engine.backends import slot_cache
+    from disagg.engine.backends import slot_kv_cache
 
-    monkeypatch.setattr(slot_cache.DecodeCache, "get_query_offset", lambda self, layer_idx=0: self.step.positions * 0 + self.step.kv_len - 1)
+    monkeypatch.setattr(slot_kv_cache.DecodeCache, "get_query_offset", lambda self, layer_idx=0: self.step.positions * 0 + self.step.kv_len - 1)
     verdict = model_support.check("gemma2", "Gemma2ForCausalLM")
     assert not verdict.exact
 
@@ -120,7 +120,7 @@ def test_an_unverified_model_type_is_refused(monkeypatch, tmp_path):
 
 
 def test_a_sliding_layer_reads_only_its_window():
-    from disagg.engine.backends.slot_cache import DecodeStep, LayerPlan, _DecodeLayer
+    from disagg.engine.backends.slot_kv_cache import DecodeStep, LayerPlan, _DecodeLayer
 
     keys = torch.zeros(3, 2, 64, 4)
     step = DecodeStep(slots=torch.tensor([0, 2]), positions=torch.tensor([40, 30]), kv_len=41, min_position=30)

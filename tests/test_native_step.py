@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from disagg.engine.backends import load_backend, native_step, small_gemm
+
+from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
+from disagg.engine.cpu_kernels import native_step, small_gemm
 
 pytestmark = pytest.mark.skipif(small_gemm.kernel() is None, reason="the native step needs an AVX2 CPU and a C compiler")
 

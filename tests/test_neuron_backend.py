@@ -14,16 +14,16 @@ import sys
 
 import pytest
 import torch
-
 from conftest import kv_bytes_received, reference, start_cluster, tiny_model
-from disagg.kv import resolve
-from disagg.client import Client
+
+from disagg.clients.grpc_client import Client
 from disagg.engine.backends.neuron.config import NeuronOptions, compiled_path, neuron_config_kwargs
 from disagg.engine.backends.neuron.layout import KvLayout, Sharding, UnsupportedLayout, sort_rows
 from disagg.engine.backends.neuron.packages import INSTALL, NeuronPackagesMissing, import_nxdi
 from disagg.engine.backends.neuron.settings import read_serving_properties, read_worker_config
-from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling
+from disagg.kv_transport import resolve
+from disagg.kv_transport.chunk_codec import KvKind
 
 STANDIN = str(pathlib.Path(__file__).parent / "nxdi_standin")
 # NxDI 0.7-0.9 pin transformers 4.56/4.57, and the stand-in fails as NxDI does under 5
@@ -264,8 +264,8 @@ NXDI_CANNOT = [(dict(min_p=0.1), "sampling.min_p"), (dict(presence_penalty=0.5),
 
 def test_what_nxdis_sampler_cannot_do_is_refused_naming_the_field_by_router_and_workers(neuron_cluster):
     import grpc
-
     from conftest import assert_nothing_held
+
     from disagg.v1 import worker_pb2 as wpb
     from disagg.v1 import worker_pb2_grpc as wgrpc
 

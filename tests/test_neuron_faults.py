@@ -115,6 +115,7 @@ def test_the_backend_on_the_standin_maps_its_models_runtime_error(monkeypatch, t
     import sys
 
     from conftest import reference, tiny_model
+
     from disagg.engine.backends import load_backend
     from disagg.engine.requests import Sampling
 

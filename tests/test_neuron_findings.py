@@ -13,15 +13,15 @@ import importlib
 
 import pytest
 import torch
-
 from conftest import reference, tiny_model
+from test_neuron_backend import standin, standin_any_transformers  # noqa: F401  (fixtures: the tests taking them say noqa: F811)
+
 from disagg.engine.backends.base import PrefillResult, StepInputs
 from disagg.engine.backends.neuron.config import NeuronOptions, neuron_config_kwargs
 from disagg.engine.backends.neuron.layout import UnsupportedLayout
-from disagg.kv.codec import KvKind
 from disagg.engine.requests import Sampling
 from disagg.engine.sampler import params_tensor
-from test_neuron_backend import standin, standin_any_transformers  # noqa: F401  (fixtures: the tests taking them say noqa: F811)
+from disagg.kv_transport.chunk_codec import KvKind
 
 GREEDY = (1.0, 1.0, 1.0)  # a row NxDI accepts as greedy, for tests that isolate another finding
 

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(not _have_sources(), reason="NXDI_SRC does not n
 def tiny_checkpoint(**spec) -> str:
     import transformers
 
-    from disagg.tinymodel import TinyModelSpec, cache_dir, ensure_tiny_model
+    from disagg.tools.tinymodel import TinyModelSpec, cache_dir, ensure_tiny_model
 
     # Made under this transformers (LlamaInferenceConfig needs 4.57's rope_theta), apart from the suite's.
     root = cache_dir() / f"nxdi-cpu-tf{transformers.__version__}"

@@ -23,16 +23,16 @@ import time
 
 import grpc
 import pytest
-
 from conftest import reference, tiny_model
-from disagg import startup
-from disagg.client import Client
+from test_neuron_backend import NEEDS_NXDI_TRANSFORMERS, NXDI_TRANSFORMERS, STANDIN, standin, standin_any_transformers  # noqa: F401  (fixtures)
+
+from disagg.clients.grpc_client import Client
 from disagg.engine.backends.neuron import artifacts
 from disagg.engine.backends.neuron.config import NeuronOptions, compiled_path
 from disagg.engine.requests import Sampling
-from disagg.launcher import ClusterSpec, LocalCluster, NeuronPlacement
-from disagg.neuron_cores import CorePool, NotEnoughCores, WorkerCores, discover, parse_core_list, split
-from test_neuron_backend import NEEDS_NXDI_TRANSFORMERS, NXDI_TRANSFORMERS, STANDIN, standin, standin_any_transformers  # noqa: F401  (fixtures)
+from disagg.rpc import startup
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster, NeuronPlacement
+from disagg.tools.neuron_cores import CorePool, NotEnoughCores, WorkerCores, discover, parse_core_list, split
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HOOKS = str(pathlib.Path(__file__).parent / "neuron_serve_hooks")
@@ -79,7 +79,7 @@ def test_no_device_and_too_few_cores_are_refused_in_one_line(tmp_path):
 
 
 def test_disagg_serve_refuses_workers_that_do_not_fit_before_starting_anything(capsys):
-    from disagg.cli import main
+    from disagg.cli.main import main
 
     assert main(["serve", "--backend", "neuron", "--tp", "2", "--neuron-cores", "2", "--model", "/no/such/model"]) == 2
     out, err = capsys.readouterr()
@@ -193,7 +193,7 @@ class Lines:
 @needs_nxdi_transformers
 def test_disagg_serve_backend_neuron_splits_the_cores_compiles_once_and_serves(tmp_path):
     compiled = tmp_path / "compiled"
-    command = [sys.executable, "-m", "disagg.cli", "serve", "--backend", "neuron", "--model", tiny_model("llama"), "--dtype", "float32", "--max-seq-len", "256",
+    command = [sys.executable, "-m", "disagg.cli.main", "serve", "--backend", "neuron", "--model", tiny_model("llama"), "--dtype", "float32", "--max-seq-len", "256",
                "--batch-size", "2", "--decode-workers", "2", "--prefill-tp", "2", "--neuron-cores", "4", "--neuron-compiled-path", str(compiled),
                "--port", "0", "--http-port", "-1", "--kv-transport", "grpc"]
     with open(tmp_path / "workers.log", "w") as log:

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import pytest
 
-from disagg.cli import main
+from disagg.cli.main import main
 
 pytest.importorskip("httpx")
 
@@ -101,8 +101,8 @@ def test_closed_loop_counts_the_streamed_tokens(fake_server, tmp_path, capsys, w
 def test_token_ids_and_refusals_reach_the_load_generator(fake_server):
     import asyncio
 
-    from disagg.loadgen import RequestSpec, closed_loop, summarize
-    from disagg.openai_client import OpenAIClient
+    from disagg.clients.openai_client import OpenAIClient
+    from disagg.tools.loadgen import RequestSpec, closed_loop, summarize
 
     class NoBar:
         def update(self, _):
@@ -125,8 +125,8 @@ def test_token_ids_and_refusals_reach_the_load_generator(fake_server):
 def test_an_unreachable_server_is_an_error_in_the_report(tmp_path):
     import asyncio
 
-    from disagg.loadgen import RequestSpec, run_one
-    from disagg.openai_client import OpenAIClient
+    from disagg.clients.openai_client import OpenAIClient
+    from disagg.tools.loadgen import RequestSpec, run_one
 
     async def run():
         async with OpenAIClient("http://127.0.0.1:9", timeout=5, model="m") as client:

@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
-
 from conftest import reference, tiny_model
-from disagg.engine.backends import load_backend
-from disagg.engine.backends import packed_linear, small_gemm
-from disagg.engine.backends.packed_linear import PackedLinear, can_prepack, prepack_linears
 from test_backend import PROMPTS, run_batch
+
+from disagg.engine.backends import load_backend
+from disagg.engine.cpu_kernels import packed_linear, small_gemm
+from disagg.engine.cpu_kernels.packed_linear import PackedLinear, can_prepack, prepack_linears
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,6 @@ import sys
 import threading
 
 import pytest
-
 from conftest import tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -73,7 +72,7 @@ def served():
     taken = [p for p in (GRPC_PORT, HTTP_PORT) if not free(p)]
     assert not taken, f"the README's ports must be free for this test; in use: {taken}"
     env = {k: v for k, v in os.environ.items() if k not in ("DISAGG_PORT", "DISAGG_HTTP_PORT", "DISAGG_AUTH_TOKEN")}
-    command = [sys.executable, "-m", "disagg.cli", "serve", "--model", tiny_model("llama"), "--dtype", "float32", "--batch-size", "4"]
+    command = [sys.executable, "-m", "disagg.cli.main", "serve", "--model", tiny_model("llama"), "--dtype", "float32", "--batch-size", "4"]
     serve = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     banner = []
     for line in serve.stdout:

@@ -11,7 +11,7 @@ import torch
 from conftest import PresenceFrequencyPenalty, assert_nothing_held
 from transformers import LogitsProcessorList
 
-from disagg.client import AsyncClient, Client
+from disagg.clients.grpc_client import AsyncClient, Client
 
 PROMPT = "The market is busy on Saturdays. People buy apples, cheese, fish,"
 NEW = 24

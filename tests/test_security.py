@@ -7,11 +7,11 @@ import pathlib
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from certs import CertificateAuthority
 from conftest import start_cluster
-from disagg.client import Client
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from disagg.clients.grpc_client import Client
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 

@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_model
-from disagg.engine.backends import load_backend, slot_attention
+
+from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
+from disagg.engine.cpu_kernels import slot_attention
 
 kernel = slot_attention.kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="slot_attention needs an AVX2 CPU and a C compiler")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from conftest import tiny_model
+
 from decode_worker.config import GIB, DecodeWorkerConfig
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
@@ -43,7 +43,7 @@ def capacities(cluster, *flag_sets: list[str]) -> list[int]:
 
 def test_a_decode_worker_sizes_its_slots_from_the_budget(cluster_logs):
     from disagg.engine.backends import load_backend
-    from disagg.launcher import ClusterSpec, LocalCluster
+    from disagg.tools.local_cluster import ClusterSpec, LocalCluster
 
     info = load_backend("torch", model=tiny_model("llama"), dtype="float32").info
     per_slot = info.kv_bytes_per_token(4) * info.max_seq_len

@@ -1,6 +1,6 @@
 import pytest
 
-from disagg.engine.slots import SlotError, SlotManager, SlotState
+from disagg.engine.slot_manager import SlotError, SlotManager, SlotState
 
 
 class Clock:

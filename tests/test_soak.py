@@ -2,7 +2,8 @@
 exact outputs and nothing held anywhere."""
 
 from conftest import tiny_model
-from disagg import soak
+
+from disagg.tools import soak
 
 
 def test_soak_with_cancels_deadlines_and_killed_workers(tmp_path):

@@ -8,11 +8,11 @@ import urllib.request
 
 import grpc
 import pytest
+from conftest import assert_nothing_held, start_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import assert_nothing_held, start_cluster
-from disagg.client import Client
+from disagg.clients.grpc_client import Client
 from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
@@ -271,7 +271,8 @@ class BatcherUnderFaults:
 
     def __init__(self, fails, async_mode: bool = True, slots: int = 2):
         from conftest import reference, tiny_model
-        from decode_worker.batcher import Batcher
+
+        from decode_worker.decode_loop import DecodeLoop
         from disagg.engine.backends import load_backend
 
         self.ref = reference("llama")
@@ -285,12 +286,13 @@ class BatcherUnderFaults:
                 raise RuntimeError(f"bounds check at step {self.steps}")
             return self.backend.decode_step(inputs)
 
-        self.batcher = Batcher(self.backend, self.events.extend, self.retired.extend, async_mode=async_mode, on_fatal=self.fatal.append, decode_step=step)
+        self.batcher = DecodeLoop(self.backend, self.events.extend, self.retired.extend, async_mode=async_mode, on_fatal=self.fatal.append, decode_step=step)
 
     def admit(self, key: str, slot: int, prompt: str, max_new: int, sampling=None) -> int:
-        from decode_worker.batcher import Sequence
-        from disagg.engine.requests import Sampling, Stopping
         from test_backend import prefill_into_slot
+
+        from decode_worker.decode_loop import Sequence
+        from disagg.engine.requests import Sampling, Stopping
 
         sampling = sampling or Sampling()
         ids = self.ref.ids(prompt)

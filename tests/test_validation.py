@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 from router.config import Limits
 from router.params import GenerateParams
 from router.prompts import prompt_ids, render_chat

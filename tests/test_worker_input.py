@@ -9,9 +9,9 @@ import math
 
 import grpc
 import pytest
-
 from conftest import assert_nothing_held
-from disagg.client import Client
+
+from disagg.clients.grpc_client import Client
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 

@@ -59,7 +59,7 @@ if [ "$role" = probe ]; then
     set -- "$@" --tls-cert "$DISAGG_TLS_DIR/tls.crt" --tls-key "$DISAGG_TLS_DIR/tls.key" --tls-ca "$DISAGG_TLS_DIR/ca.crt"
     [ -n "$tls_name" ] && set -- "$@" --tls-server-name "$tls_name"
   fi
-  exec python -m disagg.healthcheck "$@"
+  exec python -m disagg.rpc.healthcheck "$@"
 fi
 
 [ -n "${DISAGG_MODEL:-}" ] && set -- --model "$DISAGG_MODEL" "$@"

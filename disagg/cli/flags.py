@@ -10,8 +10,8 @@ import dataclasses
 import logging
 import os
 
-from disagg.kv import CHOICES as KV_CHOICES
-from disagg.kv import DEFAULT as KV_DEFAULT
+from disagg.kv_transport import CHOICES as KV_CHOICES
+from disagg.kv_transport import DEFAULT as KV_DEFAULT
 
 
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
@@ -48,7 +48,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
     parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"), help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")
     parser.add_argument("--status-file", default=None, help="publish the start-up phase here as JSON, rewritten every second (loading, compiling, serving): "
-                        "how a launcher tells a worker compiling for minutes from one that is stuck (disagg/startup.py)")
+                        "how a launcher tells a worker compiling for minutes from one that is stuck (disagg/rpc/startup.py)")
     parser.add_argument("--token-buckets", type=bucket_list, default=None, help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
     compiled = parser.add_argument_group("torch backend")
     compiled.add_argument(
@@ -104,18 +104,12 @@ def cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def pin_this_thread(cpus: frozenset[int] | None) -> None:
-    """On Linux, pid 0 names the calling thread: only it (and threads it starts) move."""
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-
-
 def address(args) -> str:
     return f"{'0.0.0.0' if args.bind_all else args.host}:{args.port}"
 
 
 def internal_tls(args):
-    from disagg.security import tls_from_flags
+    from disagg.rpc.security import tls_from_flags
 
     tls = tls_from_flags(args.tls_cert, args.tls_key, args.tls_ca, "--tls-cert/--tls-key/--tls-ca")
     if tls is not None and not tls.ca:
@@ -193,8 +187,8 @@ def worker_fields(args) -> tuple[dict, dict]:
 
 def kv_transport(choice: str) -> str:
     """The transport to open; refuses --kv-transport nixl up front when NIXL is not installed."""
-    from disagg.kv import resolve
-    from disagg.kv.nixl_transport import available
+    from disagg.kv_transport import resolve
+    from disagg.kv_transport.nixl_transport import available
 
     if choice == "nixl" and not available():
         raise SystemExit("--kv-transport nixl: NIXL is not installed (pip install nixl-cu12, or 'disagg[nixl]')")
@@ -204,7 +198,7 @@ def kv_transport(choice: str) -> str:
 def resolve_model(model: str | None) -> str:
     if model:
         return model
-    from disagg.tinymodel import ensure_tiny_model
+    from disagg.tools.tinymodel import ensure_tiny_model
 
     return str(ensure_tiny_model())
 
@@ -223,7 +217,7 @@ def refusals(backend: str) -> tuple[type[Exception], ...]:
     chosen backend's modules are imported: the neuron workers run under NxDI's transformers
     release, which the torch backend's modules do not import under."""
     from disagg.engine.backends.architectures import UnsupportedModel
-    from disagg.kv.nixl_transport import NixlUnavailable
+    from disagg.kv_transport.nixl_transport import NixlUnavailable
 
     if backend == "neuron":
         from disagg.engine.backends.neuron.layout import UnsupportedLayout
@@ -241,7 +235,7 @@ def run_worker(prog: str, serve, config) -> None:
     import asyncio
     import sys
 
-    from disagg.kv.nixl_transport import NixlUnavailable
+    from disagg.kv_transport.nixl_transport import NixlUnavailable
 
     refused = refusals(config.backend)
     try:

@@ -8,8 +8,8 @@ import signal
 import sys
 import time
 
-from disagg.kv import CHOICES as KV_CHOICES
-from disagg.kv import DEFAULT as KV_DEFAULT
+from disagg.kv_transport import CHOICES as KV_CHOICES
+from disagg.kv_transport import DEFAULT as KV_DEFAULT
 
 
 def free_or_any(port: int) -> int:
@@ -28,8 +28,8 @@ def free_or_any(port: int) -> int:
 
 def neuron_placement(args):
     """--backend neuron: each role's tp and the NeuronCores found (None for the torch backend)."""
-    from disagg.launcher import NeuronPlacement
-    from disagg.neuron_cores import discover
+    from disagg.tools.local_cluster import NeuronPlacement
+    from disagg.tools.neuron_cores import discover
 
     if args.backend != "neuron":
         return None
@@ -69,9 +69,9 @@ def print_banner(cluster, model: str) -> None:
 
 
 def cmd_serve(args) -> int:
-    from disagg.launcher import ClusterSpec, LocalCluster
-    from disagg.neuron_cores import NotEnoughCores
-    from disagg.tinymodel import ensure_tiny_model
+    from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+    from disagg.tools.neuron_cores import NotEnoughCores
+    from disagg.tools.tinymodel import ensure_tiny_model
 
     http_port = None if args.http_port < 0 else free_or_any(args.http_port) if args.http_port else 0
     spec = ClusterSpec(model=args.model or "", prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, http_port=http_port,
@@ -121,7 +121,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from disagg.client import Client
+    from disagg.clients.grpc_client import Client
 
     with Client(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
         last = None
@@ -146,7 +146,7 @@ def cmd_bench(args) -> int:
     import asyncio
     import json
 
-    from disagg.loadgen import BenchConfig, plot, run_bench, table
+    from disagg.tools.loadgen import BenchConfig, plot, run_bench, table
 
     if args.api == "openai" and (args.url is None) == (not args.start_cluster):
         print("disagg bench: --api openai needs either --url (the server's base URL) or --start-cluster (ours, over HTTP)", file=sys.stderr)
@@ -170,8 +170,8 @@ def cmd_bench(args) -> int:
     )
     cluster = None
     if args.start_cluster:
-        from disagg.launcher import ClusterSpec, LocalCluster
-        from disagg.tinymodel import ensure_tiny_model
+        from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+        from disagg.tools.tinymodel import ensure_tiny_model
 
         http_port = 0 if args.api == "openai" else None
         cluster = LocalCluster(ClusterSpec(model=args.model or str(ensure_tiny_model()), log_dir=args.log_dir, http_port=http_port)).start()
@@ -192,7 +192,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from disagg.tinymodel import TinyModelSpec, make_tiny_model
+    from disagg.tools.tinymodel import TinyModelSpec, make_tiny_model
 
     path = make_tiny_model(args.out, TinyModelSpec(architecture=args.architecture, train_steps=args.train_steps))
     print(path)

@@ -1,6 +1,6 @@
 """Python client for the public API: iterate over streamed chunks, sync or asyncio.
 
-    from disagg.client import Client
+    from disagg.clients.grpc_client import Client
     with Client("127.0.0.1:50050") as client:
         for chunk in client.generate("The lighthouse keeper", max_new_tokens=32):
             print(chunk.text, end="", flush=True)

@@ -2,7 +2,7 @@
 any OpenAI-compatible server (our router's --http-port, vLLM, SGLang, ...) with
 the same load generator and report as our gRPC API.
 
-It offers the two calls the load generator makes on `disagg.client.AsyncClient`:
+It offers the two calls the load generator makes on `disagg.clients.grpc_client.AsyncClient`:
 `generate` streams `/v1/completions` (server-sent events) and yields chunks with
 `token_ids`, and `tokenize` asks the server's `/tokenize` (a vLLM and SGLang
 extension, not OpenAI's). The prompt goes as token ids (a list of ints as

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 # Bounds that hold at every edge. The router may lower them for its clients (router/config.py
 # Limits), never raise them: a worker refuses anything past them whoever sends it.

@@ -1,9 +1,9 @@
 """How KV moves from a prefill worker into a decode worker's slot.
 
-- `push`: the gRPC stream (the portable fallback). The prefill worker streams
-  KvChunk pieces (`codec` cuts and checks them) to the decode worker's PushKv,
+- `grpc_push`: the gRPC stream (the portable fallback). The prefill worker streams
+  KvChunk pieces (`chunk_codec` cuts and checks them) to the decode worker's PushKv,
   which copies each into the reserved slot.
-- `pull` + `nixl_transport`: NIXL. The prefill worker stages the KV in
+- `nixl_control` + `nixl_transport`: NIXL. The prefill worker stages the KV in
   registered memory and calls PullKv; the decode worker reads it straight into
   the slot with NIXL, then commits. `layout` is the byte geometry both share.
 

@@ -1,4 +1,4 @@
-"""The KV wire codec: one layer's keys or values <-> raw-byte pieces under a size limit.
+"""The KV chunk codec: one layer's keys or values <-> raw-byte pieces under a size limit.
 
 A piece is a token range of one layer's K or V, [kv_heads, tokens, head_dim],
 as raw bytes with its dtype and shape. Pieces are cut along the token axis so
@@ -26,7 +26,7 @@ class KvKind(enum.IntEnum):
     VALUE = 2
 
 
-class KvWireError(ValueError):
+class KvChunkError(ValueError):
     """A piece whose bytes, dtype or shape do not describe a valid tensor."""
 
 
@@ -64,12 +64,12 @@ def encode(layer: int, kind: KvKind, tensor: torch.Tensor, max_piece_bytes: int)
 def decode(piece: KvPiece) -> torch.Tensor:
     dtype = DTYPES.get(piece.dtype)
     if dtype is None:
-        raise KvWireError(f"dtype {piece.dtype!r} is not one of {sorted(DTYPES)}")
+        raise KvChunkError(f"dtype {piece.dtype!r} is not one of {sorted(DTYPES)}")
     if len(piece.shape) != 3 or min(piece.shape) < 1:
-        raise KvWireError(f"shape {list(piece.shape)} is not [kv_heads, tokens, head_dim]")
+        raise KvChunkError(f"shape {list(piece.shape)} is not [kv_heads, tokens, head_dim]")
     expected = piece.shape[0] * piece.shape[1] * piece.shape[2] * dtype.itemsize
     if len(piece.data) != expected:
-        raise KvWireError(f"{len(piece.data)} bytes do not match shape {list(piece.shape)} of {piece.dtype} ({expected} bytes)")
+        raise KvChunkError(f"{len(piece.data)} bytes do not match shape {list(piece.shape)} of {piece.dtype} ({expected} bytes)")
     # Shares the message's bytes without a copy; the caller copies them into the cache.
     return torch.frombuffer(piece.data, dtype=dtype).view(piece.shape)
 
@@ -95,7 +95,7 @@ class KvCoverage:
         ranges = self._ranges.setdefault((piece.layer, piece.kind), [])
         for start, end in ranges:
             if piece.token_start < end and start < piece.token_end:
-                raise KvWireError(f"layer {piece.layer} {piece.kind.name.lower()} tokens [{piece.token_start}, {piece.token_end}) arrived twice")
+                raise KvChunkError(f"layer {piece.layer} {piece.kind.name.lower()} tokens [{piece.token_start}, {piece.token_end}) arrived twice")
         ranges.append((piece.token_start, piece.token_end))
 
     def missing(self) -> list[str]:

@@ -12,10 +12,10 @@ import time
 
 import grpc
 
-from disagg.rpc import LENGTH_DELIMITED, RequestError, WireField, wire_fields
+from disagg.rpc.server import LENGTH_DELIMITED, ProtoField, RequestError, proto_fields
 from disagg.v1 import worker_pb2 as wpb
 
-from .codec import KvCommit, KvKind, KvPiece
+from .chunk_codec import KvCommit, KvKind, KvPiece
 
 TRANSPORT = "grpc"
 _SERVICE = wpb.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -130,9 +130,9 @@ def commit_bytes(commit: KvCommit, reservation_id: str = "") -> bytes:
     return commit_to_pb(commit, reservation_id).SerializeToString()
 
 
-def _data_span(raw: bytes) -> WireField | None:
+def _data_span(raw: bytes) -> ProtoField | None:
     """The last top-level `data` field (protobuf keeps the last of a repeated scalar)."""
-    spans = [f for f in wire_fields(raw) if f.number == _DATA_FIELD and f.wire_type == LENGTH_DELIMITED]
+    spans = [f for f in proto_fields(raw) if f.number == _DATA_FIELD and f.wire_type == LENGTH_DELIMITED]
     return spans[-1] if spans else None
 
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from disagg.flags import pin_this_thread
-from disagg.rpc import RequestError
+from disagg.engine.threads import pin_this_thread
+from disagg.rpc.server import RequestError
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 

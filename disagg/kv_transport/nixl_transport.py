@@ -303,7 +303,7 @@ class NixlHostStagingSink(_Reader):
         return np.array([(self._buffer.data_ptr(), size, 0)], dtype=np.uint64), np.array([(address, size, 0)], dtype=np.uint64), 1
 
     def _land(self, slot: int, prompt_len: int) -> None:
-        from .codec import KvKind
+        from .chunk_codec import KvKind
 
         g = self.geometry
         shape = (g.kv_heads, prompt_len, g.head_dim)

@@ -1,4 +1,4 @@
-"""python -m disagg.healthcheck HOST:PORT: exit 0 when the server's grpc.health.v1 says SERVING.
+"""python -m disagg.rpc.healthcheck HOST:PORT: exit 0 when the server's grpc.health.v1 says SERVING.
 
 What the Helm chart's probes run where Kubernetes' own gRPC probe cannot: the
 kubelet's probe speaks plaintext only, and with mutual TLS the workers accept
@@ -28,7 +28,7 @@ def channel(address: str, args) -> grpc.Channel:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="disagg.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="disagg.rpc.healthcheck", description=__doc__)
     parser.add_argument("address", help="HOST:PORT of the server")
     parser.add_argument("--service", default="", help='health service name ("": ready for work; liveness: the process runs)')
     parser.add_argument("--timeout", type=float, default=3.0)

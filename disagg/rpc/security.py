@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from disagg.rpc import channel_options, refusal
+from disagg.rpc.server import channel_options, refusal
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 

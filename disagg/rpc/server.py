@@ -81,7 +81,7 @@ def read_varint(data: bytes, i: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class WireField:
+class ProtoField:
     """One top-level field of a serialized message: its tag starts at `start`, its value is data[value_start:end]."""
 
     number: int
@@ -91,7 +91,7 @@ class WireField:
     end: int
 
 
-def wire_fields(data: bytes) -> Iterator[WireField]:
+def proto_fields(data: bytes) -> Iterator[ProtoField]:
     """The top-level fields of a serialized message, in order, unparsed.
     Raises ValueError where the bytes stop being a message."""
     i = 0
@@ -110,14 +110,14 @@ def wire_fields(data: bytes) -> Iterator[WireField]:
             raise ValueError(f"wire type {wire_type} is not supported")
         if end > len(data):
             raise ValueError("a field runs past the end of the message")
-        yield WireField(key >> 3, wire_type, start, i, end)
+        yield ProtoField(key >> 3, wire_type, start, i, end)
         i = end
 
 
 def invalid_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
     """The dotted name of the first string field holding invalid UTF-8, if any."""
     try:
-        for wire_field in wire_fields(data):
+        for wire_field in proto_fields(data):
             field = descriptor.fields_by_number.get(wire_field.number)
             if field is None or wire_field.wire_type != LENGTH_DELIMITED:
                 continue

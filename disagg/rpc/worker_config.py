@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg.security import TlsFiles
+from disagg.rpc.security import TlsFiles
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class WorkerConfig:
     grace_seconds: float = 30.0  # SIGTERM: how long work in flight may take to finish
     metrics_port: int = 0
     port_file: str | None = None  # where to announce the bound ports
-    status_file: str | None = None  # where to publish the start-up phase (disagg/startup.py)
+    status_file: str | None = None  # where to publish the start-up phase (disagg/rpc/startup.py)
     neuron: dict = field(default_factory=dict)  # neuron backend options (tp_degree, buckets, ...)
     tls: TlsFiles | None = None  # mutual TLS between the router and the workers
     kv_transport: str = "grpc"  # how KV moves between the workers: grpc (push stream) or nixl (pull into the slot)

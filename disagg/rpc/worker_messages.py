@@ -26,7 +26,7 @@ from disagg.engine.requests import (
     check_token_ids,
     stop_token_bound,
 )
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 from disagg.v1 import worker_pb2 as wpb
 
 # The worker API's names for the engine's fields (the rest are named alike).

@@ -1,5 +1,5 @@
 """The load generator behind `disagg bench`: drives the public gRPC API, or any
-server's OpenAI HTTP API (--api openai, through disagg.openai_client) with the
+server's OpenAI HTTP API (--api openai, through disagg.clients.openai_client) with the
 same workloads and the same report.
 
 Open loop (Poisson arrivals at --rate, or a --sweep of rates) or closed loop
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from disagg.client import AsyncClient
-from disagg.openai_client import OpenAIClient, OpenAIError
+from disagg.clients.grpc_client import AsyncClient
+from disagg.clients.openai_client import OpenAIClient, OpenAIError
 
 
 @dataclass
@@ -212,7 +212,7 @@ async def run_bench(config: BenchConfig) -> list[dict]:
         if config.dataset:
             specs = await dataset_specs(client, config.dataset, total, parse_range(config.output_len)[1], rng)
         else:
-            from disagg.tinymodel import CORPUS
+            from disagg.tools.tinymodel import CORPUS
 
             pool = await token_pool(client, CORPUS.read_text(encoding="utf-8"), 8192)
             specs = synthetic_specs(pool, total, config.prompt_len, config.output_len, rng)

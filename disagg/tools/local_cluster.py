@@ -5,11 +5,11 @@ to start real clusters. Each part is the same `python -m <part>` a user would
 run on its own machine.
 
 Start-up waits for every worker's health to say SERVING. A worker publishes its
-start-up phase (disagg/startup.py, `--status-file`); the start timeout counts
+start-up phase (disagg/rpc/startup.py, `--status-file`); the start timeout counts
 only the time a worker is not compiling, so a first Neuron compile of tens of
 minutes is waited for, while a worker whose heartbeat stops (stuck) or that
 exits (dead) still fails the start. With `ClusterSpec.neuron`, each worker gets
-its own NeuronCores (`NEURON_RT_VISIBLE_CORES`, disagg/neuron_cores.py), and a
+its own NeuronCores (`NEURON_RT_VISIBLE_CORES`, disagg/tools/neuron_cores.py), and a
 split that does not fit is refused before any process starts.
 """
 
@@ -21,8 +21,8 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 import typing
 from dataclasses import dataclass, field
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg import startup
-from disagg.neuron_cores import CorePool, WorkerCores, split
+from disagg.rpc import startup
+from disagg.tools.neuron_cores import CorePool, WorkerCores, split
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 

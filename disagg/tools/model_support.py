@@ -171,7 +171,7 @@ def backend_logits(model, rows: list[list[int]], lengths: tuple[int, ...] = PROM
     """The torch backend: each prompt prefilled into its slot, then all rows decoded together."""
     from disagg.engine.backends.base import StepInputs
     from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
-    from disagg.kv.codec import KvKind
+    from disagg.kv_transport.chunk_codec import KvKind
 
     backend = TorchBackend(TorchBackendConfig(model="sweep", dtype="float32", max_seq_len=max(64, max(lengths) + DECODE_STEPS + 1)), model=model)
     backend.allocate_slots(3)
@@ -235,7 +235,7 @@ def one_line(error: BaseException) -> str:
 
 def check(model_type: str, architecture: str) -> Verdict:
     from disagg.engine.backends.architectures import UnsupportedModel, structural_problem
-    from disagg.engine.backends.slot_cache import layer_plans
+    from disagg.engine.backends.slot_kv_cache import layer_plans
 
     def refuse(reason: str) -> Verdict:
         return Verdict(model_type, architecture, False, reason)

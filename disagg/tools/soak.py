@@ -2,7 +2,7 @@
 and restarted; then every greedy request that finished must equal generate(),
 and every worker must hold nothing.
 
-    python -m disagg.soak --requests 400 --concurrency 24 --kills 4
+    python -m disagg.tools.soak --requests 400 --concurrency 24 --kills 4
 
 Loopback only, bounded in count and time. Exits 1 if a finished request was
 wrong or anything is still held at the end.
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from disagg.client import AsyncClient
-from disagg.launcher import ClusterSpec, LocalCluster
-from disagg.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs
+from disagg.clients.grpc_client import AsyncClient
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs
 
 
 @dataclass
@@ -167,7 +167,7 @@ async def soak(cluster: LocalCluster, args) -> Report:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m disagg.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m disagg.tools.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: a tiny trained Llama made offline")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=24)

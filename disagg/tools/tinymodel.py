@@ -17,7 +17,9 @@ import pathlib
 import random
 from dataclasses import asdict, dataclass
 
-CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
+from disagg.engine.cache_dir import cache_dir
+
+CORPUS = pathlib.Path(__file__).parents[1] / "data" / "corpus.txt"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 _VERSION = 2  # bump when the recipe changes, so cached models are remade
 # A plain chat template, so the chat APIs (messages) run on the tiny models too.
@@ -170,10 +172,6 @@ def portable_tokenizer_class(path: pathlib.Path) -> None:
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_file.write_text(json.dumps(config, indent=2))
-
-
-def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("DISAGG_CACHE", pathlib.Path.home() / ".cache" / "disagg"))
 
 
 def checkpoint_path(spec: TinyModelSpec = DEFAULT_SPEC, root: pathlib.Path | None = None) -> pathlib.Path:

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 
 from . import errors
 from .bodies import OffLoopJsonRoute

@@ -8,7 +8,7 @@ turns it into the parameter the HTTP caller sent (`max_tokens`).
 
 from __future__ import annotations
 
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 from router.params import GenerateParams
 
 from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest

@@ -1,7 +1,7 @@
 """The HTTP front's server: uvicorn on the router's own event loop.
 
 uvicorn runs as a task beside the grpc.aio server (no extra process or hop);
-its signal handlers stay off, since the router's drain (disagg.rpc.
+its signal handlers stay off, since the router's drain (disagg.rpc.server.
 serve_until_signal) owns SIGTERM and SIGINT for both servers: once draining,
 the routes answer 503 to new requests, and the HTTP server stops after the
 work in flight has finished.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from disagg.rpc import RequestError
+from disagg.rpc.server import RequestError
 from router.lifecycle import Chunk
 
 _DONE = object()

@@ -77,7 +77,7 @@ def run(job: dict) -> dict:
     import torch
 
     from disagg.engine.requests import Sampling
-    from disagg.kv.codec import KvKind
+    from disagg.kv_transport.chunk_codec import KvKind
 
     results: dict = {}
     try:

@@ -69,7 +69,7 @@ def check_verdict(config) -> None:
 
 def structural_problem(model) -> str | None:
     """What in a loaded model the slot cache cannot serve, whatever its architecture's verdict."""
-    from .slot_cache import SERVED_LAYER_TYPES, layer_plans
+    from .slot_kv_cache import SERVED_LAYER_TYPES, layer_plans
 
     config = model.config
     if getattr(config, "is_encoder_decoder", False):

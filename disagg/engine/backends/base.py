@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.kv.codec import KvKind
+from disagg.kv_transport.chunk_codec import KvKind
 
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput

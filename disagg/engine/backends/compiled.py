@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .slot_cache import BucketDecodeCache, BucketStep, LayerPlan, SlotKvCache
+from .slot_kv_cache import BucketDecodeCache, BucketStep, LayerPlan, SlotKvCache
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from . import slot_attention
+from ..cpu_kernels import slot_attention
 from .base import LayerKvCallback  # noqa: F401  (the torch backend's modules import it from here)
 
 # Layer types whose attention reads (a window of) ordinary per-token K/V. The

@@ -14,15 +14,17 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from disagg.kv.codec import KvKind, dtype_name
+from disagg.kv_transport.chunk_codec import KvKind, dtype_name
+
+from ..cpu_kernels import native_step, slot_attention
+from ..cpu_kernels.packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
 from ..model_files import eos_token_ids
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
-from . import architectures, native_step, row_masks, slot_attention
-from .compiled import CompiledDecode
-from .packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
+from . import architectures, row_masks
 from .base import Backend, ModelInfo, PrefillResult, StepInputs
-from .slot_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
+from .compiled import CompiledDecode
+from .slot_kv_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
 
 log = logging.getLogger(__name__)
 

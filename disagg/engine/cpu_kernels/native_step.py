@@ -34,9 +34,9 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
+from ..backends.slot_kv_cache import LayerKvCallback, LayerPlan, SlotKvCache
 from . import slot_attention, small_gemm
 from .packed_linear import PackedLinear, SharedInput
-from .slot_cache import LayerKvCallback, LayerPlan, SlotKvCache
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from disagg.tinymodel import cache_dir
+from disagg.engine.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 

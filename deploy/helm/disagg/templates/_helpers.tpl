@@ -64,7 +64,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{/* Probes on grpc.health.v1: "" is SERVING once the model is loaded and until
 the drain starts (readiness); "liveness" is SERVING while the process runs.
 The kubelet's own gRPC probe speaks plaintext only, so with TLS on the port the
-image's entrypoint runs the check (python -m disagg.healthcheck). */}}
+image's entrypoint runs the check (python -m disagg.rpc.healthcheck). */}}
 {{- define "disagg.probes" -}}
 {{- $tls := .tls -}}
 {{- range $kind := list "startupProbe" "readinessProbe" "livenessProbe" }}

@@ -21,7 +21,8 @@ import logging
 
 import torch
 
-from disagg.kv.codec import KvKind
+from disagg.kv_transport.chunk_codec import KvKind
+
 from ...model_files import eos_token_ids
 from ...requests import Sampling
 from ...sampler import SampleOutput, params_tensor

@@ -2,7 +2,7 @@
 
 Complete directories, the lock and the atomic rename are artifacts.py's; the
 phases (compiling, waiting for another process's compile, loading) go to the
-worker's start-up status (disagg/startup.py), so a launcher waits for a compile
+worker's start-up status (disagg/rpc/startup.py), so a launcher waits for a compile
 and a log shows its progress.
 """
 
@@ -15,7 +15,7 @@ import os
 import pathlib
 import time
 
-from disagg import startup
+from disagg.rpc import startup
 
 from . import artifacts
 from .config import MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, full_attention_window, neuron_config_kwargs

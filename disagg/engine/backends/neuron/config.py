@@ -30,7 +30,7 @@ class NeuronOptions:
     context_buckets: tuple[int, ...] = ()  # () with bucketing: NxDI's powers of two; see context_encoding_buckets
     token_buckets: tuple[int, ...] = ()
     enable_bucketing: bool = True
-    async_mode: bool = True  # our batcher's overlap of host and device work (decode_worker/batcher.py), not NxDI's
+    async_mode: bool = True  # our batcher's overlap of host and device work (decode_worker/decode_loop.py), not NxDI's
     nxdi_async_mode: bool = False  # NxDI's own async_mode: off, see neuron_config_kwargs
     global_topk: int = 256
     k_cache_transposed: bool = False  # refused: a transposed K splits every KV write into head_dim copies

@@ -1,6 +1,6 @@
-"""KV lines between NxDI's per-rank cache layout and the wire's canonical one.
+"""KV lines between NxDI's per-rank cache layout and the KV transport's canonical one.
 
-Canonical (on the wire): one layer's K or V as [kv_heads, tokens, head_dim],
+Canonical (as the KV transport carries it): one layer's K or V as [kv_heads, tokens, head_dim],
 the model's own heads. NxDI keeps, per tensor-parallel rank, a cache of
 [lines, heads_per_rank, max_len, head_dim]. How the model's KV heads map to ranks follows NxDI's
 GQA sharding (modules/attention/gqa.py):

@@ -22,8 +22,16 @@ from ..device import device_view
 from ..modules.autobucketing import generate_buckets_for_cte, generate_buckets_for_tkg
 from ..modules.generation.sampling import Sampler, infer_sampling_params, validate_sampling_params
 from .config import InferenceConfig
-from .model_wrapper import (CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG, ModelWrapper, get_target_bucket, pad_context_inputs,
-                            pad_token_generation_mask, padded_batch, submodel_config)
+from .model_wrapper import (
+    CONTEXT_ENCODING_MODEL_TAG,
+    TOKEN_GENERATION_MODEL_TAG,
+    ModelWrapper,
+    get_target_bucket,
+    pad_context_inputs,
+    pad_token_generation_mask,
+    padded_batch,
+    submodel_config,
+)
 
 COMPILE_LOG = "standin_compiles.txt"
 COMPILED_MODEL_FILE_NAME = "model.pt"  # application_base.COMPILED_MODEL_FILE_NAME
