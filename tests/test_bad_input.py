@@ -6,10 +6,10 @@ import asyncio
 
 import grpc
 import pytest
-
-from disagg.client import AsyncClient, Client
-from disagg.v1 import generation_pb2 as pb
 from conftest import assert_nothing_held
+
+from disagg.clients.grpc_client import AsyncClient, Client
+from disagg.v1 import generation_pb2 as pb
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -32,6 +32,20 @@ CASES = [
     (dict(prompt="x", stop_token_ids=list(range(65))), "stopping.stop_token_ids has 65 ids"),
     (dict(prompt="x", stop_token_ids=[10**6]), "stopping.stop_token_ids contains 1000000"),
     (dict(prompt="x", request_id="r" * 129), "request_id has 129 characters"),
+    (dict(messages=[("", "hi")]), "messages [0] has no role"),
+    (dict(prompt="x", top_p=float("nan")), "sampling.top_p must be in (0, 1], got nan"),
+    (dict(prompt="x", min_p=1.5), "sampling.min_p must be in [0, 1]"),
+    (dict(prompt="x", min_p=-0.1), "sampling.min_p must be in [0, 1]"),
+    (dict(prompt="x", presence_penalty=2.5), "sampling.presence_penalty must be in [-2, 2]"),
+    (dict(prompt="x", frequency_penalty=-3.0), "sampling.frequency_penalty must be in [-2, 2]"),
+    (dict(prompt="x", frequency_penalty=float("inf")), "sampling.frequency_penalty must be in [-2, 2]"),
+    (dict(prompt="x", repetition_penalty=0.0), "sampling.repetition_penalty must be a finite number > 0"),
+    (dict(prompt="x", repetition_penalty=-1.0), "sampling.repetition_penalty must be a finite number > 0"),
+    (dict(prompt="x", logprobs=True, top_logprobs=21), "top_logprobs must be in [0, 20], got 21"),
+    (dict(prompt="x", logprobs=True, top_logprobs=-1), "top_logprobs must be in [0, 20], got -1"),
+    (dict(prompt="x", top_logprobs=3), "top_logprobs needs logprobs set to true"),
+    (dict(prompt="x", n=17), "n must be in [1, 16], got 17"),
+    (dict(prompt="x", stop_token_ids=[-1]), "stopping.stop_token_ids contains -1"),
 ]
 
 
@@ -40,7 +54,7 @@ def test_each_bad_field_is_invalid_argument_naming_it(llama_cluster, params, mes
     params = dict(params)
     with Client(llama_cluster.router_address, timeout=30) as client:
         with pytest.raises(grpc.RpcError) as error:
-            client.complete(params.pop("prompt", None), **params)
+            client.choices(params.pop("prompt", None), **params)
     assert error.value.code() == INVALID, error.value.details()
     assert message in error.value.details()
 
@@ -89,6 +103,15 @@ def test_unparsable_messages_are_invalid_argument_not_internal(llama_cluster, pa
     with pytest.raises(grpc.RpcError) as error:
         raw_generate(llama_cluster.router_address, payload)
     assert error.value.code() == INVALID and message in error.value.details()
+
+
+def test_tokenize_text_that_is_not_utf8_is_invalid_argument_naming_the_field(llama_cluster, llama_ref):
+    with grpc.insecure_channel(llama_cluster.router_address) as channel:
+        call = channel.unary_unary("/disagg.v1.GenerationService/Tokenize", request_serializer=None, response_deserializer=pb.TokenizeResponse.FromString)
+        with pytest.raises(grpc.RpcError) as error:
+            call(b"\x0a\x02\xff\xfe", timeout=30)  # field 1 (text): two bytes that are not UTF-8
+        assert error.value.code() == INVALID and "field text is not valid UTF-8" in error.value.details()
+        assert list(call(pb.TokenizeRequest(text="The cat", add_special_tokens=True).SerializeToString(), timeout=30).token_ids) == llama_ref.ids("The cat")
 
 
 def test_a_message_over_the_size_limit_is_resource_exhausted_and_the_next_call_works(llama_cluster, llama_ref):
