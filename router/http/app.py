@@ -105,7 +105,15 @@ def create_app(state: FrontState) -> FastAPI:
     app = FastAPI(title="disagg OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.route_class = OffLoopJsonRoute  # before any route: large bodies are parsed on a thread (bodies.py)
     state.started = state.started or int(time.time())
+    _add_error_handlers(app)
+    auth = [Depends(_authorizer(state))]
+    _add_info_routes(app, state, auth)
+    _add_completion_routes(app, state, auth)
+    _add_chat_routes(app, state, auth)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.HttpError)
     async def _http_error(_, exc: errors.HttpError):
         return exc.response()
@@ -122,6 +130,10 @@ def create_app(state: FrontState) -> FastAPI:
     async def _starlette_error(_, exc: HTTPException):
         return errors.HttpError(exc.status_code, str(exc.detail), "invalid_request_error").response()
 
+
+def _authorizer(state: FrontState):
+    """The dependency every route but /health takes: the bearer token, when the router has one."""
+
     async def authorized(request: Request) -> None:  # async: FastAPI runs a sync dependency in a thread
         if state.auth_token is None:
             return
@@ -131,142 +143,166 @@ def create_app(state: FrontState) -> FastAPI:
         if not hmac.compare_digest(given.encode(), f"Bearer {state.auth_token}".encode()):
             raise errors.unauthorized("the API key (bearer token) is not valid")
 
-    def serving():
-        router = state.router()
-        if router is None:
-            raise errors.unavailable("the router is waiting for its workers")
-        if state.draining():
-            raise errors.unavailable("server is shutting down")
-        return router
+    return authorized
 
-    def model_names(router) -> set[str]:
-        return {router.facts.name, state.model_path}
 
-    def check_model(router, body) -> None:
-        if body.model is not None and body.model not in model_names(router):
-            raise errors.model_not_found(body.model)
+def _serving(state: FrontState):
+    router = state.router()
+    if router is None:
+        raise errors.unavailable("the router is waiting for its workers")
+    if state.draining():
+        raise errors.unavailable("server is shutting down")
+    return router
 
-    async def prepare(router, make_params, body: CommonRequest, deadline: RequestDeadline):
-        """make_params() -> the GenerateParams list, validated and tokenized; a refusal is a 400 naming its parameter."""
-        try:
-            params = make_params()
-            check_queue_room(router, len(params), body)
-            return [await deadline.bound(router.prepare(p)) for p in params]
-        except RequestError as exc:
-            raise errors.HttpError.from_status(exc.code, str(exc), openai_param(exc.field, body), exc.field) from exc
 
-    def check_queue_room(router, prompts: int, body: CommonRequest) -> None:
-        """A batch of prompts times n choices is that many generations at once: more than
-        the router may queue could never be admitted whole (400, naming n, or prompt when n is 1)."""
-        generations, room = prompts * body.n, router.config.max_queue
-        if generations > room:
-            field = "n" if body.n > 1 else "prompt"
-            message = f"{field} makes {generations} generations ({prompts} prompts times n={body.n}); the router queues at most {room} (--max-queue)"
-            raise RequestError(message, field=field)
+def _check_model(state: FrontState, router, body) -> None:
+    if body.model is not None and body.model not in {router.facts.name, state.model_path}:
+        raise errors.model_not_found(body.model)
 
-    async def started(request: Request, router, prepared, n: int, deadline: RequestDeadline) -> MergedGenerations:
-        merged = MergedGenerations(router, [(r, i * n) for i, r in enumerate(prepared)], deadline)
-        try:
-            await unless_disconnected(request, merged.start())
-        except RequestError as exc:
-            await merged.aclose()
-            raise errors.HttpError.from_status(exc.code, str(exc)) from exc
-        except BaseException:
-            await merged.aclose()
-            raise
-        return merged
 
-    async def collected(request: Request, merged: MergedGenerations) -> dict[int, Choice]:
-        async def collect():
-            choices: dict[int, Choice] = {}
-            async for tagged in merged:
-                gather(choices, tagged)
-            return choices
+async def _prepare(router, make_params, body: CommonRequest, deadline: RequestDeadline):
+    """make_params() -> the GenerateParams list, validated and tokenized; a refusal is a 400 naming its parameter."""
+    try:
+        params = make_params()
+        _check_queue_room(router, len(params), body)
+        return [await deadline.bound(router.prepare(p)) for p in params]
+    except RequestError as exc:
+        raise errors.HttpError.from_status(exc.code, str(exc), openai_param(exc.field, body), exc.field) from exc
 
-        try:
-            return await unless_disconnected(request, collect())
-        except RequestError as exc:
-            raise errors.HttpError.from_status(exc.code, str(exc)) from exc
-        finally:
-            await merged.aclose()
 
-    def check_stream_options(body: CommonRequest) -> bool:
-        if body.stream_options is not None and not body.stream:
-            raise errors.bad_request("stream_options is only allowed when stream is true", "stream_options")
-        return bool(body.stream_options and body.stream_options.include_usage)
+def _check_queue_room(router, prompts: int, body: CommonRequest) -> None:
+    """A batch of prompts times n choices is that many generations at once: more than
+    the router may queue could never be admitted whole (400, naming n, or prompt when n is 1)."""
+    generations, room = prompts * body.n, router.config.max_queue
+    if generations > room:
+        field = "n" if body.n > 1 else "prompt"
+        message = (
+            f"{field} makes {generations} generations ({prompts} prompts times n={body.n}); "
+            f"the router queues at most {room} (--max-queue)"
+        )
+        raise RequestError(message, field=field)
+
+
+async def _started(request: Request, router, prepared, n: int, deadline: RequestDeadline) -> MergedGenerations:
+    merged = MergedGenerations(router, [(r, i * n) for i, r in enumerate(prepared)], deadline)
+    try:
+        await unless_disconnected(request, merged.start())
+    except RequestError as exc:
+        await merged.aclose()
+        raise errors.HttpError.from_status(exc.code, str(exc)) from exc
+    except BaseException:
+        await merged.aclose()
+        raise
+    return merged
+
+
+async def _collected(request: Request, merged: MergedGenerations) -> dict[int, Choice]:
+    async def collect():
+        choices: dict[int, Choice] = {}
+        async for tagged in merged:
+            gather(choices, tagged)
+        return choices
+
+    try:
+        return await unless_disconnected(request, collect())
+    except RequestError as exc:
+        raise errors.HttpError.from_status(exc.code, str(exc)) from exc
+    finally:
+        await merged.aclose()
+
+
+def _check_stream_options(body: CommonRequest) -> bool:
+    if body.stream_options is not None and not body.stream:
+        raise errors.bad_request("stream_options is only allowed when stream is true", "stream_options")
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _add_info_routes(app: FastAPI, state: FrontState, auth: list) -> None:
+    """/health, /v1/models and /tokenize: what a client asks before it generates."""
 
     @app.get("/health")
     async def health():
-        serving()
+        _serving(state)
         return JSONResponse({})
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models", dependencies=auth)
     async def models():
-        router = serving()
+        router = _serving(state)
         card = {"id": router.facts.name, "object": "model", "created": state.started, "owned_by": "disagg", "max_model_len": router.facts.max_seq_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: TokenizeRequest):
-        router = serving()
-        check_model(router, body)
+        router = _serving(state)
+        _check_model(state, router, body)
         try:
             ids = await RequestDeadline(state.timeout_seconds).bound(router.tokenize(body.prompt, body.add_special_tokens))
         except RequestError as exc:
             raise errors.HttpError.from_status(exc.code, str(exc)) from exc
         return {"tokens": ids, "count": len(ids), "max_model_len": router.facts.max_seq_len}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+
+def _add_completion_routes(app: FastAPI, state: FrontState, auth: list) -> None:
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
-        router = serving()
-        check_model(router, body)
-        include_usage = check_stream_options(body)
+        router = _serving(state)
+        _check_model(state, router, body)
+        include_usage = _check_stream_options(body)
         if body.echo and body.logprobs is not None:
             raise errors.bad_request("echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
         deadline = RequestDeadline(state.timeout_seconds)
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", router.facts.name, chat=False)
-        prepared = await prepare(router, lambda: completion_params(body, envelope.id), body, deadline)
-        text_of = router.token_text
+        prepared = await _prepare(router, lambda: completion_params(body, envelope.id), body, deadline)
         echoes = [echo_text(router.tokenizer, p) if body.echo else "" for p in split_prompts(body.prompt)]
-        merged = await started(request, router, prepared, body.n, deadline)
+        merged = await _started(request, router, prepared, body.n, deadline)
         if body.stream:
-            events = completion_events(merged, envelope, body, text_of, echoes, include_usage)
+            events = completion_events(merged, envelope, body, router.token_text, echoes, include_usage)
             return ClosingStreamingResponse(events, merged.aclose, media_type="text/event-stream")
-        choices = await collected(request, merged)
-        out = []
-        for index, choice in sorted(choices.items()):
-            echo = echoes[index // body.n]
-            item = {"index": index, "text": echo + choice.text, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
-            if body.logprobs is not None:
-                item["logprobs"] = completion_logprobs(choice.logprobs, text_of, 0)
-            if body.return_token_ids:
-                item["token_ids"] = choice.token_ids
-            out.append(item)
+        choices = await _collected(request, merged)
+        out = _completion_choices(choices, body, router.token_text, echoes)
         return {**envelope.head(streamed=False), "choices": out, "usage": total_usage(choices, body.n)}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+
+def _completion_choices(choices: dict[int, Choice], body: CompletionRequest, text_of: TokenText, echoes: list[str]) -> list[dict]:
+    out = []
+    for index, choice in sorted(choices.items()):
+        echo = echoes[index // body.n]
+        item = {"index": index, "text": echo + choice.text, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
+        if body.logprobs is not None:
+            item["logprobs"] = completion_logprobs(choice.logprobs, text_of, 0)
+        if body.return_token_ids:
+            item["token_ids"] = choice.token_ids
+        out.append(item)
+    return out
+
+
+def _add_chat_routes(app: FastAPI, state: FrontState, auth: list) -> None:
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        router = serving()
-        check_model(router, body)
-        include_usage = check_stream_options(body)
+        router = _serving(state)
+        _check_model(state, router, body)
+        include_usage = _check_stream_options(body)
         deadline = RequestDeadline(state.timeout_seconds)
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", router.facts.name, chat=True)
-        prepared = await prepare(router, lambda: [chat_params(body, envelope.id)], body, deadline)
-        text_of = router.token_text
-        merged = await started(request, router, prepared, body.n, deadline)
+        prepared = await _prepare(router, lambda: [chat_params(body, envelope.id)], body, deadline)
+        merged = await _started(request, router, prepared, body.n, deadline)
         if body.stream:
-            events = chat_events(merged, envelope, body, text_of, state.token_bytes(router), include_usage)
+            events = chat_events(merged, envelope, body, router.token_text, state.token_bytes(router), include_usage)
             return ClosingStreamingResponse(events, merged.aclose, media_type="text/event-stream")
-        choices = await collected(request, merged)
-        out = []
-        for index, choice in sorted(choices.items()):
-            item = {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
-            if body.logprobs:
-                item["logprobs"] = chat_logprobs(choice.logprobs, text_of, state.token_bytes(router))
-            out.append(item)
+        choices = await _collected(request, merged)
+        out = _chat_choices(choices, body, router.token_text, state.token_bytes(router))
         return {**envelope.head(streamed=False), "choices": out, "usage": total_usage(choices, body.n)}
 
-    return app
+
+def _chat_choices(choices: dict[int, Choice], body: ChatCompletionRequest, text_of: TokenText, bytes_of: TokenBytes) -> list[dict]:
+    out = []
+    for index, choice in sorted(choices.items()):
+        message = {"role": "assistant", "content": choice.text}
+        item = {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
+        if body.logprobs:
+            item["logprobs"] = chat_logprobs(choice.logprobs, text_of, bytes_of)
+        out.append(item)
+    return out
 
 
 class StreamUsage:

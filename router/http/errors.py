@@ -55,7 +55,8 @@ def body_too_large(max_bytes: int) -> HttpError:
 
 
 def body_too_slow(seconds: float) -> HttpError:
-    return HttpError(408, f"the request body did not arrive in full within {seconds:g} s (--http-timeout-seconds)", "invalid_request_error", code="request_timeout")
+    return HttpError(408, f"the request body did not arrive in full within {seconds:g} s (--http-timeout-seconds)",
+                     "invalid_request_error", code="request_timeout")
 
 
 def model_not_found(model: str) -> HttpError:
