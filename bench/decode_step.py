@@ -138,7 +138,7 @@ def linear_groups(enabled: bool):
         torch_backend.group_shared_inputs = saved
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
@@ -151,13 +151,15 @@ def main() -> None:
     parser.add_argument("--scattered", action="store_true", help="rows in every other slot (not one contiguous run)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the compile's progress
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    batches = [int(b) for b in args.batch.split(",")]
-    path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
+    if args.scattered and any(name.startswith("compiled") for name in args.variants.split(",")):
+        parser.error("--scattered: the compiled step's rows are its first slots (a bucket), never scattered")
+    return args
+
+
+def variant_options() -> dict[str, dict]:
+    """Each variant's TorchBackendConfig options (what differs beyond them is set in build_backends and time_step)."""
     through_modules = dict(compile=False, prepack=True, native_step=False)
-    options = {
+    return {
         "eager": dict(compile=False, prepack=False),
         **{
             name: through_modules
@@ -171,9 +173,10 @@ def main() -> None:
         "compiled": dict(compile=True, prepack=False),
         "compiled-prepacked": dict(compile=True, prepack=True),
     }
-    names = args.variants.split(",")
-    if args.scattered and any(name.startswith("compiled") for name in names):
-        parser.error("--scattered: the compiled step's rows are its first slots (a bucket), never scattered")
+
+
+def build_backends(args, names: list[str], path: str, batches: list[int]) -> dict[str, TorchBackend]:
+    options = variant_options()
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
     for name in names:
@@ -189,6 +192,11 @@ def main() -> None:
         print(f"{name}: slots ready in {time.perf_counter() - started:.1f}s", flush=True)
         for cache in (*backend.cache.keys, *backend.cache.values):
             cache.normal_()
+    return backends
+
+
+def roofline_result(args, device: torch.device, path: str) -> tuple[float, dict]:
+    """The roofline (the weights' bytes over the read bandwidth measured here, seconds) and the run's facts."""
     weight_bytes = step_weight_bytes(path, args.dtype)
     bandwidth = read_bandwidth(device)
     roofline = weight_bytes / bandwidth
@@ -203,20 +211,39 @@ def main() -> None:
         two_cores = read_bandwidth(device)
         torch.set_num_threads(1)
         result["read_bandwidth_two_cores_gbs"] = two_cores / 1e9
-        print(f"two cores read {two_cores / 1e9:.1f} GB/s: a one-row step split across them has a roofline of {weight_bytes / two_cores * 1e3:.2f} ms")
+        print(f"two cores read {two_cores / 1e9:.1f} GB/s: a one-row step split across them has a roofline of "
+              f"{weight_bytes / two_cores * 1e3:.2f} ms")
+    return roofline, result
+
+
+def measure_batch(args, backends: dict[str, TorchBackend], batch: int, vocab: int, device: torch.device) -> dict[str, float]:
+    """Each variant's median step time at this batch, the variants interleaved."""
+    inputs = step_inputs(batch, args.context, vocab, device, args.scattered)
+    times = {name: [] for name in backends}
+    for name, backend in backends.items():
+        time_step(backend, inputs, device)  # warm
+    for _ in range(args.repeats):
+        for name, backend in backends.items():
+            times[name].append(time_step(
+                backend, inputs, device, one_core=name.endswith("-1core"), shared_rows=1 if name == "prepacked-single-shared" else 64
+            ))
+    return {name: statistics.median(times[name]) for name in backends}
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the compile's progress
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batch.split(",")]
+    path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
+    names = args.variants.split(",")
+    backends = build_backends(args, names, path, batches)
+    roofline, result = roofline_result(args, device, path)
     vocab = backends[names[0]].info.vocab_size
     baseline = names[0]
     for batch in batches:
-        inputs = step_inputs(batch, args.context, vocab, device, args.scattered)
-        times = {name: [] for name in names}
-        for name, backend in backends.items():
-            time_step(backend, inputs, device)  # warm
-        for _ in range(args.repeats):
-            for name, backend in backends.items():
-                times[name].append(time_step(
-                    backend, inputs, device, one_core=name.endswith("-1core"), shared_rows=1 if name == "prepacked-single-shared" else 64
-                ))
-        medians = {name: statistics.median(times[name]) for name in names}
+        medians = measure_batch(args, backends, batch, vocab, device)
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
         cells = [
             f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)"

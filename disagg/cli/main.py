@@ -64,7 +64,8 @@ def print_banner(cluster, model: str) -> None:
         print(f"  {p.name}: {p.address}")
     print(f"\nTry:  disagg generate --address {cluster.router_address} \"The lighthouse keeper\"")
     if cluster.http_url:
-        print(f"      curl {cluster.http_url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The lighthouse keeper\", \"max_tokens\": 16}}'")
+        print(f"      curl {cluster.http_url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"prompt\": \"The lighthouse keeper\", \"max_tokens\": 16}}'")
     print("Ctrl-C stops everything.", flush=True)
 
 
@@ -74,9 +75,9 @@ def cmd_serve(args) -> int:
     from disagg.tools.tinymodel import ensure_tiny_model
 
     http_port = None if args.http_port < 0 else free_or_any(args.http_port) if args.http_port else 0
-    spec = ClusterSpec(model=args.model or "", prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port, http_port=http_port,
-                       dtype=args.dtype, batch_size=args.batch_size, worker_args=serve_worker_args(args), router_args=serve_router_args(args), colocated=args.colocated, neuron=neuron_placement(args),
-                       threads_per_worker=args.threads)
+    spec = ClusterSpec(model=args.model or "", prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port,
+                       http_port=http_port, dtype=args.dtype, batch_size=args.batch_size, colocated=args.colocated, neuron=neuron_placement(args),
+                       worker_args=serve_worker_args(args), router_args=serve_router_args(args), threads_per_worker=args.threads)
     try:
         cores = spec.neuron_cores()  # the one-line refusal comes before anything starts
     except NotEnoughCores as exc:
@@ -138,7 +139,9 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
             last = chunk
         if last is not None:
-            print(f"\n[{last.finish_reason}; {last.prompt_tokens} prompt + {last.completion_tokens} generated tokens; first token after {last.ttft_seconds * 1000:.1f} ms]", file=sys.stderr)
+            print(f"\n[{last.finish_reason}; {last.prompt_tokens} prompt + {last.completion_tokens} "
+                  f"generated tokens; first token after {last.ttft_seconds * 1000:.1f} ms]",
+                  file=sys.stderr)
     return 0
 
 
@@ -200,33 +203,57 @@ def cmd_make_model(args) -> int:
 
 
 def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated LLM inference over gRPC")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    add_make_model_parser(sub)
+    return parser
 
+
+def add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="start a router, a prefill worker and a decode worker locally")
     serve.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the built-in tiny model)")
     serve.add_argument("--port", type=int, default=int(os.environ.get("DISAGG_PORT", 50050)), help="router port")
-    serve.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", 8000)), help="the router's OpenAI-compatible HTTP API (default 8000, or a free port when 8000 is taken; 0: a free port; -1: off)")
-    serve.add_argument("--http-max-body-bytes", type=int, default=None, help="refuse an HTTP request body over this many bytes (413) before reading it in full (default 4 MiB, as the gRPC API's)")
+    serve.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", 8000)),
+                       help="the router's OpenAI-compatible HTTP API (default 8000, or a free port when 8000 is taken; 0: a free port; -1: off)")
+    serve.add_argument("--http-max-body-bytes", type=int, default=None,
+                       help="refuse an HTTP request body over this many bytes (413) before reading it in full (default 4 MiB, as the gRPC API's)")
     serve.add_argument("--http-timeout-seconds", type=float, default=None, help="an HTTP request still unanswered after this long ends with 504 (default 600)")
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (default 0: the machine's cores split between the workers)")
-    serve.add_argument("--batch-size", type=int, default=0, help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
+    serve.add_argument("--batch-size", type=int, default=0,
+                       help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
     serve.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves from prefill to decode (nixl: read straight into the slot, needs nixl-cu12; auto: NIXL where it is installed, else the gRPC stream)")
+    serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES,
+                       help="how KV moves from prefill to decode (nixl: read straight into the slot, needs "
+                            "nixl-cu12; auto: NIXL where it is installed, else the gRPC stream)")
     serve.add_argument("--colocated", action="store_true", help="no prefill workers: each decode worker also prefills (the baseline)")
     serve.add_argument("--max-seq-len", type=int, default=0, help="prompt plus generated tokens (default: the workers' default)")
+    add_neuron_arguments(serve)
+    serve.set_defaults(run=cmd_serve)
+
+
+def add_neuron_arguments(serve) -> None:
     neuron = serve.add_argument_group("--backend neuron (Trn1, Inf2, Trn2; docs/neuron.md)")
     neuron.add_argument("--backend", default="torch", choices=["torch", "neuron"])
     neuron.add_argument("--tp", type=int, default=1, help="NeuronCores per worker (NxDI's tp_degree); each worker gets its own (NEURON_RT_VISIBLE_CORES)")
     neuron.add_argument("--prefill-tp", type=int, default=0, help="the prefill workers' tp (default --tp)")
     neuron.add_argument("--decode-tp", type=int, default=0, help="the decode workers' tp (default --tp)")
     neuron.add_argument("--neuron-cores", type=int, default=int(os.environ.get("DISAGG_NEURON_CORES", 0)),
-                        help="NeuronCores to split between the workers (default $DISAGG_NEURON_CORES, else $NEURON_RT_VISIBLE_CORES, else the driver's sysfs, else neuron-ls)")
+                        help="NeuronCores to split between the workers (default $DISAGG_NEURON_CORES, else "
+                             "$NEURON_RT_VISIBLE_CORES, else the driver's sysfs, else neuron-ls)")
     neuron.add_argument("--neuron-compiled-path", default=None, help="root directory for compiled artifacts (default ~/.cache/disagg/neuron)")
-    serve.set_defaults(run=cmd_serve)
 
+
+def add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="stream a generation to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--address", default="127.0.0.1:50050")
@@ -241,9 +268,13 @@ def main(argv=None) -> int:
     gen.add_argument("--token", default=os.environ.get("DISAGG_AUTH_TOKEN"), help="bearer token (default: $DISAGG_AUTH_TOKEN)")
     gen.set_defaults(run=cmd_generate)
 
+
+def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="load-test the public API and report latency, throughput and goodput")
     bench.add_argument("--address", default="127.0.0.1:50050", help="our gRPC API (--api grpc)")
-    bench.add_argument("--api", default="grpc", choices=["grpc", "openai"], help="openai: stream /v1/completions of any OpenAI-compatible server (ours with --http-port, vLLM, ...); needs pip install 'disagg[bench]'")
+    bench.add_argument("--api", default="grpc", choices=["grpc", "openai"],
+                       help="openai: stream /v1/completions of any OpenAI-compatible server (ours with "
+                            "--http-port, vLLM, ...); needs pip install 'disagg[bench]'")
     bench.add_argument("--url", default=None, help="base URL of the OpenAI API (--api openai), e.g. http://127.0.0.1:8000")
     bench.add_argument("--start-cluster", action="store_true", help="start a local cluster on --model (or the default model) to test")
     bench.add_argument("--model", default=None)
@@ -265,14 +296,14 @@ def main(argv=None) -> int:
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(run=cmd_bench)
 
+
+def add_make_model_parser(sub) -> None:
     make = sub.add_parser("make-model", help="make a small trained checkpoint offline")
     make.add_argument("out")
-    make.add_argument("--architecture", default="llama", help="a transformers model type served exactly (docs/models.md): llama, qwen2, mistral, gemma2, gptj, bloom, ...")
+    make.add_argument("--architecture", default="llama",
+                      help="a transformers model type served exactly (docs/models.md): llama, qwen2, mistral, gemma2, gptj, bloom, ...")
     make.add_argument("--train-steps", type=int, default=300)
     make.set_defaults(run=cmd_make_model)
-
-    args = parser.parse_args(argv)
-    return args.run(args)
 
 
 if __name__ == "__main__":
