@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -249,17 +250,32 @@ class Stream(threading.Thread):
 
 
 LONG = 200  # tokens: a stream that is still running when its worker is frozen
+PROMPTS = ["The lighthouse keeper", "A quiet morning in the harbour", "The lighthouse keeper"]
 
 
-def test_the_router_follows_the_pools_dns_names_with_streams_running(tmp_path, llama_path, llama_ref):
-    """Pods A (prefill, decode) serve three long streams; the decode pod is frozen
-    mid-stream, B pods are added to DNS and the frozen one removed: new requests go
-    to B only, the frozen pod's streams finish exactly once it resumes, then A's
-    prefill pod is removed too and gets nothing more; SIGTERM drains both A pods."""
-    ips = {"prefill-a": "127.0.0.11", "decode-a": "127.0.0.12", "prefill-b": "127.0.0.13", "decode-b": "127.0.0.14"}
-    hosts = list(ips.values())
-    dns = StubDns()
-    values = {
+@dataclass
+class Pods:
+    """The chart's pods as processes on loopback addresses, and the stub DNS server naming them."""
+
+    dns: StubDns
+    ips: dict[str, str]  # pod -> its IP
+    names: dict[str, str]  # role -> the pool's headless Service name
+    grpc_at: dict[str, str]
+    metrics_at: dict[str, str]
+    router_address: str
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def serve(self, prefill: list[str], decode: list[str]) -> None:
+        """DNS names these pods for the pools."""
+        self.dns.set(self.names["prefill"], [self.ips[pod] for pod in prefill])
+        self.dns.set(self.names["decode"], [self.ips[pod] for pod in decode])
+
+    def metric(self, pod: str, name: str) -> float:
+        return metric(self.metrics_at[pod], name)
+
+
+def chart_values(llama_path: str, dns: StubDns, hosts: list[str]) -> dict:
+    return {
         "clusterDomain": "test",
         "model": {"path": llama_path},
         "graceSeconds": 20,
@@ -267,73 +283,117 @@ def test_the_router_follows_the_pools_dns_names_with_streams_running(tmp_path, l
         "prefill": {"port": free_port(hosts), "metricsPort": free_port(hosts), "extraArgs": ["--dtype", "float32", "--threads", "1"]},
         "decode": {"port": free_port(hosts), "metricsPort": free_port(hosts), "extraArgs": ["--dtype", "float32", "--threads", "1", "--batch-size", "4"]},
     }
+
+
+def start_pods(tmp_path, llama_path: str) -> Pods:
+    """Pods A and B of each pool and the router, each as the chart runs it; DNS names only the A pods."""
+    ips = {"prefill-a": "127.0.0.11", "decode-a": "127.0.0.12", "prefill-b": "127.0.0.13", "decode-b": "127.0.0.14"}
+    dns = StubDns()
+    values = chart_values(llama_path, dns, list(ips.values()))
     objects = render(values)
-    names = {role: f"demo-disagg-{role}.llm.svc.test" for role in ("prefill", "decode")}
-    dns.set(names["prefill"], [ips["prefill-a"]])
-    dns.set(names["decode"], [ips["decode-a"]])
-    grpc_at = {pod: f"{ip}:{values[pod.split('-')[0]]['port']}" for pod, ip in ips.items()}
-    metrics_at = {pod: f"{ip}:{values[pod.split('-')[0]]['metricsPort']}" for pod, ip in ips.items()}
-    router_address = f"127.0.0.1:{values['router']['port']}"
-    pods = {pod: run_container(container(objects, pod.split("-")[0]), {"DISAGG_HOST": ip}, tmp_path / f"{pod}.log") for pod, ip in ips.items()}
-    pods["router"] = run_container(container(objects, "router"), {"DISAGG_HOST": "127.0.0.1"}, tmp_path / "router.log")
-    prompts = ["The lighthouse keeper", "A quiet morning in the harbour", "The lighthouse keeper"]
+    pods = Pods(
+        dns=dns,
+        ips=ips,
+        names={role: f"demo-disagg-{role}.llm.svc.test" for role in ("prefill", "decode")},
+        grpc_at={pod: f"{ip}:{values[pod.split('-')[0]]['port']}" for pod, ip in ips.items()},
+        metrics_at={pod: f"{ip}:{values[pod.split('-')[0]]['metricsPort']}" for pod, ip in ips.items()},
+        router_address=f"127.0.0.1:{values['router']['port']}",
+    )
+    pods.serve(prefill=["prefill-a"], decode=["decode-a"])
+    for pod, ip in ips.items():
+        pods.processes[pod] = run_container(container(objects, pod.split("-")[0]), {"DISAGG_HOST": ip}, tmp_path / f"{pod}.log")
+    pods.processes["router"] = run_container(container(objects, "router"), {"DISAGG_HOST": "127.0.0.1"}, tmp_path / "router.log")
+    return pods
+
+
+def wait_until_serving(pods: Pods) -> None:
+    for pod in pods.ips:
+        serving(pods.grpc_at[pod], 180, pods.processes[pod])
+    serving(pods.router_address, 60, pods.processes["router"])
+
+
+def stop_pods(pods: Pods) -> None:
+    for process in pods.processes.values():
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.send_signal(signal.SIGTERM)
+    for process in pods.processes.values():
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    pods.dns.stop()
+
+
+def streams_frozen_mid_way(pods: Pods) -> list[Stream]:
+    """Three long streams on the A pods, then decode A frozen (SIGSTOP) with all three mid-way."""
+    streams = [Stream(pods.router_address, p, LONG) for p in PROMPTS]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.decoding.wait(60) and stream.error is None, stream.error
+    pods.processes["decode-a"].send_signal(signal.SIGSTOP)  # its three streams stop mid-way
+    assert all(len(s.tokens) < LONG for s in streams)
+    return streams
+
+
+def new_requests_go_to_b(pods: Pods, client: Client, expected: dict) -> None:
+    """B pods appear, decode A disappears (prefill A stays for now): every new request decodes on B."""
+    pods.serve(prefill=["prefill-a", "prefill-b"], decode=["decode-b"])
+    wait_for_counts(client, 2, 1)
+    short = [client.complete(p, max_new_tokens=8, ignore_eos=True) for p in PROMPTS + PROMPTS]
+    assert [r.token_ids for r in short] == [expected[p, 8] for p in PROMPTS + PROMPTS]
+    assert pods.metric("decode-b", "disagg_decode_tokens_total") == len(short) * 7  # every new request ran on B
+
+
+def frozen_streams_finish_exactly(pods: Pods, streams: list[Stream], expected: dict) -> None:
+    """The removed decode worker resumes and finishes its streams, and does nothing else."""
+    pods.processes["decode-a"].send_signal(signal.SIGCONT)
+    for stream in streams:
+        stream.join(60)
+        assert stream.error is None and stream.tokens == expected[stream.prompt, LONG]
+    assert pods.metric("decode-a", "disagg_decode_tokens_total") == len(streams) * (LONG - 1)  # and nothing else
+    assert pods.metric("decode-a", "disagg_decode_slots_in_use") == 0
+
+
+def prefill_a_gets_nothing_once_removed(pods: Pods, client: Client, expected: dict) -> None:
+    """Prefill A disappears: everything goes to prefill B."""
+    pods.serve(prefill=["prefill-b"], decode=["decode-b"])
+    # 2 -> 1 could also be a health blip: wait until the router has applied an answer without A.
+    # Its rounds run one after another, so by the second lookup since the change the first was applied.
+    pods.dns.wait_for_lookups(pods.names["prefill"], 2)
+    wait_for_counts(client, 1, 1)
+    # Prefills computed (observed at the first token, whatever ends the call later).
+    before = {pod: pods.metric(pod, "disagg_prefill_seconds_count") for pod in ("prefill-a", "prefill-b")}
+    more = [client.complete(p, max_new_tokens=4, ignore_eos=True) for p in PROMPTS]
+    assert [r.token_ids for r in more] == [expected[p, 4] for p in PROMPTS]
+    assert pods.metric("prefill-a", "disagg_prefill_seconds_count") == before["prefill-a"]
+    assert pods.metric("prefill-b", "disagg_prefill_seconds_count") == before["prefill-b"] + len(PROMPTS)
+
+
+def removed_pods_drain_on_sigterm(pods: Pods) -> None:
+    """What the kubelet does next (after the preStop sleep): SIGTERM, and the pods drain and exit 0."""
+    for pod in ("prefill-a", "decode-a"):
+        pods.processes[pod].send_signal(signal.SIGTERM)
+    assert [pods.processes[pod].wait(30) for pod in ("prefill-a", "decode-a")] == [0, 0]
+
+
+def test_the_router_follows_the_pools_dns_names_with_streams_running(tmp_path, llama_path, llama_ref):
+    """Pods A (prefill, decode) serve three long streams; the decode pod is frozen
+    mid-stream, B pods are added to DNS and the frozen one removed: new requests go
+    to B only, the frozen pod's streams finish exactly once it resumes, then A's
+    prefill pod is removed too and gets nothing more; SIGTERM drains both A pods."""
+    pods = start_pods(tmp_path, llama_path)
     try:
         # The expected tokens, while the pods start.
-        expected = {(p, n): llama_ref.greedy(p, n, ignore_eos=True) for p in prompts for n in (LONG, 8, 4)}
-        for pod in ips:
-            serving(grpc_at[pod], 180, pods[pod])
-        serving(router_address, 60, pods["router"])
-        with Client(router_address, timeout=60) as client:
+        expected = {(p, n): llama_ref.greedy(p, n, ignore_eos=True) for p in PROMPTS for n in (LONG, 8, 4)}
+        wait_until_serving(pods)
+        with Client(pods.router_address, timeout=60) as client:
             wait_for_counts(client, 1, 1)  # only the A pods: the B pods run but DNS does not name them
-
-            streams = [Stream(router_address, p, LONG) for p in prompts]
-            for stream in streams:
-                stream.start()
-            for stream in streams:
-                assert stream.decoding.wait(60) and stream.error is None, stream.error
-            pods["decode-a"].send_signal(signal.SIGSTOP)  # its three streams stop mid-way
-            assert all(len(s.tokens) < LONG for s in streams)
-
-            # B pods appear, decode A disappears (prefill A stays for now).
-            dns.set(names["prefill"], [ips["prefill-a"], ips["prefill-b"]])
-            dns.set(names["decode"], [ips["decode-b"]])
-            wait_for_counts(client, 2, 1)
-            short = [client.complete(p, max_new_tokens=8, ignore_eos=True) for p in prompts + prompts]
-            assert [r.token_ids for r in short] == [expected[p, 8] for p in prompts + prompts]
-            assert metric(metrics_at["decode-b"], "disagg_decode_tokens_total") == len(short) * 7  # every new request ran on B
-
-            pods["decode-a"].send_signal(signal.SIGCONT)  # the removed worker finishes its streams
-            for stream in streams:
-                stream.join(60)
-                assert stream.error is None and stream.tokens == expected[stream.prompt, LONG]
-            assert metric(metrics_at["decode-a"], "disagg_decode_tokens_total") == len(streams) * (LONG - 1)  # and nothing else
-            assert metric(metrics_at["decode-a"], "disagg_decode_slots_in_use") == 0
-
-            # Prefill A disappears: everything goes to prefill B.
-            dns.set(names["prefill"], [ips["prefill-b"]])
-            # 2 -> 1 could also be a health blip: wait until the router has applied an answer without A.
-            # Its rounds run one after another, so by the second lookup since the change the first was applied.
-            dns.wait_for_lookups(names["prefill"], 2)
-            wait_for_counts(client, 1, 1)
-            # Prefills computed (observed at the first token, whatever ends the call later).
-            before = {pod: metric(metrics_at[pod], "disagg_prefill_seconds_count") for pod in ("prefill-a", "prefill-b")}
-            more = [client.complete(p, max_new_tokens=4, ignore_eos=True) for p in prompts]
-            assert [r.token_ids for r in more] == [expected[p, 4] for p in prompts]
-            assert metric(metrics_at["prefill-a"], "disagg_prefill_seconds_count") == before["prefill-a"]
-            assert metric(metrics_at["prefill-b"], "disagg_prefill_seconds_count") == before["prefill-b"] + len(prompts)
-
-        # What the kubelet does next (after the preStop sleep): SIGTERM, and the pods drain and exit 0.
-        for pod in ("prefill-a", "decode-a"):
-            pods[pod].send_signal(signal.SIGTERM)
-        assert [pods[pod].wait(30) for pod in ("prefill-a", "decode-a")] == [0, 0]
+            streams = streams_frozen_mid_way(pods)
+            new_requests_go_to_b(pods, client, expected)
+            frozen_streams_finish_exactly(pods, streams, expected)
+            prefill_a_gets_nothing_once_removed(pods, client, expected)
+        removed_pods_drain_on_sigterm(pods)
     finally:
-        for process in pods.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGCONT)
-                process.send_signal(signal.SIGTERM)
-        for pod, process in pods.items():
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        dns.stop()
+        stop_pods(pods)
