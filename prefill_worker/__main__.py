@@ -14,7 +14,8 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
     add_server_flags(parser, default_port=50051, default_metrics_port=9401)
     add_model_flags(parser)
     parser.add_argument("--kv-piece-bytes", type=int, default=4 * 1024 * 1024, help="largest KV piece in one gRPC message")
-    parser.add_argument("--stream-kv", dest="stream_kv", action="store_true", default=None, help="send KV layer by layer during prefill (default on accelerators)")
+    parser.add_argument("--stream-kv", dest="stream_kv", action="store_true", default=None,
+                        help="send KV layer by layer during prefill (default on accelerators)")
     parser.add_argument("--kv-staging-buffers", type=int, default=2, help="NIXL: prompts staged in registered memory for decode workers to read at once")
     parser.add_argument("--decode", action="append", default=[], metavar="TARGET",
                         help="required: a decode worker (HOST:PORT) or pool (dns:///NAME:PORT, resolved again as the router does) this worker may send KV to; "

@@ -78,7 +78,11 @@ class PrefillWorker:
         self.inflight_transfers = 0
         # How KV moves (disagg.kv_transport): pushed as a gRPC stream, or staged for the decode worker to pull through NIXL.
         self.push = GrpcPushSender(self._channel, metrics, config.kv_send_timeout)
-        self.pull = open_fallible(lambda: NixlPullSender.open(backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout, config.nixl_backend, config.device_cpus), config) if config.kv_transport == "nixl" else None
+        self.pull = None
+        if config.kv_transport == "nixl":
+            self.pull = open_fallible(lambda: NixlPullSender.open(
+                backend.info, config.kv_staging_buffers, self._channel, metrics, config.kv_send_timeout, config.nixl_backend, config.device_cpus
+            ), config)
         metrics.queued.set_function(lambda: self.pending)
         metrics.queued_tokens.set_function(lambda: self.pending_tokens)
 
@@ -111,7 +115,8 @@ class PrefillWorker:
             check_prompt_len("token_ids", len(token_ids), self.info.max_seq_len)
             check_token_ids("token_ids", token_ids, self.info.vocab_size)
 
-    async def prefill(self, token_ids: list[int], sampling: Sampling, target: KvTarget | None, first_step: int = 0, timeout: float | None = None) -> AsyncIterator[FirstToken | KvSent]:
+    async def prefill(self, token_ids: list[int], sampling: Sampling, target: KvTarget | None, first_step: int = 0,
+                      timeout: float | None = None) -> AsyncIterator[FirstToken | KvSent]:
         """Yields the first token, then (with a target) the acknowledged transfer.
 
         timeout is what is left of the caller's deadline; the KV send inherits it.

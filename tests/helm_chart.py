@@ -59,7 +59,8 @@ def _strict(schema):
     validation does for structural schemas (kubectl apply --validate=strict)."""
     if isinstance(schema, dict):
         schema = {k: _strict(v) for k, v in schema.items()}
-        if schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        closed = schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema
+        if closed and not schema.get("x-kubernetes-preserve-unknown-fields"):
             schema["additionalProperties"] = False
     elif isinstance(schema, list):
         schema = [_strict(v) for v in schema]
@@ -112,7 +113,8 @@ def run_container(spec: dict, extra_env: dict[str, str], log_path: pathlib.Path)
     repository's copy of it) with the container's args and env. The image's own
     ENV (PATH=/opt/venv/bin:$PATH) is this test's Python environment; extra_env
     stands for what a pod has that a process here has not (its IP, DISAGG_HOST)."""
-    command = [str(local_path(a)) if a.startswith("/opt/") else a for a in entrypoint_in_images()] + [str(a) for a in spec.get("command", []) + spec.get("args", [])]
+    entrypoint = [str(local_path(a)) if a.startswith("/opt/") else a for a in entrypoint_in_images()]
+    command = entrypoint + [str(a) for a in spec.get("command", []) + spec.get("args", [])]
     env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for variable in spec.get("env", []):
         assert "value" in variable, f"{variable['name']} comes from the cluster ({variable}); give it in extra_env"

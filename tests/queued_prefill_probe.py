@@ -39,7 +39,8 @@ async def probe(args: dict) -> dict:
     try:
         async with grpc.aio.insecure_channel(decode) as channel:
             stopping = wpb.WorkerStopping(max_new_tokens=args["max_new_tokens"])
-            call = wgrpc.DecodeServiceStub(channel).Decode(wpb.DecodeRequest(request_id="behind-a-queue", prompt_len=len(ids), sampling=wpb.WorkerSampling(top_p=1.0), stopping=stopping))
+            request = wpb.DecodeRequest(request_id="behind-a-queue", prompt_len=len(ids), sampling=wpb.WorkerSampling(top_p=1.0), stopping=stopping)
+            call = wgrpc.DecodeServiceStub(channel).Decode(request)
             reservation = (await call.read()).reserved.reservation_id
             events = worker.prefill(ids, Sampling(), KvTarget(decode, reservation))
             first = await anext(events)

@@ -29,8 +29,17 @@ from disagg.rpc.metrics import DecodeMetrics, PrefillMetrics, RouterMetrics
 NEURON_VALUES = CHART / "values-neuron.yaml"
 EVERYTHING_ON = {
     "tls": {"enabled": True},
-    "model": {"path": "/models/m", "volume": {"emptyDir": {}}, "init": {"image": "amazon/aws-cli:2", "command": ["aws", "s3", "sync", "s3://bucket/m", "/models/m"]}},
-    "router": {"http": {"enabled": True}, "publicTls": {"enabled": True, "secretName": "public"}, "authTokenSecret": {"name": "token", "key": "token"}, "extraDecodeTargets": ["10.0.0.9:50061"]},
+    "model": {
+        "path": "/models/m",
+        "volume": {"emptyDir": {}},
+        "init": {"image": "amazon/aws-cli:2", "command": ["aws", "s3", "sync", "s3://bucket/m", "/models/m"]},
+    },
+    "router": {
+        "http": {"enabled": True},
+        "publicTls": {"enabled": True, "secretName": "public"},
+        "authTokenSecret": {"name": "token", "key": "token"},
+        "extraDecodeTargets": ["10.0.0.9:50061"],
+    },
     "prefill": {"autoscaling": {"enabled": True}, "extraResources": {"vpc.amazonaws.com/efa": 1}},
     "decode": {"autoscaling": {"enabled": True}},
     "metrics": {"serviceMonitor": {"enabled": True}, "prometheusAdapterRules": {"enabled": True}},
@@ -240,7 +249,8 @@ def test_the_tls_probe_runs_as_the_chart_runs_it_against_a_pod_dialled_by_ip(tmp
     server = grpc.server(futures.ThreadPoolExecutor(2))
     statuses = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(statuses, server)
-    credentials = grpc.ssl_server_credentials([((secret / "tls.key").read_bytes(), (secret / "tls.crt").read_bytes())], (secret / "ca.crt").read_bytes(), require_client_auth=True)
+    key_pair = ((secret / "tls.key").read_bytes(), (secret / "tls.crt").read_bytes())
+    credentials = grpc.ssl_server_credentials([key_pair], (secret / "ca.crt").read_bytes(), require_client_auth=True)
     port = server.add_secure_port("127.0.0.1:0", credentials)
     server.start()
     try:

@@ -18,10 +18,23 @@ from disagg.engine.backends.neuron.packages import UnsupportedNxdi, check_nxdi_r
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def checkout_files() -> list[str]:
+    """The working tree's files as a fresh clone would have them (tracked or new, not ignored)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True).stdout
+    return [name for name in listed.decode().split("\0") if name and (ROOT / name).is_file()]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)], check=True)
+    """Built from a copy of the checkout: setuptools builds in the source's own build/, whose
+    leftovers (a module since moved) would otherwise ship in the wheel."""
+    import shutil
+
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    for name in checkout_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(source)], check=True)
     (built,) = out.glob("disagg-*.whl")
     return built
 
@@ -32,6 +45,9 @@ def test_the_wheel_carries_every_c_kernel_and_the_verdicts(wheel):
     sources = {str(p.relative_to(ROOT)) for p in (ROOT / "disagg").rglob("*.c")}
     assert len(sources) >= 3 and sources <= shipped, sources - shipped
     assert "disagg/engine/backends/model_support.json" in shipped
+    packages = ("disagg/", "router/", "prefill_worker/", "decode_worker/")
+    modules = {name for name in checkout_files() if name.endswith(".py") and name.startswith(packages)}
+    assert {name for name in shipped if name.endswith(".py")} == modules  # nothing stale, nothing missing
 
 
 # What `pip install disagg` must not bring: the test extra (NIXL would make --kv-transport auto take NIXL).
@@ -44,7 +60,7 @@ import importlib, importlib.metadata, json, sys
 from disagg.engine.cpu_kernels import small_gemm
 kernels = {}
 for name in sys.argv[1].split(","):
-    module = importlib.import_module(f"disagg.engine.backends.{name}")
+    module = importlib.import_module(f"disagg.engine.cpu_kernels.{name}")
     kernels[name] = [str(module.SOURCE), str(small_gemm.built(module.SOURCE, module.FLAGS, getattr(module, "LIBRARIES", ())))]
 def installed(dist):
     try:
@@ -112,7 +128,8 @@ def test_a_wheel_in_a_fresh_virtualenv_serves_exact_tokens_with_its_own_kernels(
 
     log = tmp_path / "serve.log"
     # One torch thread per worker, as every test cluster: the float32 kernels run only on one thread.
-    command = [str(bin_dir / "disagg"), "serve", "--model", llama_path, "--port", "0", "--http-port", "-1", "--dtype", "float32", "--threads", "1", "--batch-size", "4"]
+    command = [str(bin_dir / "disagg"), "serve", "--model", llama_path, "--port", "0", "--http-port", "-1"]
+    command += ["--dtype", "float32", "--threads", "1", "--batch-size", "4"]
     with open(log, "w") as out:
         serve = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -149,7 +166,10 @@ def test_nxdi_versions_read_as_release(version, release):
     assert release_of(version) == release
 
 
-@pytest.mark.parametrize("version, served", [("0.7.15603", True), ("0.8.16251", True), ("0.9.17334", True), ("0.6.10598", False), ("0.3.0", False), ("0.10.0", False)])
+@pytest.mark.parametrize(
+    "version, served",
+    [("0.7.15603", True), ("0.8.16251", True), ("0.9.17334", True), ("0.6.10598", False), ("0.3.0", False), ("0.10.0", False)],
+)
 def test_nxdi_outside_0_7_to_0_9_is_refused_with_the_install_command(monkeypatch, version, served):
     monkeypatch.setattr(packages, "import_nxdi", lambda module="neuronx_distributed_inference": types.SimpleNamespace(__version__=version))
     if served:

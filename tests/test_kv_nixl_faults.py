@@ -51,7 +51,8 @@ generation = buffer.next_generation()
 for layer, (keys, values) in enumerate(result.layers):
     source.stage_layer(buffer, layer, keys, values)
 open(metadata_file, "wb").write(source.metadata)
-print(json.dumps({"agent_name": source.name, "address": buffer.address, "generation": generation, "first_token": result.first_token, "num_layers": info.num_layers}), flush=True)
+staged = {"agent_name": source.name, "address": buffer.address, "generation": generation, "first_token": result.first_token, "num_layers": info.num_layers}
+print(json.dumps(staged), flush=True)
 with source.reading():  # the test's reads may come at any time
     for line in sys.stdin:
         if line.strip() == "reuse":
@@ -111,7 +112,9 @@ def nixl_workers(cluster_logs):
     """A NIXL prefill worker and two NIXL decode workers, no router (the test plays it)."""
     from disagg.tools.local_cluster import ClusterSpec, LocalCluster, reserve_port
 
-    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "nixl-faults"), worker_args=["--kv-transport", "nixl"]))
+    spec = ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "nixl-faults"),
+                       worker_args=["--kv-transport", "nixl"])
+    cluster = LocalCluster(spec)
     try:
         decode = cluster.add_worker("decode", ["--lease-seconds", "30", "--batch-size", "2"])
         spare = reserve_port()  # a decode worker a test starts later: in the prefill worker's pool (--decode) from the start
@@ -124,7 +127,8 @@ def nixl_workers(cluster_logs):
 
 
 def reserve(stub, prompt_len: int, request_id: str = "t"):
-    call = stub.Decode(wpb.DecodeRequest(request_id=request_id, prompt_len=prompt_len, sampling=wpb.WorkerSampling(top_p=1.0), stopping=wpb.WorkerStopping(max_new_tokens=NEW_TOKENS)), timeout=60)
+    stopping = wpb.WorkerStopping(max_new_tokens=NEW_TOKENS)
+    call = stub.Decode(wpb.DecodeRequest(request_id=request_id, prompt_len=prompt_len, sampling=wpb.WorkerSampling(top_p=1.0), stopping=stopping), timeout=60)
     return call, next(call).reserved.reservation_id
 
 
@@ -154,7 +158,9 @@ def test_a_staging_side_that_died_fails_the_read_and_a_retry_from_another_is_exa
         assert held(decode) == (1, 0, 1)  # the reservation waits for KV again
         try:
             ack = decode.PullKv(live.pull_request(reservation), timeout=30)
-            assert ack.bytes_received == 2 * len(ids) * ref.model.config.num_hidden_layers * ref.model.config.num_key_value_heads * (ref.model.config.hidden_size // ref.model.config.num_attention_heads) * 4
+            config = ref.model.config
+            head_dim = config.hidden_size // config.num_attention_heads
+            assert ack.bytes_received == 2 * len(ids) * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # keys and values, float32
             assert [live.staged["first_token"], *decoded_tokens(call)] == ref.greedy(PROMPT, NEW_TOKENS)
         finally:
             live.kill()
@@ -196,7 +202,8 @@ def test_a_decode_worker_killed_during_the_pull_fails_the_prefill_and_frees_its_
         outcome = {}
 
         def run_prefill():
-            request = wpb.PrefillRequest(request_id="doomed", token_ids=ids, sampling=wpb.WorkerSampling(top_p=1.0), kv_target=wpb.KvTarget(address=doomed.address, reservation_id=reservation))
+            target = wpb.KvTarget(address=doomed.address, reservation_id=reservation)
+            request = wpb.PrefillRequest(request_id="doomed", token_ids=ids, sampling=wpb.WorkerSampling(top_p=1.0), kv_target=target)
             try:
                 outcome["events"] = list(prefill.Prefill(request, timeout=60))
             except grpc.RpcError as exc:
@@ -217,7 +224,8 @@ def test_a_decode_worker_killed_during_the_pull_fails_the_prefill_and_frees_its_
             decode = wgrpc.DecodeServiceStub(channel)
             for n in range(3):
                 call, reservation = reserve(decode, len(ids), request_id=f"after-{n}")
-                request = wpb.PrefillRequest(request_id=f"after-{n}", token_ids=ids, sampling=wpb.WorkerSampling(top_p=1.0), kv_target=wpb.KvTarget(address=decode_address, reservation_id=reservation))
+                target = wpb.KvTarget(address=decode_address, reservation_id=reservation)
+                request = wpb.PrefillRequest(request_id=f"after-{n}", token_ids=ids, sampling=wpb.WorkerSampling(top_p=1.0), kv_target=target)
                 events = list(prefill.Prefill(request, timeout=60))
                 first = events[0].first_token.token_id
                 assert events[1].kv_sent.bytes > 0

@@ -30,7 +30,8 @@ def cluster(cluster_logs):
 
 
 def prefill_request(ids: list[int], address: str, reservation: str = "r-outside") -> wpb.PrefillRequest:
-    return wpb.PrefillRequest(request_id="kv-peers", token_ids=ids, sampling=wpb.WorkerSampling(top_p=1.0), kv_target=wpb.KvTarget(address=address, reservation_id=reservation))
+    return wpb.PrefillRequest(request_id="kv-peers", token_ids=ids, sampling=wpb.WorkerSampling(top_p=1.0),
+                              kv_target=wpb.KvTarget(address=address, reservation_id=reservation))
 
 
 def test_a_kv_target_outside_the_pool_is_refused_never_dialled_and_the_worker_keeps_serving(cluster, llama_ref):
@@ -61,7 +62,8 @@ def test_a_kv_target_in_the_pool_gets_the_kv_and_decodes_exactly(cluster, llama_
     (decode_address,) = cluster.addresses("decode")
     with grpc.insecure_channel(cluster.addresses("prefill")[0]) as prefill_channel, grpc.insecure_channel(decode_address) as decode_channel:
         stopping = wpb.WorkerStopping(max_new_tokens=6)
-        call = wgrpc.DecodeServiceStub(decode_channel).Decode(wpb.DecodeRequest(request_id="kv-peers", prompt_len=len(ids), sampling=wpb.WorkerSampling(top_p=1.0), stopping=stopping), timeout=60)
+        request = wpb.DecodeRequest(request_id="kv-peers", prompt_len=len(ids), sampling=wpb.WorkerSampling(top_p=1.0), stopping=stopping)
+        call = wgrpc.DecodeServiceStub(decode_channel).Decode(request, timeout=60)
         reservation = next(call).reserved.reservation_id
         events = list(wgrpc.PrefillServiceStub(prefill_channel).Prefill(prefill_request(ids, decode_address, reservation), timeout=60))
         assert events[1].kv_sent.bytes > 0

@@ -32,7 +32,8 @@ def test_every_causal_lm_architecture_is_exact_or_refused_as_the_checked_in_verd
 def test_the_families_users_come_with_are_served_exactly(sweep_verdicts):
     exact = {v.model_type for v in sweep_verdicts if v.exact}
     # LMI's tested list, sliding-window and softcapping families, latent attention.
-    for model_type in ("llama", "mistral", "mixtral", "gpt_neox", "gptj", "bloom", "gpt2", "opt", "gpt_bigcode", "gemma2", "gemma3_text", "qwen2", "qwen3", "phi3", "falcon", "deepseek_v3", "gpt_oss"):
+    for model_type in ("llama", "mistral", "mixtral", "gpt_neox", "gptj", "bloom", "gpt2", "opt", "gpt_bigcode", "gemma2", "gemma3_text", "qwen2", "qwen3",
+                       "phi3", "falcon", "deepseek_v3", "gpt_oss"):
         assert model_type in exact, model_type
 
 
@@ -96,7 +97,9 @@ def save_small(model_type: str, path, **overrides) -> str:
 @pytest.mark.parametrize("worker", ["decode_worker", "prefill_worker"])
 def test_a_refused_architecture_exits_at_start_up_with_one_line(tmp_path, worker):
     model = save_small("mamba", tmp_path / "mamba")
-    run = subprocess.run([sys.executable, "-m", worker, "--model", model, "--port", "0", "--metrics-port", "-1", "--dtype", "float32", *(["--decode", "127.0.0.1:1"] if worker == "prefill_worker" else [])], capture_output=True, text=True, timeout=120)
+    pool = ["--decode", "127.0.0.1:1"] if worker == "prefill_worker" else []
+    command = [sys.executable, "-m", worker, "--model", model, "--port", "0", "--metrics-port", "-1", "--dtype", "float32", *pool]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     last = run.stderr.strip().splitlines()[-1]
     assert last == f"{worker}: refusing {model}: MambaForCausalLM (model type 'mamba') cannot be served exactly: {architectures.verdicts()['refused']['mamba']}"
@@ -115,7 +118,8 @@ def test_an_unverified_model_type_is_refused(monkeypatch, tmp_path):
 
     monkeypatch.setattr(architectures, "verdicts", lambda: {"transformers": "9.9", "exact": {}, "refused": {}})
     monkeypatch.setattr(transformers, "__version__", "9.9")  # the release the (empty) verdicts were made with
-    with pytest.raises(UnsupportedModel, match=r"LlamaForCausalLM \(model type 'llama'\) cannot be served exactly: not verified by the model-support sweep for transformers 9.9"):
+    with pytest.raises(UnsupportedModel,
+                       match=r"LlamaForCausalLM \(model type 'llama'\) cannot be served exactly: not verified by the model-support sweep for transformers 9.9"):
         load_backend("torch", model=model, dtype="float32")
 
 

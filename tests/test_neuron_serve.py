@@ -193,9 +193,9 @@ class Lines:
 @needs_nxdi_transformers
 def test_disagg_serve_backend_neuron_splits_the_cores_compiles_once_and_serves(tmp_path):
     compiled = tmp_path / "compiled"
-    command = [sys.executable, "-m", "disagg.cli.main", "serve", "--backend", "neuron", "--model", tiny_model("llama"), "--dtype", "float32", "--max-seq-len", "256",
-               "--batch-size", "2", "--decode-workers", "2", "--prefill-tp", "2", "--neuron-cores", "4", "--neuron-compiled-path", str(compiled),
-               "--port", "0", "--http-port", "-1", "--kv-transport", "grpc"]
+    command = [sys.executable, "-m", "disagg.cli.main", "serve", "--backend", "neuron", "--model", tiny_model("llama"), "--dtype", "float32",
+               "--max-seq-len", "256", "--batch-size", "2", "--decode-workers", "2", "--prefill-tp", "2", "--neuron-cores", "4",
+               "--neuron-compiled-path", str(compiled), "--port", "0", "--http-port", "-1", "--kv-transport", "grpc"]
     with open(tmp_path / "workers.log", "w") as log:
         serve = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **worker_env(tmp_path)}, stdout=subprocess.PIPE, stderr=log, text=True)
     output = Lines(serve.stdout)

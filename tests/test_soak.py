@@ -7,7 +7,8 @@ from disagg.tools import soak
 
 
 def test_soak_with_cancels_deadlines_and_killed_workers(tmp_path):
-    report = soak.run(["--model", tiny_model("llama"), "--requests", "150", "--concurrency", "16", "--kills", "2", "--max-new-tokens", "30", "--max-seconds", "240", "--log-dir", str(tmp_path)])
+    plan = ["--requests", "150", "--concurrency", "16", "--kills", "2", "--max-new-tokens", "30", "--max-seconds", "240"]
+    report = soak.run(["--model", tiny_model("llama"), *plan, "--log-dir", str(tmp_path)])
     # Every planned cancel happens (each leaves a stream hundreds of tokens before its end); a
     # deadline is met or not as the host's speed makes it; a plain request ends OK unless a kill lost it.
     outcomes, planned = report.outcomes, report.planned

@@ -19,7 +19,8 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default
     parser.add_argument("--bind-all", action="store_true", help="bind to all interfaces (0.0.0.0)")
     parser.add_argument("--port", type=int, default=default_port, help=f"port to listen on (default {default_port}; 0 picks a free one)")
     parser.add_argument("--log-level", default=os.environ.get("DISAGG_LOG_LEVEL", "INFO"))
-    parser.add_argument("--metrics-port", type=int, default=default_metrics_port, help=f"Prometheus metrics port (default {default_metrics_port}; 0 turns them off; -1 takes a free one)")
+    parser.add_argument("--metrics-port", type=int, default=default_metrics_port,
+                        help=f"Prometheus metrics port (default {default_metrics_port}; 0 turns them off; -1 takes a free one)")
     parser.add_argument("--port-file", default=None, help="write the bound ports here as JSON (for --port 0)")
     parser.add_argument("--grace-seconds", type=float, default=30.0, help="on SIGTERM, how long calls in flight may take to finish")
     tls = parser.add_argument_group("mutual TLS between the router and the workers")
@@ -30,7 +31,8 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int, default
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint: a local directory or a hub id (default: the built-in tiny model, made on first use)")
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face checkpoint: a local directory or a hub id (default: the built-in tiny model, made on first use)")
     parser.add_argument("--backend", default="torch", choices=["torch", "neuron"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--device", default="cpu", help="torch device for the torch backend (cpu, cuda)")
@@ -45,40 +47,52 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "gRPC and KV receive stay on the process's other CPUs, as host work does beside an accelerator; "
         "pinned to one CPU, the few-row kernel no longer splits a single-row step across two cores",
     )
-    parser.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES, help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
-    parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"), help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")
+    parser.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES,
+                        help="how KV moves between the workers: a gRPC stream, or NIXL reading it straight into the decode slot (needs "
+                             "nixl-cu12; UCX_* variables pass through); auto: NIXL where it is installed and loads, else gRPC")
+    parser.add_argument("--nixl-backend", default="UCX", choices=("UCX", "LIBFABRIC"),
+                        help="NIXL's transfer backend: UCX (the PyPI build's), or LIBFABRIC for EFA on "
+                             "AWS (a NIXL built against /opt/amazon/efa; docs/neuron.md)")
     parser.add_argument("--status-file", default=None, help="publish the start-up phase here as JSON, rewritten every second (loading, compiling, serving): "
                         "how a launcher tells a worker compiling for minutes from one that is stuck (disagg/rpc/startup.py)")
-    parser.add_argument("--token-buckets", type=bucket_list, default=None, help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
+    parser.add_argument("--token-buckets", type=bucket_list, default=None,
+                        help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the "
+                             "last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
     compiled = parser.add_argument_group("torch backend")
     compiled.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run the decode step as one compiled graph over buckets (torch.compile, and a CUDA graph per bucket on CUDA), compiled at start-up and cached on disk; "
+        help="run the decode step as one compiled graph over buckets (torch.compile, and a CUDA "
+             "graph per bucket on CUDA), compiled at start-up and cached on disk; "
         "--no-compile runs it eagerly (default: compiled on CUDA; eager on CPU, where compiling every bucket takes many minutes: docs/benchmarks.md)",
     )
     compiled.add_argument(
         "--prepack",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="keep each linear layer's weight in oneDNN's packed layout (prefills) and in panels for the project's few-row float32 kernel (decode steps; built with the system's C compiler on first use; else transposed for one-row steps): 1.06-1.5x faster decode steps on this CPU than oneDNN alone, for a second copy of those weights; "
+        help="keep each linear layer's weight in oneDNN's packed layout (prefills) and in panels for the project's few-row "
+             "float32 kernel (decode steps; built with the system's C compiler on first use; else transposed for one-row steps): "
+             "1.06-1.5x faster decode steps on this CPU than oneDNN alone, for a second copy of those weights; "
         "--no-prepack uses transformers' own linears (default: on CPU)",
     )
     compiled.add_argument(
         "--native-step",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run each eager decode step, and each prefill of up to 512 tokens, of a Llama, Mistral or Qwen2 model as one call into the project's C step over the prepacked weights (float32, an AVX2 CPU), checked at start-up against transformers' own; "
+        help="run each eager decode step, and each prefill of up to 512 tokens, of a Llama, Mistral or Qwen2 model as one call into the "
+             "project's C step over the prepacked weights (float32, an AVX2 CPU), checked at start-up against transformers' own; "
         "--no-native-step runs them through transformers' modules (default: wherever it serves the model)",
     )
-    compiled.add_argument("--batch-buckets", type=bucket_list, default=None, help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")
+    compiled.add_argument("--batch-buckets", type=bucket_list, default=None,
+                          help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")
     neuron = parser.add_argument_group("neuron backend (NxD Inference)")
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
     neuron.add_argument("--context-buckets", type=bucket_list, default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
     neuron.add_argument("--neuron-compiled-path", default=None, help="root directory for compiled artifacts (one subdirectory per configuration)")
     neuron.add_argument("--k-cache-transposed", action="store_true", default=None)
-    neuron.add_argument("--worker-config", default=None, help="JSON worker settings (our names or transformers-neuronx's: tp_degree, n_positions, batch_size, amp, context_length_estimate)")
+    neuron.add_argument("--worker-config", default=None,
+                        help="JSON worker settings (our names or transformers-neuronx's: tp_degree, n_positions, batch_size, amp, context_length_estimate)")
     neuron.add_argument("--serving-properties", default=None, help="an LMI serving.properties to take settings from")
 
 

@@ -140,18 +140,22 @@ class LocalCluster:
         workers = spec.decode_workers + (0 if spec.colocated else spec.prefill_workers)
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
         common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(threads), *spec.worker_args]
-        decode_args = common + ["--batch-size", str(spec.batch_size), *compile_flag(spec.compile), *spec.decode_args] + (["--colocated"] if spec.colocated else [])
+        decode_args = common + ["--batch-size", str(spec.batch_size), *compile_flag(spec.compile), *spec.decode_args]
+        decode_args += ["--colocated"] if spec.colocated else []
         # Every worker is started before any is waited for: each spends seconds importing
         # torch before it binds its port, and those imports can run side by side. The prefill
         # workers need the decode workers' addresses (--decode: where they may send KV), so those
         # ports are reserved here first (reserve_port) and each decode worker binds its own.
         reserved = [reserve_port() for _ in range(spec.decode_workers)] if not spec.colocated else []
         try:
-            launched = [self._launch(f"decode-{i}", "decode_worker", decode_args + spec.neuron_args("decode"), port=reserved[i].getsockname()[1] if reserved else 0)
-                        for i in range(spec.decode_workers)]
+            launched = [
+                self._launch(f"decode-{i}", "decode_worker", decode_args + spec.neuron_args("decode"), port=reserved[i].getsockname()[1] if reserved else 0)
+                for i in range(spec.decode_workers)
+            ]
             if not spec.colocated:
                 pool = [a for r in reserved for a in ("--decode", f"127.0.0.1:{r.getsockname()[1]}")]
-                launched += [self._launch(f"prefill-{i}", "prefill_worker", common + pool + spec.prefill_args + spec.neuron_args("prefill")) for i in range(spec.prefill_workers)]
+                prefill_args = common + pool + spec.prefill_args + spec.neuron_args("prefill")
+                launched += [self._launch(f"prefill-{i}", "prefill_worker", prefill_args) for i in range(spec.prefill_workers)]
             workers = self._bind_all(launched)
         finally:
             for sock in reserved:
@@ -246,7 +250,8 @@ class LocalCluster:
                 os.nice(nice)
 
         env = {**os.environ, **self._env[name]} if name in self._env else None
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=env, start_new_session=True, preexec_fn=place if cpus or nice else None)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=env, start_new_session=True,
+                                preexec_fn=place if cpus or nice else None)
 
     def restart(self, name: str) -> Process:
         """Starts a process that has exited again, with the same command and ports."""

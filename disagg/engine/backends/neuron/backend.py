@@ -178,7 +178,8 @@ class NeuronBackend(Backend):
                 for rank, cache in enumerate(self._caches(layer, kind)):
                     if tuple(cache.shape) != expected or cache.dtype != dtype:
                         raise UnsupportedLayout(
-                            f"NxDI's layer {layer} {kind.name} cache on rank {rank} is {tuple(cache.shape)} {cache.dtype}; the KV hand-off expects {expected} {dtype}"
+                            f"NxDI's layer {layer} {kind.name} cache on rank {rank} is {tuple(cache.shape)} {cache.dtype}; "
+                            f"the KV hand-off expects {expected} {dtype}"
                         )
 
     # -- Backend ---------------------------------------------------------------
