@@ -58,14 +58,18 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-buckets", type=bucket_list, default=None,
                         help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the "
                              "last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
-    compiled = parser.add_argument_group("torch backend")
+    add_torch_backend_flags(parser.add_argument_group("torch backend"))
+    add_neuron_backend_flags(parser.add_argument_group("neuron backend (NxD Inference)"))
+
+
+def add_torch_backend_flags(compiled: argparse._ArgumentGroup) -> None:
     compiled.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run the decode step as one compiled graph over buckets (torch.compile, and a CUDA "
              "graph per bucket on CUDA), compiled at start-up and cached on disk; "
-        "--no-compile runs it eagerly (default: compiled on CUDA; eager on CPU, where compiling every bucket takes many minutes: docs/benchmarks.md)",
+        "--no-compile runs it eagerly (default: compiled on CUDA; eager on CPU, where compiling every bucket takes many minutes: docs/benchmarks-history.md)",
     )
     compiled.add_argument(
         "--prepack",
@@ -86,7 +90,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     compiled.add_argument("--batch-buckets", type=bucket_list, default=None,
                           help="decode batch-size buckets, e.g. 1,4,16,64; the last must be the slot count (default: powers of two up to it)")
-    neuron = parser.add_argument_group("neuron backend (NxD Inference)")
+
+
+def add_neuron_backend_flags(neuron: argparse._ArgumentGroup) -> None:
     neuron.add_argument("--tp-degree", type=int, default=None, help="tensor-parallel degree (NeuronCores)")
     neuron.add_argument("--context-buckets", type=bucket_list, default=None, help="context-encoding buckets, e.g. 128,512,2048 (default: NxDI's powers of two)")
     neuron.add_argument("--neuron-compiled-path", default=None, help="root directory for compiled artifacts (one subdirectory per configuration)")

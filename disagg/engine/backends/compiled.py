@@ -59,7 +59,8 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
 
 def default_batch_buckets(num_slots: int, device: torch.device) -> tuple[int, ...]:
     """Powers of two up to the slot count. From 1 on CPU, where one row takes the
-    prepacked linears' fast path (a second row costs 1.5x, docs/benchmarks.md); from 2
+    prepacked linears' fast path (a second row costs 1.7x with MKL, docs/benchmarks-history.md,
+    The compiled, bucketed decode step); from 2
     on CUDA, where a batch of 1 would be a graph of its own (dynamic sizes specialize
     1) and a padding row costs little."""
     return powers_of_two(1 if device.type == "cpu" else min(2, num_slots), num_slots)

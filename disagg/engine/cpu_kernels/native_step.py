@@ -56,7 +56,7 @@ MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 # Longer prompts go through transformers' modules: the C attention computes each row
 # alone over the rows before it (dots, not blocked products), which costs more than
 # SDPA's blocked attention once the prompt is long. SmolLM-135M's shape, float32:
-# native 1.27x faster at 64 tokens, 1.13x at 512, 0.95x at 1,024 (docs/benchmarks.md).
+# native 1.27x faster at 64 tokens, 1.13x at 512, 0.95x at 1,024 (docs/benchmarks.md, A prompt's prefill).
 PREFILL_MAX_TOKENS = 512
 
 
