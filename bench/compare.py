@@ -168,14 +168,14 @@ def in_process(model_path: str, prompt_len: int, streams: list[int], rng: random
                 backend.write_kv(slot, layer, KvKind.KEY, 0, k)
                 backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
         done = []
-        batcher = DecodeLoop(backend, lambda events: None, lambda keys: done.extend(keys))
-        batcher.start()
+        decode_loop = DecodeLoop(backend, lambda events: None, lambda keys: done.extend(keys))
+        decode_loop.start()
         for slot in range(n):
-            batcher.admit(Sequence(str(slot), slot, prompt_len, result.first_token, Sampling(), Stopping(24, frozenset())))
+            decode_loop.admit(Sequence(str(slot), slot, prompt_len, result.first_token, Sampling(), Stopping(24, frozenset())))
         while len(done) < n:
             time.sleep(0.01)
-        batcher.stop()
-        steps[n] = statistics.median(batcher.stats.step_seconds[3:])
+        decode_loop.stop()
+        steps[n] = statistics.median(decode_loop.stats.step_seconds[3:])
     torch.set_num_threads(2)
     return {"prefill_seconds": statistics.median(prefills[1:]), "step_seconds": steps}
 

@@ -110,7 +110,7 @@ def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device, o
     small_gemm.SPLIT_MAX_ROWS = shared_rows
     sync(device)
     started = time.perf_counter()
-    backend.decode_step(inputs).token_ids.tolist()  # the host reads the tokens, as the batcher does
+    backend.decode_step(inputs).token_ids.tolist()  # the host reads the tokens, as the decode loop does
     return time.perf_counter() - started
 
 

@@ -26,7 +26,7 @@ PROMPT = "The lighthouse keeper climbed the stairs every evening at dusk. He lit
 
 
 def in_process(model: str, prompt_ids: list[int], new_tokens: int, repeats: int, dtype: str) -> tuple[float, float]:
-    """(median prefill seconds, median decode step seconds at batch 1), through the batcher."""
+    """(median prefill seconds, median decode step seconds at batch 1), through the decode loop."""
     backend = load_backend("torch", model=model, dtype=dtype)
     backend.allocate_slots(1)
     prefills, steps = [], []
@@ -39,12 +39,12 @@ def in_process(model: str, prompt_ids: list[int], new_tokens: int, repeats: int,
         backend.write_kv(0, layer, KvKind.VALUE, 0, v)
     for _ in range(max(1, repeats // 4)):
         done = threading.Event()
-        batcher = DecodeLoop(backend, lambda events: None, lambda keys: done.set())
-        batcher.start()
-        batcher.admit(Sequence("x", 0, len(prompt_ids), result.first_token, Sampling(), Stopping(new_tokens, frozenset())))
+        decode_loop = DecodeLoop(backend, lambda events: None, lambda keys: done.set())
+        decode_loop.start()
+        decode_loop.admit(Sequence("x", 0, len(prompt_ids), result.first_token, Sampling(), Stopping(new_tokens, frozenset())))
         done.wait(120)
-        batcher.stop()
-        steps += batcher.stats.step_seconds[2:]  # skip warm-up steps
+        decode_loop.stop()
+        steps += decode_loop.stats.step_seconds[2:]  # skip warm-up steps
     return statistics.median(prefills), statistics.median(steps)
 
 

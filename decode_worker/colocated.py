@@ -8,7 +8,7 @@ disaggregation against, built from the same code.
 A prefill that raises costs what it does on a prefill worker (disagg/engine/faults.py):
 its request ends with INTERNAL naming the cause and its reservation is freed, while the
 decode loop and the other requests go on. Prefills that keep failing, or one that raises
-DeviceLost, mean the shared device cannot be trusted: the batcher fails every row and
+DeviceLost, mean the shared device cannot be trusted: the decode loop fails every row and
 the worker drains and exits non-zero, as on a failing decode step.
 """
 
@@ -34,7 +34,7 @@ class ColocatedPrefillServicer:
     def __init__(self, decode_servicer):
         self._decode = decode_servicer  # shares its worker once the model is loaded
         self.pending = 0
-        self._streak = FailureStreak()  # prefills failing in a row; the decode steps keep their own in the batcher
+        self._streak = FailureStreak()  # prefills failing in a row; the decode steps keep their own in the decode loop
         # Read once, at start-up; unset, the step is the backend's own prefill.
         self._prefill_step = with_injected_faults(self._backend_prefill, TEST_FAIL_PREFILL_STEP)
 
@@ -53,7 +53,7 @@ class ColocatedPrefillServicer:
             started = time.perf_counter()
             try:
                 worker_messages.check_sampling(worker.backend, sampling)
-                on_device = worker.batcher.run_on_device(self._prefill_step, ids, sampling, None, order.first_step)
+                on_device = worker.decode_loop.run_on_device(self._prefill_step, ids, sampling, None, order.first_step)
                 result = await self._contained(worker, key, f"prefill of {len(ids)} tokens", asyncio.wrap_future(on_device))
             finally:
                 self.pending -= 1
@@ -79,7 +79,7 @@ class ColocatedPrefillServicer:
             if key is not None:
                 worker._fail(key, error)  # the Decode call holding the reservation ends with the cause; its slot is freed
             if worker.failure is None and self._streak.failed(exc):
-                worker.batcher.device_failed(self._streak.cause(exc, "prefills"))
+                worker.decode_loop.device_failed(self._streak.cause(exc, "prefills"))
             raise error from exc
         self._streak.succeeded()
         return result

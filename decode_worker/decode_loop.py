@@ -23,7 +23,7 @@ and built again with the new rows (`_take_in_arrivals`).
 A step that raises fails its rows (an event with `error`, the cause named) and
 the loop goes on; step k+1, built on k's output, then takes no token from it
 (its rows are failed already and its tokens dropped). Steps that keep failing,
-or one that raises DeviceLost (disagg/engine/faults.py), put the batcher in
+or one that raises DeviceLost (disagg/engine/faults.py), put the decode loop in
 `failure`: every row is failed, nothing more is scheduled, and `on_fatal` tells
 the worker, which drains and exits.
 
@@ -95,7 +95,7 @@ class _Step:
 
 
 @dataclass
-class BatcherStats:
+class DecodeLoopStats:
     steps: int = 0
     tokens: int = 0
     dropped_tokens: int = 0  # async extra tokens after a stop
@@ -136,7 +136,7 @@ class DecodeLoop:
         self._stopping = False
         self._resumed_from_idle = True  # the next step follows an empty batch: no host gap to count
         self._last_step_end: float | None = None  # device thread only
-        self.stats = BatcherStats()
+        self.stats = DecodeLoopStats()
         self.metrics = metrics or DecodeMetrics(CollectorRegistry())
 
     # -- called from any thread -----------------------------------------

@@ -1,6 +1,6 @@
 """The decode worker's request logic, on the asyncio side: reservations, KV
-receive, token streams. Protobuf stays in server.py; the model stays in the
-batcher's threads."""
+receive, token streams. Protobuf stays in grpc_edge.py; the model stays in
+the decode loop's threads."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class DecodeWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failure: str | None = None  # why the device stopped being trusted; the process then exits non-zero
         step = with_injected_faults(backend.decode_step, TEST_FAIL_DECODE_STEP)  # read once, here; unset: the backend's step
-        self.batcher = DecodeLoop(
+        self.decode_loop = DecodeLoop(
             backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics,
             device_cpus=config.device_cpus, on_fatal=self._fatal_threadsafe, decode_step=step,
         )
@@ -96,13 +96,13 @@ class DecodeWorker:
         if self.config.kv_transport == "nixl":
             self.nixl = open_fallible(lambda: open_nixl_sink(self.backend, self.config.nixl_backend), self.config)
         log.info("KV transport: %s", f"NIXL agent {self.nixl.agent.name}, slot cache registered" if self.nixl else "gRPC stream")
-        self.batcher.start()
+        self.decode_loop.start()
         self._reaper = asyncio.create_task(self._reap_expired_leases())
 
     async def stop(self) -> None:
         if self._reaper:
             self._reaper.cancel()
-        await asyncio.get_running_loop().run_in_executor(None, self.batcher.stop)
+        await asyncio.get_running_loop().run_in_executor(None, self.decode_loop.stop)
         self._kv_writer.shutdown(wait=True)
         if self.failure is not None:  # non-zero, so the supervisor starts a fresh process on a fresh device
             raise SystemExit(f"decode_worker: stopped serving: {self.failure}")
@@ -149,7 +149,7 @@ class DecodeWorker:
         if reservation is None:
             return
         if reservation.state is SlotState.ACTIVE:
-            self.batcher.evict(stream.key)  # the slot is released when retired
+            self.decode_loop.evict(stream.key)  # the slot is released when retired
         else:
             self.slots.release(stream.key)
 
@@ -289,7 +289,7 @@ class DecodeWorker:
             raise KvChunkError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
         reservation = self.slots.activate(stream.key)
         stream.transferring = False
-        self.batcher.admit(Sequence(
+        self.decode_loop.admit(Sequence(
             stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids
         ))
 
@@ -307,16 +307,16 @@ class DecodeWorker:
                 self.backend.write_kv(slot, layer, KvKind.VALUE, 0, values)
             return sum(k.numel() * k.element_size() * 2 for k, _ in layers)
 
-        copied = await asyncio.wrap_future(self.batcher.run_on_device(copy))
+        copied = await asyncio.wrap_future(self.decode_loop.run_on_device(copy))
         if not self.slots.is_reserved(key):
             raise RequestError(f"reservation_id {key!r} was released during the copy", grpc.StatusCode.NOT_FOUND)
         reservation = self.slots.activate(key)
-        self.batcher.admit(Sequence(
+        self.decode_loop.admit(Sequence(
             key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids
         ))
         return copied
 
-    # -- from the batcher's thread ------------------------------------------
+    # -- from the decode loop's thread ------------------------------------------
     def _publish_threadsafe(self, events: list[TokenEvent]) -> None:
         self._loop.call_soon_threadsafe(self._dispatch, events)
 
@@ -362,7 +362,7 @@ class DecodeWorker:
             "capacity": self.slots.num_slots,
             "slots_in_use": self.slots.num_slots - self.slots.free_slots,
             "reservations": self.slots.count(SlotState.RESERVED),
-            "active": self.batcher.active_count,
+            "active": self.decode_loop.active_count,
             "inflight_transfers": sum(1 for s in self._streams.values() if s.transferring),
         }
 

@@ -111,18 +111,18 @@ def prefill_touches_only_its_line(backend, ids: list[int]) -> bool:
 
 
 def generate(backend, ids: list[int], new_tokens: int) -> tuple[list[int], float, list[float]]:
-    """Prefill then decode on one backend through our batcher: tokens, TTFT, step times."""
+    """Prefill then decode on one backend through our decode loop: tokens, TTFT, step times."""
     start = time.perf_counter()
     result = backend.prefill(ids, Sampling())
     ttft = time.perf_counter() - start
     write_prompt(backend, 0, result.layers)
     tokens, done = [result.first_token], threading.Event()
-    batcher = DecodeLoop(backend, lambda events: [tokens.extend(e.token_ids) for e in events], lambda keys: done.set())
-    batcher.start()
-    batcher.admit(Sequence("v", 0, len(ids), result.first_token, Sampling(), Stopping(new_tokens, frozenset())))
+    decode_loop = DecodeLoop(backend, lambda events: [tokens.extend(e.token_ids) for e in events], lambda keys: done.set())
+    decode_loop.start()
+    decode_loop.admit(Sequence("v", 0, len(ids), result.first_token, Sampling(), Stopping(new_tokens, frozenset())))
     done.wait(600)
-    batcher.stop()
-    return tokens, ttft, batcher.stats.step_seconds
+    decode_loop.stop()
+    return tokens, ttft, decode_loop.stats.step_seconds
 
 
 LOAD = ("import sys; from disagg.engine.backends import load_backend; "

@@ -1,4 +1,4 @@
-"""The torch backend and the batcher in one process, against transformers generate()."""
+"""The torch backend and the decode loop in one process, against transformers generate()."""
 
 import threading
 import time
@@ -40,17 +40,17 @@ def run_batch(backend, ref, prompts, max_new, async_mode, slots=None):
         if len(retired) == len(prompts):
             done.set()
 
-    batcher = DecodeLoop(backend, publish, on_retired, async_mode=async_mode)
-    batcher.start()
+    decode_loop = DecodeLoop(backend, publish, on_retired, async_mode=async_mode)
+    decode_loop.start()
     for i, prompt in enumerate(prompts):
         ids = ref.ids(prompt)
         slot = slots[i] if slots else i
         result = prefill_into_slot(backend, ids, slot, Sampling())
         out[str(i)] = [result.first_token]
-        batcher.admit(Sequence(str(i), slot, len(ids), result.first_token, Sampling(), Stopping(max_new[i], frozenset([ref.eos]))))
+        decode_loop.admit(Sequence(str(i), slot, len(ids), result.first_token, Sampling(), Stopping(max_new[i], frozenset([ref.eos]))))
     assert done.wait(60), "batch did not finish"
-    batcher.stop()
-    return out, finished, batcher.stats
+    decode_loop.stop()
+    return out, finished, decode_loop.stats
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -90,7 +90,7 @@ def test_bf16_is_the_default_and_allocates_the_slot_cache_once():
 
 @pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
 def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_processing(async_mode):
-    """Prefill samples the first token, the batcher the rest, next to unpenalized rows
+    """Prefill samples the first token, the decode loop the rest, next to unpenalized rows
     (the per-slot counts are set on admission and updated on the device each step)."""
     import torch
     from test_sampling_e2e import reference_run
@@ -112,15 +112,15 @@ def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_proc
         if len(retired) == len(rows):
             done.set()
 
-    batcher = DecodeLoop(backend, publish, on_retired, async_mode=async_mode)
-    batcher.start()
+    decode_loop = DecodeLoop(backend, publish, on_retired, async_mode=async_mode)
+    decode_loop.start()
     for slot, (prompt, sampling) in enumerate(rows):
         ids = ref.ids(prompt)
         result = prefill_into_slot(backend, ids, slot, sampling)
         out[str(slot)], logprobs[str(slot)] = [result.first_token], [result.logprobs] if result.logprobs else []
-        batcher.admit(Sequence(str(slot), slot, len(ids), result.first_token, sampling, Stopping(16 + slot), context_ids=tuple(ids)))
+        decode_loop.admit(Sequence(str(slot), slot, len(ids), result.first_token, sampling, Stopping(16 + slot), context_ids=tuple(ids)))
     assert done.wait(60)
-    batcher.stop()
+    decode_loop.stop()
     for slot, (prompt, sampling) in enumerate(rows):
         if sampling.penalized:
             expected, scores = reference_run(ref, ref.ids(prompt), repetition=1.5, presence=-0.5, frequency=2.0, max_new_tokens=16 + slot)
@@ -133,8 +133,8 @@ def test_penalties_and_logprobs_in_a_batch_equal_transformers_with_the_same_proc
             assert out[str(slot)] == ref.greedy(prompt, 16 + slot, ignore_eos=True) and logprobs[str(slot)] == []
 
 
-def held_batcher(prompts: list[str]) -> SimpleNamespace:
-    """An async batcher (not started) over the prompts' KV, one slot each, whose
+def held_decode_loop(prompts: list[str]) -> SimpleNamespace:
+    """An async decode loop (not started) over the prompts' KV, one slot each, whose
     device thread is held until `release` is set, so that steps queue behind it.
     `batches` gets one {key: tokens} per published step; `done` is set once every
     request is retired; `sequence(slot, max_new)` is request `slot`'s row."""
@@ -148,11 +148,11 @@ def held_batcher(prompts: list[str]) -> SimpleNamespace:
         if len(held.retired) == len(prompts):
             held.done.set()
 
-    held.batcher = DecodeLoop(backend, lambda events: held.batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
+    held.decode_loop = DecodeLoop(backend, lambda events: held.batches.append({e.key: e.token_ids for e in events}), on_retired, async_mode=True)
     held.first = [prefill_into_slot(backend, ref.ids(prompt), slot, Sampling()).first_token for slot, prompt in enumerate(prompts)]
     held.sequence = lambda slot, max_new: Sequence(str(slot), slot, len(ref.ids(prompts[slot])), held.first[slot], Sampling(), Stopping(max_new))
     held.decoded = lambda slot: [held.first[slot]] + [t for batch in held.batches for t in batch.get(str(slot), [])]
-    held.batcher.run_on_device(held.release.wait)
+    held.decode_loop.run_on_device(held.release.wait)
     return held
 
 
@@ -163,9 +163,9 @@ def wait_until(condition, failure: str) -> None:
         time.sleep(0.01)
 
 
-def steps_queued(batcher: DecodeLoop) -> int:
+def steps_queued(decode_loop: DecodeLoop) -> int:
     """Work waiting on the device thread behind what runs there."""
-    return batcher._device._work_queue.qsize()
+    return decode_loop._device._work_queue.qsize()
 
 
 def test_a_request_admitted_while_a_step_runs_joins_the_next_step():
@@ -173,15 +173,15 @@ def test_a_request_admitted_while_a_step_runs_joins_the_next_step():
     must still join k+1 (k+1 is rebuilt before it starts), not wait for k+2: its
     first decoded token comes out beside the running request's second one."""
     prompts, max_new = ["The baker opens", "Snow fell"], [8, 6]
-    held = held_batcher(prompts)
-    held.batcher.start()
-    held.batcher.admit(held.sequence(0, max_new[0]))
-    wait_until(lambda: steps_queued(held.batcher) == 2, "the batcher did not submit steps 1 and 2 of request 0")
-    held.batcher.admit(held.sequence(1, max_new[1]))
-    wait_until(lambda: held.batcher.stats.rebuilt_steps == 1, "step 2 was not rebuilt with the new request")
+    held = held_decode_loop(prompts)
+    held.decode_loop.start()
+    held.decode_loop.admit(held.sequence(0, max_new[0]))
+    wait_until(lambda: steps_queued(held.decode_loop) == 2, "the decode loop did not submit steps 1 and 2 of request 0")
+    held.decode_loop.admit(held.sequence(1, max_new[1]))
+    wait_until(lambda: held.decode_loop.stats.rebuilt_steps == 1, "step 2 was not rebuilt with the new request")
     held.release.set()
     assert held.done.wait(60)
-    held.batcher.stop()
+    held.decode_loop.stop()
     assert list(held.batches[0]) == ["0"]  # step 1: request 0 alone
     assert set(held.batches[1]) == {"0", "1"}  # step 2: request 1's first decode step
     for slot, prompt in enumerate(prompts):
@@ -192,19 +192,19 @@ def test_a_request_evicted_while_a_step_runs_leaves_the_next_step():
     """The same rebuild for an eviction: the evicted row leaves step k+1 before it
     runs, its slot is handed back, and the other row decodes as generate()."""
     prompts, max_new = ["The baker opens", "Snow fell"], [8, 20]
-    held = held_batcher(prompts)
+    held = held_decode_loop(prompts)
     for slot in range(2):  # both in the inbox before the loop starts: step 1 has both rows
-        held.batcher.admit(held.sequence(slot, max_new[slot]))
-    held.batcher.start()
-    wait_until(lambda: steps_queued(held.batcher) == 2, "the batcher did not submit steps 1 and 2, both rows in each")
-    held.batcher.evict("1")
-    wait_until(lambda: held.batcher.stats.rebuilt_steps == 1, "step 2 was not rebuilt without the evicted request")
+        held.decode_loop.admit(held.sequence(slot, max_new[slot]))
+    held.decode_loop.start()
+    wait_until(lambda: steps_queued(held.decode_loop) == 2, "the decode loop did not submit steps 1 and 2, both rows in each")
+    held.decode_loop.evict("1")
+    wait_until(lambda: held.decode_loop.stats.rebuilt_steps == 1, "step 2 was not rebuilt without the evicted request")
     held.release.set()
     assert held.done.wait(60)
-    held.batcher.stop()
+    held.decode_loop.stop()
     assert sorted(held.retired) == ["0", "1"]
     assert all("1" not in batch for batch in held.batches)
     # Step 1 ran both rows and the evicted row's token was dropped; step 2 ran without it
     # (had it run as first built, a second token would have been computed and dropped).
-    assert held.batcher.stats.steps == max_new[0] - 1 and held.batcher.stats.dropped_tokens == 1
+    assert held.decode_loop.stats.steps == max_new[0] - 1 and held.decode_loop.stats.dropped_tokens == 1
     assert held.decoded(0) == held.ref.greedy(prompts[0], max_new[0], ignore_eos=True)

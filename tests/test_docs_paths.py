@@ -8,7 +8,7 @@ each word is a candidate:
 - a word that starts with one of the repository's top-level folders
   (`disagg/`, `tests/`, `bench/`, `deploy/`, ...) must exist as that path;
 - a word with a source file's extension but no such folder in front
-  (`batcher.py`, `backends/slot_cache.py`: a path relative to a folder the
+  (`decode_loop.py`, `backends/slot_kv_cache.py`: a path relative to a folder the
   sentence named) must be the tail of some file in the repository;
 - `python -m pkg.module` must name a module of this repository;
 - a `:name` or `::name` after a file must be defined in that file.

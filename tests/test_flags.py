@@ -26,10 +26,10 @@ def test_only_the_device_thread_is_pinned(llama_path):
     device_cpu = min(process_cpus)
     config = parse_config(["--model", llama_path, "--device-cpus", str(device_cpu)])
     assert config.device_cpus == {device_cpu}
-    batcher = DecodeLoop(load_backend("torch", model=llama_path, dtype="float32"), lambda events: None, lambda keys: None, device_cpus=config.device_cpus)
-    batcher.start()
+    decode_loop = DecodeLoop(load_backend("torch", model=llama_path, dtype="float32"), lambda events: None, lambda keys: None, device_cpus=config.device_cpus)
+    decode_loop.start()
     try:
-        assert batcher.run_on_device(os.sched_getaffinity, 0).result(timeout=30) == {device_cpu}
+        assert decode_loop.run_on_device(os.sched_getaffinity, 0).result(timeout=30) == {device_cpu}
         assert os.sched_getaffinity(0) == process_cpus  # gRPC and KV receive keep the process's CPUs
     finally:
-        batcher.stop()
+        decode_loop.stop()

@@ -57,7 +57,7 @@ def test_a_changed_config_compiles_into_a_new_directory(tmp_path):
     assert compiled_path(base) == compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path)))
     assert compiled_path(base) != compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), tp_degree=2))
     assert compiled_path(base) != compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), token_buckets=(128, 2048)))
-    # async_mode: the batcher's, not compiled
+    # async_mode: the decode loop's, not compiled
     assert compiled_path(base) == compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), async_mode=False))
 
 

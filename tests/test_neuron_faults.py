@@ -104,7 +104,7 @@ def test_the_backends_decode_step_raises_device_lost_for_a_hardware_error_and_th
         _backend_with('nrt_execute status=1203 message="DMA abort"').decode_step(_inputs())
     with pytest.raises(RuntimeError) as raised:
         _backend_with('nrt_execute status=1006 message="oob"').decode_step(_inputs())
-    assert type(raised.value) is RuntimeError  # per step: the batcher fails its rows and goes on
+    assert type(raised.value) is RuntimeError  # per step: the decode loop fails its rows and goes on
 
 
 def test_the_backend_on_the_standin_maps_its_models_runtime_error(monkeypatch, tmp_path):

@@ -148,7 +148,7 @@ def test_4_a_refilled_slot_keeps_the_kv_written_into_it(work_dir, tmp_path):
     a, b = first.layers[0][0].shape[1], second.layers[0][0].shape[1]
     out = step(backend, {0: (a, first.first_token), 1: (b, second.first_token)})
     step(backend, {0: (a + 1, out[0]), 1: (b + 1, out[1])})
-    # Slot 1's request finished; the batcher gives the slot to a longer prompt.
+    # Slot 1's request finished; the decode loop gives the slot to a longer prompt.
     refill = torch_prefill(reference("llama").ids("A new and much longer request arrives in the freed slot of the batch"))
     write_prompt(backend, 1, refill)
     step(backend, {0: (a + 2, 5)})
@@ -158,7 +158,7 @@ def test_4_a_refilled_slot_keeps_the_kv_written_into_it(work_dir, tmp_path):
         assert slot_line(backend, 1, layer, length, KvKind.VALUE).equal(values)
 
 
-def test_4_nxdi_async_mode_is_off_and_the_batchers_stays_on():
+def test_4_nxdi_async_mode_is_off_and_our_decode_loops_stays_on():
     kwargs = neuron_config_kwargs(NeuronOptions(model="/m", async_mode=True), object())
     assert kwargs["async_mode"] is False
 

@@ -265,9 +265,9 @@ def test_the_fault_hook_is_the_backend_step_itself_when_unset_and_refuses_a_malf
     assert not streak.failed(RuntimeError()) and streak.failed(DeviceLost())
 
 
-class BatcherUnderFaults:
-    """A batcher in this process whose step raises where `fails(step number)` says; what it publishes and retires.
-    Requests admitted before `batcher.start()` are all in its first step."""
+class DecodeLoopUnderFaults:
+    """A decode loop in this process whose step raises where `fails(step number)` says; what it publishes and retires.
+    Requests admitted before `decode_loop.start()` are all in its first step."""
 
     def __init__(self, fails, async_mode: bool = True, slots: int = 2):
         from conftest import reference, tiny_model
@@ -286,7 +286,9 @@ class BatcherUnderFaults:
                 raise RuntimeError(f"bounds check at step {self.steps}")
             return self.backend.decode_step(inputs)
 
-        self.batcher = DecodeLoop(self.backend, self.events.extend, self.retired.extend, async_mode=async_mode, on_fatal=self.fatal.append, decode_step=step)
+        self.decode_loop = DecodeLoop(
+            self.backend, self.events.extend, self.retired.extend, async_mode=async_mode, on_fatal=self.fatal.append, decode_step=step
+        )
 
     def admit(self, key: str, slot: int, prompt: str, max_new: int, sampling=None) -> int:
         from test_backend import prefill_into_slot
@@ -297,7 +299,7 @@ class BatcherUnderFaults:
         sampling = sampling or Sampling()
         ids = self.ref.ids(prompt)
         first = prefill_into_slot(self.backend, ids, slot, sampling).first_token
-        self.batcher.admit(Sequence(key, slot, len(ids), first, sampling, Stopping(max_new), context_ids=tuple(ids)))
+        self.decode_loop.admit(Sequence(key, slot, len(ids), first, sampling, Stopping(max_new), context_ids=tuple(ids)))
         return first
 
     def tokens(self, key: str) -> list[int]:
@@ -312,10 +314,10 @@ class BatcherUnderFaults:
 
 @pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
 def test_a_failing_step_fails_its_rows_frees_their_slots_and_the_next_request_decodes_exactly(async_mode):
-    run = BatcherUnderFaults(lambda step: step == 3, async_mode)
+    run = DecodeLoopUnderFaults(lambda step: step == 3, async_mode)
     prompts = {"a": "The baker opens", "b": "Snow fell"}
     firsts = {key: run.admit(key, slot, prompt, 12) for slot, (key, prompt) in enumerate(prompts.items())}
-    run.batcher.start()  # both rows in steps 1-3
+    run.decode_loop.start()  # both rows in steps 1-3
     run.wait_retired("a", "b")  # both slots handed back
     assert run.errors() == {"a": "decode step failed: RuntimeError: bounds check at step 3", "b": "decode step failed: RuntimeError: bounds check at step 3"}
     for key, prompt in prompts.items():  # the first token and steps 1-2, then nothing
@@ -323,29 +325,29 @@ def test_a_failing_step_fails_its_rows_frees_their_slots_and_the_next_request_de
     first = run.admit("c", 0, "A river runs", 10)  # the loop goes on
     run.wait_retired("c")
     assert [first, *run.tokens("c")] == run.ref.greedy("A river runs", 10, ignore_eos=True)
-    assert run.fatal == [] and run.batcher.failure is None
-    run.batcher.stop()
+    assert run.fatal == [] and run.decode_loop.failure is None
+    run.decode_loop.stop()
 
 
-def test_steps_failing_in_a_row_stop_the_batcher_once_and_later_requests_fail_at_once():
+def test_steps_failing_in_a_row_stop_the_decode_loop_once_and_later_requests_fail_at_once():
     from disagg.engine.faults import FAILURES_BEFORE_EXIT
 
-    run = BatcherUnderFaults(lambda step: step >= 2)
-    run.batcher.start()
+    run = DecodeLoopUnderFaults(lambda step: step >= 2)
+    run.decode_loop.start()
     for i in range(FAILURES_BEFORE_EXIT):
         run.admit(str(i), 0, "The baker opens", 12)
         run.wait_retired(str(i))
-    assert len(run.fatal) == 1 and "steps in a row failed" in run.fatal[0] and run.batcher.failure == run.fatal[0]
+    assert len(run.fatal) == 1 and "steps in a row failed" in run.fatal[0] and run.decode_loop.failure == run.fatal[0]
     run.admit("late", 1, "Snow fell", 12)
     run.wait_retired("late")
     assert run.errors()["late"].startswith("decode worker stopped serving: ") and run.tokens("late") == []
-    run.batcher.stop()
+    run.decode_loop.stop()
 
 
 def test_a_penalized_request_whose_penalty_state_cannot_be_set_up_fails_alone():
     from disagg.engine.requests import Sampling
 
-    run = BatcherUnderFaults(lambda step: False)
+    run = DecodeLoopUnderFaults(lambda step: False)
 
     def broken_start(*args):
         raise MemoryError("no room for the penalty counts")
@@ -353,9 +355,9 @@ def test_a_penalized_request_whose_penalty_state_cannot_be_set_up_fails_alone():
     run.backend.start_sequence = broken_start
     run.admit("penalized", 0, "The baker opens", 12, Sampling(presence_penalty=0.5))
     run.admit("plain", 1, "Snow fell", 6)
-    run.batcher.start()
+    run.decode_loop.start()
     run.wait_retired("penalized", "plain")
     assert run.errors() == {"penalized": "decode step failed: MemoryError: no room for the penalty counts"}
     assert run.tokens("penalized") == []  # nothing decoded without its penalties reached the caller
     assert run.tokens("plain") == run.ref.greedy("Snow fell", 6, ignore_eos=True)[1:]
-    run.batcher.stop()
+    run.decode_loop.stop()

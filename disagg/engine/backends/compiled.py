@@ -105,7 +105,7 @@ class CompiledDecode:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._graph = torch.compile(self._forward, fullgraph=True, dynamic=True)
         # On CUDA, one CUDA graph per bucket, captured at warm-up and replayed from any
-        # thread (the batcher's device thread is not the one that warms up).
+        # thread (the decode loop's device thread is not the one that warms up).
         self._cuda_graphs: dict[tuple[int, int], _BucketGraph] | None = {} if device.type == "cuda" else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:

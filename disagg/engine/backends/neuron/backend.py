@@ -233,7 +233,7 @@ class NeuronBackend(Backend):
 
     @device_errors()
     def decode_step(self, inputs: StepInputs) -> SampleOutput:
-        order, inverse = sort_rows(inputs.slots.tolist())  # the batcher sorts already; NxDI requires it
+        order, inverse = sort_rows(inputs.slots.tolist())  # the decode loop sorts already; NxDI requires it
         slots, positions = inputs.slots[order], inputs.positions[order]
         out = self.model.forward(
             input_ids=inputs.input_ids[order][:, None].to(torch.int32),

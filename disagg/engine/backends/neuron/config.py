@@ -30,7 +30,7 @@ class NeuronOptions:
     context_buckets: tuple[int, ...] = ()  # () with bucketing: NxDI's powers of two; see context_encoding_buckets
     token_buckets: tuple[int, ...] = ()
     enable_bucketing: bool = True
-    async_mode: bool = True  # our batcher's overlap of host and device work (decode_worker/decode_loop.py), not NxDI's
+    async_mode: bool = True  # our decode loop's overlap of host and device work (decode_worker/decode_loop.py), not NxDI's
     nxdi_async_mode: bool = False  # NxDI's own async_mode: off, see neuron_config_kwargs
     global_topk: int = 256
     k_cache_transposed: bool = False  # refused: a transposed K splits every KV write into head_dim copies
@@ -115,7 +115,7 @@ def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
         # own output while seq_ids stay the same, returns the step before, and discards the
         # hidden one when the batch changes, after it wrote position p+1 of every row, a
         # retired slot being refilled included. forward() still waits for the host copy.
-        # Our batcher overlaps host and device work itself; NxDI's is off.
+        # Our decode loop overlaps host and device work itself; NxDI's is off.
         async_mode=options.nxdi_async_mode,
         enable_bucketing=options.enable_bucketing,
         # Weights sharded once at compile; a load does not re-shard them.
@@ -135,7 +135,7 @@ def compiled_path(options: NeuronOptions, nxdi_version: str | None = None) -> pa
     change in any compiles into a new directory and never loads a stale one."""
     from .artifacts import checkpoint_fingerprint, digest, toolchain
 
-    compiled = {k: v for k, v in asdict(options).items() if k != "async_mode"}  # the batcher's setting changes no artifact
+    compiled = {k: v for k, v in asdict(options).items() if k != "async_mode"}  # the decode loop's setting changes no artifact
     tools = toolchain(nxdi_version)
     key = digest({"options": compiled, "checkpoint": checkpoint_fingerprint(options.model), "toolchain": tools})
     root = pathlib.Path(options.compiled_root) if options.compiled_root else pathlib.Path.home() / ".cache" / "disagg" / "neuron"
