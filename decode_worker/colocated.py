@@ -73,8 +73,9 @@ class ColocatedPrefillServicer:
             result = await device_work
         except RequestError:
             raise
-        except Exception as exc:
-            log.error("colocated %s failed: %s", what, describe(exc), exc_info=exc)
+        except Exception as raised:
+            exc = worker.backend.device_error(raised)
+            log.error("colocated %s failed: %s", what, describe(exc), exc_info=raised)
             error = RequestError(f"prefill failed: {describe(exc)}", grpc.StatusCode.INTERNAL)
             if key is not None:
                 worker._fail(key, error)  # the Decode call holding the reservation ends with the cause; its slot is freed

@@ -283,7 +283,7 @@ class DecodeLoop:
             # Before any step of this row ends (they run after this on the device thread):
             # none of its tokens, computed without its penalties, is published.
             seq.done = True
-            self._send("start_failed", (seq, done.exception()))
+            self._send("start_failed", (seq, self.backend.device_error(done.exception())))
 
     def _fail_rows(self, rows: list[Sequence], message: str) -> None:
         """Ends these rows with an error event; their slots are retired as any finished row's."""
@@ -392,7 +392,7 @@ class DecodeLoop:
             tokens = output.token_ids.tolist()  # the one host/device sync of a step
             logprobs = output.rows([s.sampling.logprobs for s in step.rows])
         except Exception as exc:  # whatever the step raised (device, allocation, bounds check): its rows fail, the loop goes on
-            self._step_failed(step, exc)
+            self._step_failed(step, self.backend.device_error(exc))
             return
         self._streak.succeeded()
         events = []

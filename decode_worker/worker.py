@@ -18,7 +18,7 @@ from typing import AsyncIterator
 import grpc
 
 from disagg.engine.backends import Backend
-from disagg.engine.faults import TEST_FAIL_DECODE_STEP, with_injected_faults
+from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_KV_WRITE, DeviceLost, describe, with_injected_faults
 from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
 from disagg.engine.slot_manager import Reservation, SlotManager, SlotState
 from disagg.kv_transport import open_fallible
@@ -80,6 +80,7 @@ class DecodeWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failure: str | None = None  # why the device stopped being trusted; the process then exits non-zero
         step = with_injected_faults(backend.decode_step, TEST_FAIL_DECODE_STEP)  # read once, here; unset: the backend's step
+        self._write_kv = with_injected_faults(backend.write_kv, TEST_FAIL_KV_WRITE)  # likewise: the backend's write_kv
         self.decode_loop = DecodeLoop(
             backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics,
             device_cpus=config.device_cpus, on_fatal=self._fatal_threadsafe, decode_step=step,
@@ -94,7 +95,7 @@ class DecodeWorker:
         cache_bytes = await self._loop.run_in_executor(None, self.backend.allocate_slots, self.config.batch_size)
         log.info("slot cache: %d slots x %d positions, %.1f MiB", self.config.batch_size, self.info.max_seq_len, cache_bytes / 2**20)
         if self.config.kv_transport == "nixl":
-            self.nixl = open_fallible(lambda: open_nixl_sink(self.backend, self.config.nixl_backend), self.config)
+            self.nixl = open_fallible(lambda: open_nixl_sink(self.backend, self._write_kv, self.config.nixl_backend), self.config)
         log.info("KV transport: %s", f"NIXL agent {self.nixl.agent.name}, slot cache registered" if self.nixl else "gRPC stream")
         self.decode_loop.start()
         self._reaper = asyncio.create_task(self._reap_expired_leases())
@@ -239,8 +240,16 @@ class DecodeWorker:
         self.metrics.kv_seconds.labels(transport).observe(time.perf_counter() - started)
 
     def _transfer_failed(self, exc: BaseException, refused: str, transport: str) -> BaseException:
-        """Counts a failed transfer; a malformed one becomes INVALID_ARGUMENT naming what was wrong."""
+        """Counts a failed transfer; a malformed one becomes INVALID_ARGUMENT naming what was wrong.
+        A write that lost the device fails every row and takes the worker down, as a fatal step does:
+        the slots it shares with the running sequences cannot be trusted any more."""
         self.metrics.kv_failures.labels(transport).inc()
+        exc = self.backend.device_error(exc) if isinstance(exc, Exception) else exc
+        if isinstance(exc, DeviceLost):
+            self.decode_loop.device_failed(f"KV write failed: {describe(exc)}")
+            error = RequestError(f"KV write failed: {describe(exc)}; this decode worker stops serving", grpc.StatusCode.INTERNAL)
+            error.__cause__ = exc
+            return error
         if isinstance(exc, KvChunkError):
             error = RequestError(f"{refused}: {exc}")
             error.__cause__ = exc
@@ -271,7 +280,7 @@ class DecodeWorker:
             raise KvChunkError(f"tokens [{piece.token_start}, {piece.token_end}) fall outside the prompt of {stream.reservation.prompt_len}")
         tensor = decode(piece)
         coverage.add(piece)
-        return self._loop.run_in_executor(self._kv_writer, self.backend.write_kv, stream.reservation.slot, piece.layer, piece.kind, piece.token_start, tensor)
+        return self._loop.run_in_executor(self._kv_writer, self._write_kv, stream.reservation.slot, piece.layer, piece.kind, piece.token_start, tensor)
 
     def _commit(self, stream: DecodeStream, missing: list[str], commit: KvCommit) -> None:
         # The last piece's write yielded to the loop: the lease may have run out or the
@@ -303,8 +312,8 @@ class DecodeWorker:
 
         def copy() -> int:
             for layer, (keys, values) in enumerate(layers):
-                self.backend.write_kv(slot, layer, KvKind.KEY, 0, keys)
-                self.backend.write_kv(slot, layer, KvKind.VALUE, 0, values)
+                self._write_kv(slot, layer, KvKind.KEY, 0, keys)
+                self._write_kv(slot, layer, KvKind.VALUE, 0, values)
             return sum(k.numel() * k.element_size() * 2 for k, _ in layers)
 
         copied = await asyncio.wrap_future(self.decode_loop.run_on_device(copy))
@@ -381,9 +390,10 @@ class KvPull:
     generation: int
 
 
-def open_nixl_sink(backend: Backend, nixl_backend: str = "UCX"):
+def open_nixl_sink(backend: Backend, write_kv=None, nixl_backend: str = "UCX"):
     """The slot cache registered with NIXL where it is host memory; otherwise one
-    registered host buffer the KV lands in first (Neuron, CUDA: see docs/neuron.md)."""
+    registered host buffer the KV lands in first (Neuron, CUDA: see docs/neuron.md),
+    copied into the cache by write_kv (default: the backend's)."""
     import torch
 
     from disagg.kv_transport.layout import KvGeometry
@@ -398,4 +408,4 @@ def open_nixl_sink(backend: Backend, nixl_backend: str = "UCX"):
     if cache is not None and cache.keys[0].device.type == "cpu":
         return NixlSink(geometry, cache.keys, cache.values, backend=nixl_backend)
     log.info("KV transport: the slot cache is not in host memory; NIXL reads into a host staging buffer first")
-    return NixlHostStagingSink(geometry, dtype, backend.write_kv, backend=nixl_backend)
+    return NixlHostStagingSink(geometry, dtype, write_kv or backend.write_kv, backend=nixl_backend)

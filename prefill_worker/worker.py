@@ -180,8 +180,9 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         try:
             result = await loop.run_in_executor(self._device, self._prefill_step, token_ids, sampling, on_layer, first_step)
-        except Exception as exc:
-            log.error("prefill of %d tokens failed: %s", len(token_ids), describe(exc), exc_info=exc)
+        except Exception as raised:
+            exc = self.backend.device_error(raised)
+            log.error("prefill of %d tokens failed: %s", len(token_ids), describe(exc), exc_info=raised)
             if self.failure is None and self._streak.failed(exc):
                 self._stop_serving(self._streak.cause(exc, "prefills"))
             raise RequestError(f"prefill failed: {describe(exc)}", grpc.StatusCode.INTERNAL) from exc

@@ -137,3 +137,14 @@ def test_the_backend_on_the_standin_maps_its_models_runtime_error(monkeypatch, t
     finally:
         for name in [n for n in sys.modules if n.startswith("neuronx_distributed_inference")]:
             del sys.modules[name]
+
+
+def test_the_backend_classifies_errors_wherever_they_surface():
+    """NeuronBackend.device_error: what the decode loop asks at the host/device sync (async mode)."""
+    from disagg.engine.backends.neuron.backend import NeuronBackend
+
+    fatal = RuntimeError('nrt_execute status=1201 message="Unrepairable HBM error"')
+    lost = NeuronBackend.device_error(None, fatal)
+    assert isinstance(lost, DeviceLost) and "NRT_EXEC_HW_ERR_HBM_UE" in str(lost) and lost.__cause__ is fatal
+    step_only = RuntimeError('nrt_execute status=1003 message="NaN"')
+    assert NeuronBackend.device_error(None, step_only) is step_only

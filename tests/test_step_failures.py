@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.clients.grpc_client import Client
-from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP
+from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_KV_WRITE, TEST_FAIL_PREFILL_STEP
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
@@ -64,7 +64,7 @@ def restart_with(cluster, monkeypatch, name: str, env: dict[str, str]) -> None:
     cluster.signal(name, 15)
     assert cluster.process(name).popen.wait(timeout=60) == 0
     poll(lambda: router_counts(cluster)[index] == counts[index] - 1, f"the router saw {name} go")
-    for variable in (TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP):
+    for variable in (TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP, TEST_FAIL_KV_WRITE):
         monkeypatch.delenv(variable, raising=False)
     for variable, value in env.items():
         monkeypatch.setenv(variable, value)  # the restarted process inherits this environment
@@ -196,6 +196,32 @@ def colocated_with(cluster_logs, request, monkeypatch):
 
     yield start
     for cluster in started:
+        cluster.stop()
+
+
+def test_a_kv_write_that_loses_the_device_takes_the_decode_worker_down_non_zero(cluster_logs, request, llama_ref, monkeypatch):
+    """The gRPC push, whose pieces the decode worker copies into its cache with write_kv (NIXL into
+    a host cache reads in place). A DeviceLost there is the device's, not the transfer's."""
+    monkeypatch.setenv(TEST_FAIL_KV_WRITE, "after=0,count=1,fatal=1")  # the prefill worker never writes KV: only decode-0 has the fault
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, transport="grpc", batch_size=2)
+    try:
+        decode = cluster.process("decode-0")
+        with Client(cluster.router_address, timeout=120) as client:
+            tokens, error = stream_until_error(client, 8)
+        assert tokens == llama_ref.greedy(PROMPT, 1, ignore_eos=True) and error is not None, (tokens, error)  # the prefill's token, then the error
+        assert error.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), error
+        assert decode.popen.wait(timeout=60) != 0  # drained, then out for its supervisor to restart
+        with open(f"{cluster.spec.log_dir}/decode-0.log") as f:
+            log = f.read()
+        assert "KV write failed: DeviceLost" in log and "injected failure" in log
+
+        monkeypatch.delenv(TEST_FAIL_KV_WRITE)
+        cluster.restart("decode-0")  # as a supervisor would
+        poll(lambda: router_counts(cluster) == (1, 1), "the router uses the restarted decode worker")
+        with Client(cluster.router_address, timeout=120) as client:
+            assert client.complete(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids == llama_ref.greedy(PROMPT, 6, ignore_eos=True)
+        assert_nothing_held(cluster)
+    finally:
         cluster.stop()
 
 
@@ -360,4 +386,39 @@ def test_a_penalized_request_whose_penalty_state_cannot_be_set_up_fails_alone():
     assert run.errors() == {"penalized": "decode step failed: MemoryError: no room for the penalty counts"}
     assert run.tokens("penalized") == []  # nothing decoded without its penalties reached the caller
     assert run.tokens("plain") == run.ref.greedy("Snow fell", 6, ignore_eos=True)[1:]
+    run.decode_loop.stop()
+
+
+@pytest.mark.parametrize("device, fatal", [("cuda", True), ("cpu", False)])
+def test_an_error_at_the_host_device_sync_is_classified_by_the_backend_and_a_lost_cuda_context_stops_the_loop_at_once(device, fatal):
+    """An asynchronous device (CUDA; Neuron in async mode) reports a kernel's error where the host
+    reads the step's tokens (`.tolist()`), not where the step was launched: the decode loop asks
+    the backend's device_error there. The torch backend's own rule runs, as on that device."""
+    import functools
+    import types
+
+    import torch
+
+    from disagg.engine.backends.torch_backend import TorchBackend
+
+    run = DecodeLoopUnderFaults(lambda step: False)
+    run.backend.device_error = functools.partial(TorchBackend.device_error, types.SimpleNamespace(device=torch.device(device)))
+    launched, real_step = [], run.backend.decode_step
+
+    def illegal_address(*args):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    def step_whose_tokens_fail_at_the_sync(inputs):
+        launched.append(inputs)
+        output = real_step(inputs)
+        return types.SimpleNamespace(token_ids=types.SimpleNamespace(tolist=illegal_address)) if len(launched) == 2 else output
+
+    run.backend.decode_step = step_whose_tokens_fail_at_the_sync
+    first = run.admit("a", 0, "The baker opens", 12)
+    run.decode_loop.start()
+    run.wait_retired("a")
+    assert [first, *run.tokens("a")] == run.ref.greedy("The baker opens", 2, ignore_eos=True)  # the prefill's token and step 1's
+    cause = "DeviceLost: CUDA: CUDA error" if fatal else "AcceleratorError: CUDA error"
+    assert run.errors() == {"a": f"decode step failed: {cause}: an illegal memory access was encountered"}
+    assert len(run.fatal) == (1 if fatal else 0)  # one lost context stops the loop; on CPU it is one failed step of three allowed
     run.decode_loop.stop()

@@ -8,8 +8,10 @@ starts a fresh one.
 
 DISAGG_TEST_FAIL_DECODE_STEP / DISAGG_TEST_FAIL_PREFILL_STEP ("after=3,count=1",
 optionally ",fatal=1") make steps after..after+count of a worker raise, for the
-tests that prove the above through real processes. They are read once when the
-worker starts; unset, the step is the backend's own function, untouched.
+tests that prove the above through real processes; DISAGG_TEST_FAIL_KV_WRITE does
+the same to the decode worker's copies of received KV into its cache (write_kv).
+They are read once when the worker starts; unset, the step is the backend's own
+function, untouched.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ FAILURES_BEFORE_EXIT = 3  # consecutive failing steps that end the worker
 
 TEST_FAIL_DECODE_STEP = "DISAGG_TEST_FAIL_DECODE_STEP"
 TEST_FAIL_PREFILL_STEP = "DISAGG_TEST_FAIL_PREFILL_STEP"
+TEST_FAIL_KV_WRITE = "DISAGG_TEST_FAIL_KV_WRITE"
 
 
 class DeviceLost(RuntimeError):

@@ -71,6 +71,12 @@ class StepInputs:
 class Backend(abc.ABC):
     info: ModelInfo
 
+    def device_error(self, exc: BaseException) -> BaseException:
+        """DeviceLost (from exc) where exc means no later step on this device can be trusted;
+        exc itself otherwise. Asked wherever device work failed, also at the host/device sync
+        (the decode loop's `.tolist()`), where an asynchronous device's errors surface."""
+        return exc
+
     def unsupported(self, sampling: Sampling) -> list[str]:
         """The Sampling fields this backend cannot serve for this request (none here)."""
         return []

@@ -18,6 +18,7 @@ from disagg.kv_transport.chunk_codec import KvKind, dtype_name
 
 from ..cpu_kernels import native_step, slot_attention
 from ..cpu_kernels.packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
+from ..faults import DeviceLost
 from ..model_files import eos_token_ids
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
@@ -220,6 +221,17 @@ class TorchBackend(Backend):
             if self.native_model is not None:
                 self.native = self._check_native_step(num_slots)
         return self.cache.nbytes
+
+    def device_error(self, exc: BaseException) -> BaseException:
+        """On CUDA, an error the CUDA runtime reports (torch.AcceleratorError: an illegal address, a
+        device-side assert, a launch failure) is DeviceLost: most such errors are sticky, every later
+        call on the context fails the same way, so the worker restarts rather than sort them. Out of
+        memory (torch.OutOfMemoryError, not an AcceleratorError) fails only its step, as on CPU."""
+        if self.device.type == "cuda" and isinstance(exc, torch.AcceleratorError) and not isinstance(exc, DeviceLost):
+            lost = DeviceLost(f"CUDA: {exc}")
+            lost.__cause__ = exc
+            return lost
+        return exc
 
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
         target = (self.cache.keys if kind is KvKind.KEY else self.cache.values)[layer]

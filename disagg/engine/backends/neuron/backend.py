@@ -29,7 +29,7 @@ from ...sampler import SampleOutput, params_tensor
 from ..base import Backend, LayerKvCallback, ModelInfo, PrefillResult, StepInputs
 from .compile import build_config, compile_or_load, model_class
 from .config import DTYPES, NeuronOptions, compiled_lines, prefill_line
-from .faults import device_errors
+from .faults import classify, device_errors
 from .layout import KvLayout, UnsupportedLayout, sort_rows
 from .packages import check_nxdi_release, check_seq_ids_mask, check_transformers_for_nxdi
 from .sampling import nxdi_sampling_params
@@ -218,6 +218,10 @@ class NeuronBackend(Backend):
         if num_slots != self.options.batch_size:
             raise ValueError(f"the compiled model has {self.options.batch_size} slots, not {num_slots}")
         return sum(c.numel() * c.element_size() for layer in range(self.info.num_layers) for kind in KvKind for c in self._caches(layer, kind))
+
+    def device_error(self, exc: BaseException) -> BaseException:
+        """A fatal Neuron runtime status is DeviceLost (faults.py), wherever it surfaced."""
+        return classify(exc)
 
     @device_errors()
     def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
