@@ -186,6 +186,42 @@ def test_a_body_that_never_arrives_in_full_gets_408_at_the_deadline():
     assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer
 
 
+def test_a_head_that_never_arrives_in_full_is_cut_off_at_the_deadline_and_others_are_answered():
+    """A connection sending its request line and headers a byte at a time, or nothing at all, is
+    closed at the deadline (the whole request's here, 1 s, being under 30 s); a normal request on
+    another connection meanwhile is answered."""
+    from router.http.app import FrontState
+    from router.http.server import HttpFront
+
+    async def run() -> tuple[bytes, bytes, bytes]:
+        state = FrontState(router=lambda: None, draining=lambda: False, auth_token=None, model_path="m", timeout_seconds=1.0)
+        front = HttpFront(state, "127.0.0.1", 0)
+        await front.start()
+        try:
+            silent_reader, silent = await asyncio.open_connection("127.0.0.1", front.port)  # sends nothing
+            slow_reader, slow = await asyncio.open_connection("127.0.0.1", front.port)
+            slow.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n")  # and never the blank line
+
+            async def polite() -> bytes:
+                reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+                writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                answer = await asyncio.wait_for(reader.read(), 30)
+                writer.close()
+                return answer
+
+            answered = await polite()
+            cut = [await asyncio.wait_for(r.read(), 30) for r in (silent_reader, slow_reader)]  # read() to EOF: the server closed
+            silent.close()
+            slow.close()
+            return answered, cut[0], cut[1]
+        finally:
+            await front.stop()
+
+    answered, silent, slow = asyncio.run(run())
+    assert not answered.startswith(b"HTTP/1.1 408"), answered  # answered, whatever the route says without workers
+    assert answered.startswith(b"HTTP/1.1 ") and silent == b"" and slow == b""  # closed unanswered (without the deadline, read() waits for ever)
+
+
 def _refusal(cluster, path: str, body: dict) -> dict:
     response = httpx.post(f"{cluster.http_url}{path}", json=body, timeout=60)
     assert response.status_code == 400, response.text

@@ -15,11 +15,62 @@ import logging
 import socket
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .app import FrontState, create_app
 from .limits import BodyLimit
 
 log = logging.getLogger(__name__)
+
+HEADER_SECONDS = 30.0  # at most this long for a request's head (as nginx's client_header_timeout, 60 s)
+
+
+class HeadDeadlineProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, with a deadline for each request's line and headers.
+
+    uvicorn times a connection only between requests (timeout_keep_alive) and the body
+    is bounded by BodyLimit, which runs once the head is complete; a client that opens
+    connections and sends their heads a byte at a time (or nothing) would hold them, and
+    their memory, for ever. The head must be complete within head_seconds of the
+    connection opening or the request beginning, or the connection is closed unanswered.
+    """
+
+    head_seconds = HEADER_SECONDS
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_head_deadline()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head_deadline()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._head_deadline = self.loop.call_later(self.head_seconds, self._head_too_slow)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def head_deadline_protocol(seconds: float) -> type[HeadDeadlineProtocol]:
+    return type("HeadDeadline", (HeadDeadlineProtocol,), {"head_seconds": seconds})
 
 
 class _Server(uvicorn.Server):
@@ -53,7 +104,11 @@ class HttpFront:
         self.port = self.sock.getsockname()[1]
         tls_files = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key} if tls else {}
         app = BodyLimit(create_app(state), state.max_body_bytes, state.timeout_seconds)
-        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=2, **tls_files)
+        # The head's deadline: HEADER_SECONDS, or the whole request's if that is shorter.
+        protocol = head_deadline_protocol(min(HEADER_SECONDS, state.timeout_seconds))
+        config = uvicorn.Config(
+            app, http=protocol, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=2, **tls_files
+        )
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 
