@@ -323,14 +323,16 @@ def test_the_router_still_serves_greedy_tokens_after_every_refusal(cluster, clie
     assert_nothing_held(cluster)
 
 
-def test_the_flags_default_to_the_grpc_message_limit_and_refuse_nonsense():
+def test_the_flags_default_to_the_grpc_message_limit_and_refuse_nonsense(llama_path):
     from router.__main__ import parse_config
 
-    config = parse_config(["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"])
+    # --model named: without it the router would train the built-in default model (half a minute in a fresh clone)
+    pool = ["--model", llama_path, "--prefill", "a:1", "--decode", "b:2"]
+    config = parse_config(pool)
     assert config.http_max_body_bytes == LIMIT and config.http_timeout_seconds == 600
-    assert parse_config(["--prefill", "a:1", "--decode", "b:2", "--http-max-body-bytes", "65536"]).http_max_body_bytes == 65536
+    assert parse_config([*pool, "--http-max-body-bytes", "65536"]).http_max_body_bytes == 65536
     with pytest.raises(SystemExit):
-        parse_config(["--prefill", "a:1", "--decode", "b:2", "--http-timeout-seconds", "0"])
+        parse_config([*pool, "--http-timeout-seconds", "0"])
 
 
 def test_a_large_body_is_parsed_off_the_event_loop_while_small_requests_are_answered(monkeypatch):
