@@ -73,6 +73,24 @@ def restart_with(cluster, monkeypatch, name: str, env: dict[str, str]) -> None:
     poll(lambda: router_counts(cluster) == counts, f"the router uses {name} again")
 
 
+def exit_log(cluster, name: str) -> str:
+    """Waits for the worker to end; it must end non-zero (its supervisor starts a fresh one). Returns its log."""
+    assert cluster.process(name).popen.wait(timeout=60) != 0
+    with open(f"{cluster.spec.log_dir}/{name}.log") as f:
+        return f.read()
+
+
+def restart_serves_exactly(cluster, monkeypatch, llama_ref, name: str, prompt: str) -> None:
+    """Starts the worker again without any fault hook, as a supervisor would; it serves greedy tokens and leaves nothing held."""
+    for variable in (TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP, TEST_FAIL_KV_WRITE):
+        monkeypatch.delenv(variable, raising=False)
+    cluster.restart(name)
+    poll(lambda: router_counts(cluster) == (1, 1), f"the router uses the restarted {name}")
+    with Client(cluster.router_address, timeout=120) as client:
+        assert client.complete(prompt, max_new_tokens=6, ignore_eos=True).token_ids == llama_ref.greedy(prompt, 6, ignore_eos=True)
+    assert_nothing_held(cluster)
+
+
 def decode_failovers(cluster) -> float:
     text = urllib.request.urlopen(f"http://{cluster.process('router').metrics_address}/metrics", timeout=5).read().decode()
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
@@ -154,18 +172,9 @@ def test_a_decode_step_that_keeps_failing_takes_the_worker_not_serving_and_it_ex
     finally:
         held.cancel()
         channel.close()
-    assert decode.popen.wait(timeout=60) != 0  # its supervisor starts a fresh one
-    with open(f"{cluster.spec.log_dir}/decode-0.log") as f:
-        log = f.read()
+    log = exit_log(cluster, "decode-0")
     assert "steps in a row failed" in log and "injected failure" in log
-
-    for variable in (TEST_FAIL_DECODE_STEP, TEST_FAIL_PREFILL_STEP):
-        monkeypatch.delenv(variable, raising=False)
-    cluster.restart("decode-0")  # as a supervisor would
-    poll(lambda: router_counts(cluster) == (1, 1), "the router uses the restarted decode worker")
-    with Client(cluster.router_address, timeout=120) as client:
-        assert client.complete("The cat", max_new_tokens=6, ignore_eos=True).token_ids == llama_ref.greedy("The cat", 6, ignore_eos=True)
-    assert_nothing_held(cluster)
+    restart_serves_exactly(cluster, monkeypatch, llama_ref, "decode-0", "The cat")
 
 
 def test_a_prefill_device_lost_takes_the_prefill_worker_down_non_zero(one_decode, llama_ref, monkeypatch):
@@ -205,22 +214,13 @@ def test_a_kv_write_that_loses_the_device_takes_the_decode_worker_down_non_zero(
     monkeypatch.setenv(TEST_FAIL_KV_WRITE, "after=0,count=1,fatal=1")  # the prefill worker never writes KV: only decode-0 has the fault
     cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, transport="grpc", batch_size=2)
     try:
-        decode = cluster.process("decode-0")
         with Client(cluster.router_address, timeout=120) as client:
             tokens, error = stream_until_error(client, 8)
         assert tokens == llama_ref.greedy(PROMPT, 1, ignore_eos=True) and error is not None, (tokens, error)  # the prefill's token, then the error
         assert error.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), error
-        assert decode.popen.wait(timeout=60) != 0  # drained, then out for its supervisor to restart
-        with open(f"{cluster.spec.log_dir}/decode-0.log") as f:
-            log = f.read()
+        log = exit_log(cluster, "decode-0")  # drained, then out
         assert "KV write failed: DeviceLost" in log and "injected failure" in log
-
-        monkeypatch.delenv(TEST_FAIL_KV_WRITE)
-        cluster.restart("decode-0")  # as a supervisor would
-        poll(lambda: router_counts(cluster) == (1, 1), "the router uses the restarted decode worker")
-        with Client(cluster.router_address, timeout=120) as client:
-            assert client.complete(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids == llama_ref.greedy(PROMPT, 6, ignore_eos=True)
-        assert_nothing_held(cluster)
+        restart_serves_exactly(cluster, monkeypatch, llama_ref, "decode-0", PROMPT)
     finally:
         cluster.stop()
 
@@ -261,9 +261,7 @@ def test_a_colocated_workers_prefills_that_keep_failing_take_it_not_serving_and_
     finally:
         held.cancel()
         channel.close()
-    assert decode.popen.wait(timeout=60) != 0  # its supervisor starts a fresh one
-    with open(f"{cluster.spec.log_dir}/decode-0.log") as f:
-        log = f.read()
+    log = exit_log(cluster, "decode-0")
     assert f"{FAILURES_BEFORE_EXIT} prefills in a row failed" in log and "injected failure of step 3" in log
 
 
