@@ -68,7 +68,7 @@ class WorkerStopping(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("reservation_id", "agent_name", "agent_metadata", "address", "prompt_len", "num_layers", "first_token", "generation")
+    __slots__ = ("reservation_id", "agent_name", "agent_metadata", "address", "prompt_len", "num_layers", "first_token", "generation", "token_start")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class PullKvRequest(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     agent_name: str
     agent_metadata: bytes
@@ -85,7 +86,8 @@ class PullKvRequest(_message.Message):
     num_layers: int
     first_token: int
     generation: int
-    def __init__(self, reservation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    token_start: int
+    def __init__(self, reservation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token: _Optional[int] = ..., generation: _Optional[int] = ..., token_start: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_len", "sampling", "stopping", "first_step", "context_token_ids")
@@ -104,14 +106,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stopping: _Optional[_Union[WorkerStopping, _Mapping]] = ..., first_step: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("reservation_id", "slot", "lease_seconds")
+    __slots__ = ("reservation_id", "slot", "lease_seconds", "cached_tokens")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     slot: int
     lease_seconds: float
-    def __init__(self, reservation_id: _Optional[str] = ..., slot: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, reservation_id: _Optional[str] = ..., slot: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
     __slots__ = ("token_ids", "finish", "logprobs")
@@ -168,12 +172,14 @@ class KvAck(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class KvTarget(_message.Message):
-    __slots__ = ("address", "reservation_id")
+    __slots__ = ("address", "reservation_id", "token_start")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     address: str
     reservation_id: str
-    def __init__(self, address: _Optional[str] = ..., reservation_id: _Optional[str] = ...) -> None: ...
+    token_start: int
+    def __init__(self, address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., token_start: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "kv_target", "first_step")
