@@ -21,6 +21,11 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
                         help="required: a decode worker (HOST:PORT) or pool (dns:///NAME:PORT, resolved again as the router does) this worker may send KV to; "
                         "the router's --decode targets. A kv_target outside them is refused (PERMISSION_DENIED) and never dialled. Repeat for several")
     parser.add_argument("--no-stream-kv", dest="stream_kv", action="store_false", help="send KV after the first token (default on CPU)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep prompts' KV in blocks so a prompt that starts with cached blocks computes only the rest (default on; "
+                             "off on the neuron backend, whose context encoding runs whole prompts)")
+    parser.add_argument("--prefix-cache-gib", type=float, default=1.0, help="memory for the prefix cache's blocks, in GiB (0: no prefix cache)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per prefix cache block: prompts share whole blocks")
     args = parser.parse_args(argv)
     setup_process(args)
     shared, settings = worker_fields(args)
@@ -31,6 +36,9 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
             stream_kv_during_prefill=args.stream_kv,
             kv_staging_buffers=args.kv_staging_buffers,
             decode_peers=tuple(args.decode),
+            prefix_caching=args.prefix_caching,
+            prefix_cache_gib=args.prefix_cache_gib,
+            block_size=args.block_size,
         )
     except ValueError as exc:  # one line naming the flag, not a traceback
         parser.error(str(exc))

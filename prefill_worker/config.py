@@ -19,6 +19,11 @@ class PrefillWorkerConfig(WorkerConfig):
     stream_kv_during_prefill: bool | None = None  # None: only when device is not "cpu"
     # --decode: the decode pool KV may go to, as the router's targets (HOST:PORT, dns:[//SERVER/]NAME:PORT); required
     decode_peers: tuple[str, ...] = ()
+    # The prefix cache (prefix_cache.py): prompts' KV kept in blocks of block_size tokens, prefix_cache_gib
+    # of them; a prompt that starts with cached blocks computes only the rest. Off on the neuron backend.
+    prefix_caching: bool = True
+    prefix_cache_gib: float = 1.0  # 0: off
+    block_size: int = 16
 
     @property
     def streams_kv_during_prefill(self) -> bool:
@@ -29,4 +34,8 @@ class PrefillWorkerConfig(WorkerConfig):
             raise ValueError("--kv-piece-bytes must be at least 1024")
         if self.kv_staging_buffers < 1:
             raise ValueError("--kv-staging-buffers must be at least 1")
+        if self.block_size < 1:
+            raise ValueError("--block-size must be at least 1")
+        if not self.prefix_cache_gib >= 0:  # NaN too
+            raise ValueError("--prefix-cache-gib must be 0 (no prefix cache) or more")
         parse_pool(self.decode_peers)

@@ -9,6 +9,7 @@ that repeat, or DeviceLost, drain the worker and end it non-zero
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -19,14 +20,16 @@ from typing import AsyncIterator
 
 import grpc
 
-from disagg.engine.backends import Backend
+from disagg.engine.backends import Backend, PrefillResult
 from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, FailureStreak, describe, with_injected_faults
+from disagg.engine.kv_blocks import BlockStats
 from disagg.engine.requests import Sampling, TokenLogprobs, check_prompt_len, check_token_ids
 from disagg.engine.threads import pin_this_thread
 from disagg.kv_transport import open_fallible
-from disagg.kv_transport.chunk_codec import KvCommit, KvKind, encode
+from disagg.kv_transport.chunk_codec import KvCommit
 from disagg.kv_transport.grpc_push import GrpcPushSender
 from disagg.kv_transport.nixl_control import NixlPullSender, PeerHasNoNixl
+from disagg.kv_transport.spans import KvSpan
 from disagg.rpc import worker_messages
 from disagg.rpc.metrics import PrefillMetrics, outcome_label
 from disagg.rpc.security import open_channel
@@ -35,6 +38,7 @@ from disagg.rpc.server import RequestError
 from .channels import MAX_KV_CHANNELS, ChannelCache
 from .config import PrefillWorkerConfig
 from .peers import DecodePeers
+from .prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,9 @@ log = logging.getLogger(__name__)
 class KvTarget:
     address: str
     reservation_id: str
+    # The decode worker holds the prompt's tokens before this one (its prefix cache's
+    # Reserved.cached_tokens): only the KV of [token_start, prompt_len) is sent.
+    token_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,15 @@ class FirstToken:
 class KvSent:
     bytes: int
     seconds: float
+
+
+@dataclass
+class Prefilled:
+    """A prefill's outcome on the device thread."""
+
+    result: PrefillResult  # its layers: the computed tokens' K/V, from cached_tokens on
+    spans: list[KvSpan]  # per layer, what the decode worker gets: tokens [token_start, prompt_len)
+    cached_tokens: int  # the prompt's first tokens, taken from the prefix cache
 
 
 class PrefillWorker:
@@ -85,6 +101,25 @@ class PrefillWorker:
             ), config)
         metrics.queued.set_function(lambda: self.pending)
         metrics.queued_tokens.set_function(lambda: self.pending_tokens)
+        # Prompts' KV in blocks, so a prompt that starts with cached blocks computes only the rest.
+        # Only the device thread touches it (and the metrics read its counts).
+        self.prefix_cache = self._open_prefix_cache()
+        self._cache_counted = BlockStats()  # the pool's counts already added to the metrics
+        if self.prefix_cache is not None:
+            pool = self.prefix_cache.pool
+            metrics.cache_blocks.labels("used").set_function(lambda: pool.used_blocks)
+            metrics.cache_blocks.labels("cached").set_function(lambda: pool.cached_blocks)
+            metrics.cache_blocks.labels("free").set_function(lambda: pool.free_blocks)
+
+    def _open_prefix_cache(self) -> PrefixCache | None:
+        config, info = self.config, self.info
+        if not config.prefix_caching or not config.prefix_cache_gib:
+            log.info("prefix caching off (%s)", "--no-prefix-caching" if not config.prefix_caching else "--prefix-cache-gib 0")
+            return None
+        if info.backend == "neuron":
+            log.info("prefix caching off: the neuron backend prefills whole prompts (NxDI's context encoding takes no cached prefix)")
+            return None
+        return PrefixCache.sized(info, getattr(self.backend, "device", "cpu"), config.prefix_cache_gib, config.block_size)
 
     async def start(self) -> None:
         """Resolves the decode pool, and keeps following it where DNS can change it."""
@@ -106,7 +141,7 @@ class PrefillWorker:
         if self.failure is not None:  # non-zero, so the supervisor starts a fresh process on a fresh device
             raise SystemExit(f"prefill_worker: stopped serving: {self.failure}")
 
-    def validate(self, token_ids: list[int], sampling: Sampling) -> None:
+    def validate(self, token_ids: list[int], sampling: Sampling, target: KvTarget | None = None) -> None:
         if self.failure is not None:
             raise RequestError(f"prefill worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
         worker_messages.check_sampling(self.backend, sampling)
@@ -114,6 +149,8 @@ class PrefillWorker:
         with worker_messages.worker_names():
             check_prompt_len("token_ids", len(token_ids), self.info.max_seq_len)
             check_token_ids("token_ids", token_ids, self.info.vocab_size)
+        if target is not None:
+            worker_messages.check_token_start(target.token_start, len(token_ids))
 
     async def prefill(self, token_ids: list[int], sampling: Sampling, target: KvTarget | None, first_step: int = 0,
                       timeout: float | None = None) -> AsyncIterator[FirstToken | KvSent]:
@@ -121,15 +158,15 @@ class PrefillWorker:
 
         timeout is what is left of the caller's deadline; the KV send inherits it.
         """
-        self.validate(token_ids, sampling)
+        self.validate(token_ids, sampling, target)
         if target is not None:  # before any device work: nothing is held by a refused target
-            target = KvTarget(await self.peers.admit(target.address), target.reservation_id)
+            target = KvTarget(await self.peers.admit(target.address), target.reservation_id, target.token_start)
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue = asyncio.Queue()
 
-        def on_layer(layer: int, keys, values) -> None:
+        def on_span(layer: int, span: KvSpan) -> None:
             # Device thread: cut this layer while the next one computes.
-            loop.call_soon_threadsafe(outbox.put_nowait, self._pieces(layer, keys, values))
+            loop.call_soon_threadsafe(outbox.put_nowait, span.pieces(layer, self.config.kv_piece_bytes))
 
         pull = target is not None and self.pull is not None and self.pull.serves(target.address)
         sender = None
@@ -140,7 +177,9 @@ class PrefillWorker:
         self.pending_tokens += len(token_ids)
         outcome = "cancelled"
         try:
-            result = await self._run_prefill(token_ids, sampling, on_layer if target and not pull else None, first_step)
+            token_start = target.token_start if target is not None else len(token_ids)
+            prefilled = await self._run_prefill(token_ids, sampling, on_span if target and not pull else None, first_step, token_start)
+            result = prefilled.result
             self.metrics.prefill.observe(time.perf_counter() - started)
             # Each path counts "ok" before its last event: the caller may close the call on
             # receiving it, which ends this generator at that yield.
@@ -150,13 +189,13 @@ class PrefillWorker:
             if pull:
                 sent_at = time.perf_counter()
                 try:
-                    sent = KvSent(await self._pull(target, result, timeout), time.perf_counter() - sent_at)
+                    sent = KvSent(await self._pull(target, prefilled, len(token_ids), timeout), time.perf_counter() - sent_at)
                     outcome = "ok"
                     yield sent
                     return
                 except PeerHasNoNixl:
-                    for layer, (keys, values) in enumerate(result.layers):
-                        outbox.put_nowait(self._pieces(layer, keys, values))
+                    for layer, span in enumerate(prefilled.spans):
+                        outbox.put_nowait(span.pieces(layer, self.config.kv_piece_bytes))
             if target is not None and sender is None:
                 sender = asyncio.create_task(self._push(target, outbox, timeout))
             if sender is not None:
@@ -175,11 +214,11 @@ class PrefillWorker:
             if sender is not None and not sender.done():
                 sender.cancel()  # the decode worker sees the broken transfer and frees the slot
 
-    async def _run_prefill(self, token_ids: list[int], sampling: Sampling, on_layer, first_step: int):
+    async def _run_prefill(self, token_ids: list[int], sampling: Sampling, on_span, first_step: int, token_start: int) -> Prefilled:
         """The prefill on the device thread; one that raises becomes INTERNAL naming the cause."""
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self._device, self._prefill_step, token_ids, sampling, on_layer, first_step)
+            result = await loop.run_in_executor(self._device, self._prefill_on_device, token_ids, sampling, on_span, first_step, token_start)
         except Exception as raised:
             exc = self.backend.device_error(raised)
             log.error("prefill of %d tokens failed: %s", len(token_ids), describe(exc), exc_info=raised)
@@ -196,8 +235,44 @@ class PrefillWorker:
         log.error("prefill worker failing: %s; draining, then exiting non-zero", cause)
         os.kill(os.getpid(), signal.SIGTERM)  # the one drain path: rpc.serve_until_signal
 
-    def _pieces(self, layer: int, keys, values) -> list:
-        return encode(layer, KvKind.KEY, keys, self.config.kv_piece_bytes) + encode(layer, KvKind.VALUE, values, self.config.kv_piece_bytes)
+    def _prefill_on_device(self, token_ids: list[int], sampling: Sampling, on_span, first_step: int, token_start: int) -> Prefilled:
+        """Device thread: the prompt's cached prefix taken from the prefix cache, the rest
+        prefilled, its new full blocks stored and published. on_span(layer, span) gets each
+        layer's KV of tokens [token_start, prompt_len) as soon as it is computed: from the
+        cached prefix where token_start is before its end, then the computed tokens."""
+        cache = self.prefix_cache
+        plan = cache.begin(token_ids) if cache is not None else None  # None: no cache, or no room for this prompt
+        try:
+            prefix_kv = cache.gather(plan) if plan is not None else None
+            spans: list[KvSpan | None] = [None] * self.info.num_layers
+
+            def on_layer(layer: int, keys, values) -> None:
+                spans[layer] = KvSpan.of(token_start, None if prefix_kv is None else prefix_kv[layer], keys, values)
+                if on_span is not None:
+                    on_span(layer, spans[layer])
+
+            with_prefix = {} if prefix_kv is None else {"prefix_kv": prefix_kv}
+            result = self._prefill_step(token_ids, sampling, on_layer, first_step, **with_prefix)
+            if plan is not None:  # only once the whole prompt ran: a failed prefill publishes nothing
+                cache.store(plan, result.layers)
+                cache.publish(plan)
+        finally:
+            if plan is not None:
+                cache.release(plan)  # the blocks stay cached for the next prompt that starts alike
+                self._count_cache()
+        cached = 0 if prefix_kv is None else plan.prefix_len
+        self.metrics.computed_tokens.inc(len(token_ids) - cached)
+        for layer, span in enumerate(spans):  # a backend that did not hand every layer on
+            if span is None:
+                spans[layer] = KvSpan.of(token_start, None if prefix_kv is None else prefix_kv[layer], *result.layers[layer])
+        return Prefilled(result, spans, cached)
+
+    def _count_cache(self) -> None:
+        stats, counted = self.prefix_cache.pool.stats, self._cache_counted
+        self.metrics.cache_queried_tokens.inc(stats.queried_tokens - counted.queried_tokens)
+        self.metrics.cache_hit_tokens.inc(stats.hit_tokens - counted.hit_tokens)
+        self.metrics.cache_evictions.inc(stats.evictions - counted.evictions)
+        self._cache_counted = dataclasses.replace(stats)
 
     async def _push(self, target: KvTarget, outbox: asyncio.Queue, timeout: float | None) -> int:
         self.inflight_transfers += 1
@@ -208,11 +283,11 @@ class PrefillWorker:
             self._channels.release(target.address)
             self.inflight_transfers -= 1  # the pieces not sent are dropped with the outbox
 
-    async def _pull(self, target: KvTarget, result, timeout: float | None) -> int:
+    async def _pull(self, target: KvTarget, prefilled: Prefilled, prompt_len: int, timeout: float | None) -> int:
         self.inflight_transfers += 1
         self._channels.hold(target.address)
         try:
-            return await self.pull.send(target.address, target.reservation_id, result.layers, result.first_token, timeout)
+            return await self.pull.send(target.address, target.reservation_id, prefilled.spans, prefilled.result.first_token, timeout, prompt_len)
         finally:
             self._channels.release(target.address)
             self.inflight_transfers -= 1

@@ -48,8 +48,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def encode(layer: int, kind: KvKind, tensor: torch.Tensor, max_piece_bytes: int) -> list[KvPiece]:
-    """Cuts tensor [kv_heads, tokens, head_dim] into pieces of at most max_piece_bytes."""
+def encode(layer: int, kind: KvKind, tensor: torch.Tensor, max_piece_bytes: int, token_start: int = 0) -> list[KvPiece]:
+    """Cuts tensor [kv_heads, tokens, head_dim], the prompt's tokens from token_start on, into pieces of at most max_piece_bytes."""
     heads, tokens, head_dim = tensor.shape
     bytes_per_token = heads * head_dim * tensor.element_size()
     step = max(1, max_piece_bytes // bytes_per_token)
@@ -57,7 +57,7 @@ def encode(layer: int, kind: KvKind, tensor: torch.Tensor, max_piece_bytes: int)
     for start in range(0, tokens, step):
         part = tensor[:, start : start + step].contiguous()
         data = part.view(torch.uint8).numpy().tobytes()
-        pieces.append(KvPiece(layer, kind, start, dtype_name(tensor.dtype), tuple(part.shape), data))
+        pieces.append(KvPiece(layer, kind, token_start + start, dtype_name(tensor.dtype), tuple(part.shape), data))
     return pieces
 
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -22,6 +23,9 @@ from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
 from .layout import KvGeometry
+
+if TYPE_CHECKING:
+    from .spans import KvSpan
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +79,11 @@ class NixlPullSender:
     def limit(self, timeout: float | None) -> float:
         return self.send_timeout if timeout is None else min(timeout, self.send_timeout)
 
-    async def send(self, address: str, reservation_id: str, layers, first_token: int, timeout: float | None) -> int:
-        """Stages `layers` ([(keys, values)] per layer), asks the decode worker to
-        read them, and returns the bytes it read."""
+    async def send(self, address: str, reservation_id: str, spans: list[KvSpan], first_token: int, timeout: float | None, prompt_len: int | None = None) -> int:
+        """Stages `spans` (per layer, the K/V of tokens [token_start, prompt_len), spans.KvSpan),
+        compactly, asks the decode worker to read them, and returns the bytes it read.
+        prompt_len: default, where the spans end."""
+        prompt_len = spans[0].end if prompt_len is None else prompt_len
         limit = self.limit(timeout)
         try:
             buffer = await asyncio.wait_for(self._free.get(), limit)
@@ -85,16 +91,17 @@ class NixlPullSender:
             # Every buffer stayed lent for the whole deadline: a clear status, not an UNKNOWN.
             raise RequestError(f"no KV staging buffer came free within {limit:.1f}s", grpc.StatusCode.RESOURCE_EXHAUSTED) from None
         try:
-            generation = await asyncio.get_running_loop().run_in_executor(self._stager, self._stage, buffer, layers)
+            generation = await asyncio.get_running_loop().run_in_executor(self._stager, self._stage, buffer, spans)
             request = wpb.PullKvRequest(
                 reservation_id=reservation_id,
                 agent_name=self.source.name,
                 agent_metadata=self.source.metadata,
                 address=buffer.address,
-                prompt_len=layers[0][0].shape[1],
-                num_layers=len(layers),
+                prompt_len=prompt_len,
+                num_layers=len(spans),
                 first_token=first_token,
                 generation=generation,
+                token_start=spans[0].start,
             )
             started = time.perf_counter()
             with self.source.reading():
@@ -116,8 +123,11 @@ class NixlPullSender:
         self.metrics.kv_bytes.labels(TRANSPORT).inc(ack.bytes_received)
         return ack.bytes_received
 
-    def _stage(self, buffer, layers) -> int:
+    def _stage(self, buffer, spans: list[KvSpan]) -> int:
         generation = buffer.next_generation()  # before any byte of this prompt: see nixl_transport
-        for layer, (keys, values) in enumerate(layers):
-            self.source.stage_layer(buffer, layer, keys, values)
+        for layer, span in enumerate(spans):
+            offset = 0
+            for keys, values in zip(span.keys, span.values):  # [token_start, prompt_len), compact: the parts end to end
+                self.source.stage_layer(buffer, layer, keys, values, span.tokens, offset)
+                offset += keys.shape[1]
         return generation

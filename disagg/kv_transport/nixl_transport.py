@@ -163,13 +163,17 @@ class NixlSource:
     def name(self) -> str:
         return self.agent.name
 
-    def stage_layer(self, buffer: StagingBuffer, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copies one layer's K and V ([kv_heads, tokens, head_dim]) into the buffer's layout."""
-        tokens = keys.shape[1]
+    def stage_layer(self, buffer: StagingBuffer, layer: int, keys: torch.Tensor, values: torch.Tensor, tokens: int | None = None, offset: int = 0) -> None:
+        """Copies one layer's K and V ([kv_heads, n, head_dim]) into the buffer's layout of a
+        prompt of `tokens` staged tokens (default n), at staged token `offset` (several parts
+        of one layer are staged end to end this way)."""
+        tokens = keys.shape[1] if tokens is None else tokens
+        if not 0 <= offset <= offset + keys.shape[1] <= tokens:
+            raise ValueError(f"staging tokens [{offset}, {offset + keys.shape[1]}) of {tokens}")
         for kind, tensor in enumerate((keys, values)):
             start = HEADER_BYTES + self.geometry.staging_offset(layer, kind, tokens)
             span = buffer.tensor[start : start + self.geometry.layer_kind_bytes(tokens)]
-            span.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            span.view(tensor.dtype).view(tensor.shape[0], tokens, tensor.shape[2])[:, offset : offset + tensor.shape[1]].copy_(tensor)
 
 
 class _Reader:

@@ -39,6 +39,17 @@ class PrefillMetrics:
         )
         self.kv_bytes = Counter("disagg_prefill_kv_transfer_bytes", "KV bytes acknowledged by decode workers, by transport", ["transport"], registry=registry)
         self.kv_failures = Counter("disagg_prefill_kv_transfer_failures", "KV hand-offs that failed, by transport", ["transport"], registry=registry)
+        # The prefix cache (prefill_worker/prefix_cache.py): hits over queries is its hit rate.
+        self.computed_tokens = Counter("disagg_prefill_computed_tokens", "Prompt tokens run through the model (prefix cache hits excluded)", registry=registry)
+        self.cache_queried_tokens = Counter(
+            "disagg_prefill_prefix_queried_tokens", "Prompt tokens looked up in the prefix cache (whole blocks)", registry=registry
+        )
+        self.cache_hit_tokens = Counter("disagg_prefill_prefix_hit_tokens", "Of those, tokens found cached (not computed)", registry=registry)
+        self.cache_evictions = Counter("disagg_prefill_prefix_evicted_blocks", "Cached blocks dropped to make room", registry=registry)
+        self.cache_blocks = Gauge(
+            "disagg_prefill_kv_blocks", "Prefix cache blocks by state: used (a prefill reads them), cached (kept for reuse), free",
+            ["state"], registry=registry,
+        )
 
 
 class DecodeMetrics:

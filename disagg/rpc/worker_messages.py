@@ -171,13 +171,20 @@ def checked_context(context_ids, prompt_len: int, penalized: bool, vocab_size: i
 
 @dataclass(frozen=True)
 class PrefillOrder:
-    """A checked PrefillRequest; target is (address, reservation_id) or None."""
+    """A checked PrefillRequest; target is (address, reservation_id, token_start) or None."""
 
     request_id: str
     token_ids: list[int]
     sampling: Sampling
-    target: tuple[str, str] | None
+    target: tuple[str, str, int] | None
     first_step: int
+
+
+def check_token_start(token_start: int, prompt_len: int) -> None:
+    """kv_target.token_start: the decode worker holds the prompt's tokens before it (its
+    cached_tokens), all of them at most; the KV of [token_start, prompt_len) is sent."""
+    if not 0 <= token_start <= prompt_len:
+        raise refuse("kv_target.token_start", f"must be in [0, {prompt_len}] for a prompt of {prompt_len} tokens, got {token_start}")
 
 
 def prefill_order_from_pb(msg: wpb.PrefillRequest, info) -> PrefillOrder:
@@ -192,7 +199,8 @@ def prefill_order_from_pb(msg: wpb.PrefillRequest, info) -> PrefillOrder:
     if msg.HasField("kv_target"):
         check_text("kv_target.address", msg.kv_target.address, MAX_ADDRESS_CHARS)
         check_text("kv_target.reservation_id", msg.kv_target.reservation_id, MAX_REQUEST_ID_CHARS)
-        target = (msg.kv_target.address, msg.kv_target.reservation_id)
+        check_token_start(msg.kv_target.token_start, len(token_ids))
+        target = (msg.kv_target.address, msg.kv_target.reservation_id, msg.kv_target.token_start)
     return PrefillOrder(msg.request_id, token_ids, sampling, target, msg.first_step)
 
 

@@ -43,10 +43,16 @@ class ModelInfo:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
 
 
+# Per layer (keys, values), each [kv_heads, P, head_dim]: the KV of a prompt's first P tokens
+# (a prefix cache's hit), which a prefill then attends over instead of computing it again.
+PrefixKv = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class PrefillResult:
     first_token: int
-    # Per layer (keys, values), each [kv_heads, prompt_len, head_dim].
+    # Per layer (keys, values), each [kv_heads, prompt_len - P, head_dim]: the tokens the
+    # prefill computed (all of them without prefix_kv; those after the prefix with it).
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     logprobs: TokenLogprobs | None = None  # when sampling.logprobs >= 0
 
@@ -82,11 +88,19 @@ class Backend(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
+    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0,
+                prefix_kv: PrefixKv | None = None) -> PrefillResult:
         """Encodes one prompt and samples its next token with sampling counter first_step.
 
         The last first_step of token_ids are tokens generated earlier (a request
         resumed on another worker): penalties count them as generated.
+
+        prefix_kv: the KV of token_ids[:P] (P < len(token_ids)), per layer; the
+        prefill then computes only token_ids[P:], attending over the prefix and
+        the new tokens (the same logits as a whole prefill, up to rounding), and
+        on_layer and the result carry the new tokens' K/V only. Penalties still
+        count the whole prompt. A backend that cannot take a prefix raises
+        ValueError naming prefix_kv.
         """
 
     @abc.abstractmethod

@@ -11,7 +11,8 @@ transformers' own:
 - `PrefillCache` (one sequence): keeps nothing, hands each layer's K/V to a
   callback as it is produced (so it can be sent while later layers compute),
   and returns them so the layer attends over the prompt exactly as with a
-  fresh `DynamicCache`.
+  fresh `DynamicCache`; given a cached prefix's K/V, it returns prefix + new
+  rows and answers the prefix's length, as a `DynamicCache` holding the prefix.
 - `DecodeCache` (one token per active slot): writes each row's K/V line at its
   own position in its slot and returns the slot rows' prefix. Rows stand at
   different positions, so the query offset is a per-row tensor; `row_masks`
@@ -96,30 +97,41 @@ class _Layer(CacheLayerMixin):
 
 
 class _PrefillLayer(_Layer):
-    def __init__(self, plan: LayerPlan, index: int, on_layer: LayerKvCallback):
+    def __init__(self, plan: LayerPlan, index: int, on_layer: LayerKvCallback, prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(plan)
         self.index, self.on_layer, self.length = index, on_layer, 0
+        self.prefix = prefix  # the cached prefix's (keys, values), [kv_heads, P, head_dim] each
+        self.prefix_len = 0 if prefix is None else prefix[0].shape[1]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        # key_states/value_states [1, kv_heads, L, head_dim]
+        # key_states/value_states [1, kv_heads, L - P, head_dim]: the new tokens'
         if self.length:
             raise RuntimeError(f"layer {self.index} wrote its KV twice in one prefill")
         self.length = key_states.shape[-2]
         self.on_layer(self.index, key_states[0], value_states[0])
-        return key_states, value_states
+        if self.prefix is None:
+            return key_states, value_states
+        # The new rows attend over the prefix and themselves, as with a DynamicCache holding the
+        # prefix; a sliding layer too gets the whole prefix: its own mask cuts what its window cannot see.
+        keys, values = self.prefix
+        return torch.cat([keys[None], key_states], dim=-2), torch.cat([values[None], value_states], dim=-2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
+        return self.prefix_len + query_length, 0  # the keys returned: positions [0, P + query_length)
 
     def get_seq_length(self) -> int:
-        return 0
+        return self.prefix_len  # transformers' query offset: the first new row stands at position P
 
 
 class PrefillCache(Cache):
-    """A fresh cache for one prompt; every layer's K/V goes to on_layer."""
+    """A fresh cache for one prompt; every layer's K/V goes to on_layer. With prefix_kv (per
+    layer (keys, values) [kv_heads, P, head_dim], the KV of the prompt's first P tokens), the
+    model runs the tokens after them only: each layer attends over prefix + new rows and hands
+    on the new rows' K/V."""
 
-    def __init__(self, plans: list[LayerPlan], on_layer: LayerKvCallback):
-        super().__init__(layers=[_PrefillLayer(plan, i, on_layer) for i, plan in enumerate(plans)])
+    def __init__(self, plans: list[LayerPlan], on_layer: LayerKvCallback, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        prefixes = prefix_kv if prefix_kv is not None else [None] * len(plans)
+        super().__init__(layers=[_PrefillLayer(plan, i, on_layer, prefix) for i, (plan, prefix) in enumerate(zip(plans, prefixes))])
 
 
 @dataclass(frozen=True)

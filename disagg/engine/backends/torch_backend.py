@@ -23,7 +23,7 @@ from ..model_files import eos_token_ids
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
 from . import architectures, row_masks
-from .base import Backend, ModelInfo, PrefillResult, StepInputs
+from .base import Backend, ModelInfo, PrefillResult, PrefixKv, StepInputs
 from .compiled import CompiledDecode
 from .slot_kv_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
 
@@ -154,7 +154,8 @@ class TorchBackend(Backend):
         return shapes
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
+    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0,
+                prefix_kv: PrefixKv | None = None) -> PrefillResult:
         layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def keep_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -162,7 +163,7 @@ class TorchBackend(Backend):
             if on_layer is not None:
                 on_layer(layer, keys, values)
 
-        logits = self.prefill_logits(token_ids, keep_layer)
+        logits = self.prefill_logits(token_ids, keep_layer, prefix_kv)
         counts = in_prompt = None
         if sampling.penalized:
             split = len(token_ids) - first_step  # the tokens after it were generated earlier
@@ -186,15 +187,35 @@ class TorchBackend(Backend):
         )
 
     @torch.inference_mode()
-    def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback) -> torch.Tensor:
-        """[1, vocab]: the logits after the prompt; each layer's K/V goes to on_layer."""
+    def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv: PrefixKv | None = None) -> torch.Tensor:
+        """[1, vocab]: the logits after the prompt; each layer's K/V goes to on_layer. With
+        prefix_kv (the KV of token_ids[:P]), only tokens P.. run, and on_layer gets theirs."""
+        start = 0
+        if prefix_kv is not None:
+            prefix_kv = self._checked_prefix(prefix_kv, len(token_ids))
+            start = prefix_kv[0][0].shape[1]
         if self.native_prefill is not None and len(token_ids) <= native_step.PREFILL_MAX_TOKENS:
-            return self.native_prefill.prefill_logits(token_ids, on_layer)
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
-        positions = torch.arange(len(token_ids), device=self.device)[None]  # [1, L]
-        cache = PrefillCache(self.plans, on_layer)
+            return self.native_prefill.prefill_logits(token_ids, on_layer, prefix_kv)
+        input_ids = torch.tensor([token_ids[start:]], dtype=torch.long, device=self.device)  # [1, L - P]
+        positions = torch.arange(start, len(token_ids), device=self.device)[None]  # [1, L - P]: P.. L-1
+        cache = PrefillCache(self.plans, on_layer, prefix_kv)
         out = self.model(input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
+
+    def _checked_prefix(self, prefix_kv: PrefixKv, prompt_len: int) -> PrefixKv:
+        """prefix_kv on this backend's device and dtype, once its shape is known to fit: a
+        prefix of P < prompt_len tokens, [kv_heads, P, head_dim] in every layer."""
+        info = self.info
+        prefix_len = prefix_kv[0][0].shape[1] if len(prefix_kv) else -1
+        expected = (info.kv_heads, prefix_len, info.head_dim)
+        if len(prefix_kv) != info.num_layers or not 0 < prefix_len < prompt_len or any(
+            tuple(t.shape) != expected for pair in prefix_kv for t in pair
+        ):
+            shapes = sorted({tuple(t.shape) for pair in prefix_kv for t in pair})
+            raise ValueError(
+                f"prefix_kv: {len(prefix_kv)} layers of {shapes}; expected {info.num_layers} of [{info.kv_heads}, P, {info.head_dim}] with 0 < P < {prompt_len}"
+            )
+        return [(k.to(self.device, self.dtype), v.to(self.device, self.dtype)) for k, v in prefix_kv]
 
     def allocate_slots(self, num_slots: int) -> int:
         """The slot cache; compiled, also every decode bucket (before the worker serves)."""

@@ -226,27 +226,39 @@ class NativeModel:
         self._check_rows(slots, positions, input_ids, self.slot_shape[0], min(kv_len, self.slot_shape[2]))
         return self._run(self.slot_cache, slots, positions, input_ids, int(positions.max()) + 1, 0, None)
 
-    def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv=None) -> torch.Tensor:
         """[1, vocab]: the logits after the prompt; each layer's K/V [kv_heads, tokens,
-        head_dim] goes to on_layer as soon as it is written (before the layer's attention)."""
+        head_dim] goes to on_layer as soon as it is written (before the layer's attention).
+        prefix_kv: per layer (keys, values) [kv_heads, P, head_dim], the KV of token_ids[:P]
+        (float32): they fill the buffer's first P lines, only rows P.. run, and on_layer
+        gets the new rows' K/V (views of the buffer)."""
         n = len(token_ids)
+        start = 0 if prefix_kv is None else prefix_kv[0][0].shape[1]
         shape = (1, self.kv_heads, n, self.head_dim)
         keys = [torch.empty(shape, dtype=torch.float32) for _ in range(self.layers)]
         values = [torch.empty(shape, dtype=torch.float32) for _ in range(self.layers)]
-        input_ids, positions = torch.tensor(token_ids, dtype=torch.long), torch.arange(n)
-        self._check_rows(torch.zeros(n, dtype=torch.long), positions, input_ids, 1, n)
+        if prefix_kv is not None:
+            if len(prefix_kv) != self.layers or not 0 < start < n or any(t.shape != (self.kv_heads, start, self.head_dim) for pair in prefix_kv for t in pair):
+                raise ValueError(f"native prefill: prefix_kv of {len(prefix_kv)} layers, {start} tokens, for a prompt of {n}")
+            for layer, (prefix_keys, prefix_values) in enumerate(prefix_kv):
+                keys[layer][0, :, :start].copy_(prefix_keys)
+                values[layer][0, :, :start].copy_(prefix_values)
+        rows = n - start
+        input_ids, positions = torch.tensor(token_ids[start:], dtype=torch.long), torch.arange(start, n)
+        self._check_rows(torch.zeros(rows, dtype=torch.long), positions, input_ids, 1, n)
         failure: list[BaseException] = []
 
         def layer_done(layer: int) -> int:
             # Called from C with the GIL taken back; an exception cannot cross ctypes, so it stops the step and is raised below.
             try:
-                on_layer(layer, keys[layer][0], values[layer][0])
+                on_layer(layer, keys[layer][0, :, start:], values[layer][0, :, start:])
                 return 0
             except BaseException as exc:
                 failure.append(exc)
                 return 1
 
-        logits = self._run(_kv_cache(keys, values), torch.zeros(n, dtype=torch.long), positions, input_ids, n, n - 1, _LAYER_DONE(layer_done))
+        # Rows P.. of one slot, each attending over the lines before it: the prefix's, then the rows' own.
+        logits = self._run(_kv_cache(keys, values), torch.zeros(rows, dtype=torch.long), positions, input_ids, n, rows - 1, _LAYER_DONE(layer_done))
         if failure:
             raise failure[0]
         return logits

@@ -184,7 +184,10 @@ class NeuronBackend(Backend):
 
     # -- Backend ---------------------------------------------------------------
     @device_errors()  # a fatal Neuron runtime status raises DeviceLost: the worker drains and exits (faults.py)
-    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0) -> PrefillResult:
+    def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0,
+                prefix_kv=None) -> PrefillResult:
+        if prefix_kv is not None:  # NxDI's context encoding runs whole prompts: prefix caching is off on this backend
+            raise ValueError("prefix_kv: the neuron backend prefills whole prompts (NxDI's context encoding takes no cached prefix)")
         # NxDI samples with its own device RNG: seeds and first_step do not apply here.
         length, line = len(token_ids), prefill_line(self.options)
         if length > self.options.context_limit:
