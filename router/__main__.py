@@ -44,6 +44,12 @@ def parse_config(argv=None) -> RouterConfig:
                         " (default 4 MiB, as the gRPC API's message limit)")
     parser.add_argument("--http-timeout-seconds", type=float, default=RouterConfig.http_timeout_seconds,
                         help="an HTTP request still unanswered after this long ends with 504, freeing what it held (default 600)")
+    parser.add_argument("--block-size", type=int, default=RouterConfig.block_size,
+                        help="tokens per KV block, as the workers' --block-size: the unit in which the router counts a prompt's"
+                        f" prefix as cached on a worker (default {RouterConfig.block_size})")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=RouterConfig.prefix_caching,
+                        help="cache-aware routing: send a prompt to the prefill and decode workers it sent the same prefix to before,"
+                        " unless they are saturated (default on; --no-prefix-caching: by load alone)")
     args = parser.parse_args(argv)
     setup_process(args)
     try:
@@ -70,6 +76,8 @@ def _config(args) -> RouterConfig:
         http_port=args.http_port,
         http_max_body_bytes=args.http_max_body_bytes,
         http_timeout_seconds=args.http_timeout_seconds,
+        block_size=args.block_size,
+        prefix_caching=args.prefix_caching,
         test_long_tokenize_gate=os.environ.get("DISAGG_TEST_LONG_TOKENIZE_GATE"),
     )
 

@@ -2,9 +2,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.engine.kv_blocks import DEFAULT_BLOCK_SIZE
 from disagg.engine.requests import MAX_REQUEST_ID_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 from disagg.rpc.discovery import parse_target
 from disagg.rpc.security import TlsFiles
+
+from .prefix_index import PREFIX_INDEX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class RouterConfig:
     # http_timeout_seconds ends with 504 (a stream with a timeout error event).
     http_max_body_bytes: int = 4 * 1024 * 1024
     http_timeout_seconds: float = 600.0
+    # Cache-aware routing (router/prefix_index.py): the workers' KV block size, and whether to route by prefix at all.
+    block_size: int = DEFAULT_BLOCK_SIZE
+    prefix_caching: bool = True
+    prefix_index_tokens: int = PREFIX_INDEX_TOKENS  # per worker
     test_long_tokenize_gate: str | None = None  # tests only ($DISAGG_TEST_LONG_TOKENIZE_GATE): see router/tokenizing.py
 
     def __post_init__(self):
@@ -58,3 +65,5 @@ class RouterConfig:
             raise ValueError(f"--http-max-body-bytes must be at least 1024, not {self.http_max_body_bytes}")
         if not self.http_timeout_seconds > 0:
             raise ValueError(f"--http-timeout-seconds must be positive, not {self.http_timeout_seconds}")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be at least 1, not {self.block_size}")

@@ -47,8 +47,14 @@ class Router:
     async def prepare(self, params: GenerateParams) -> GenerationRequest:
         """Validates a request from either edge and tokenizes (or renders) its prompt."""
         check_params(params, self.config.limits, self.facts)
-        ids = await self._tokenizer_threads.run(text_chars(params), prompt_ids, self.tokenizer, params)
-        return build_request(params, ids, self.config.limits, self.facts)
+        ids, hashes = await self._tokenizer_threads.run(text_chars(params), self._ids_and_hashes, params)
+        return build_request(params, ids, self.config.limits, self.facts, hashes)
+
+    def _ids_and_hashes(self, params: GenerateParams) -> tuple[list[int], tuple[bytes, ...]]:
+        """The prompt's token ids and its block hashes for cache-aware routing, on a tokenizer thread:
+        hashing a long prompt takes milliseconds too."""
+        ids = prompt_ids(self.tokenizer, params)
+        return ids, self.pool.prefix.hashes(ids)
 
     async def generate(self, request: GenerationRequest, timeout: float | None = None):
         """The chunks of all the request's choices (Chunk.index), each choice ending with its finish."""

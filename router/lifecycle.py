@@ -35,6 +35,7 @@ from disagg.rpc.server import RequestError
 from disagg.v1 import worker_pb2 as wpb
 
 from .detokenizer import IncrementalDetokenizer, StopSequenceMatcher
+from .prefix_index import RoutedPrompt
 from .validation import GenerationRequest, ModelFacts
 from .workers import Worker, WorkerPool
 
@@ -152,6 +153,12 @@ class Plan:
     @property
     def stopping(self) -> Stopping:
         return replace(self.request.stopping, max_new_tokens=self.remaining)
+
+    @property
+    def routed(self) -> RoutedPrompt:
+        """The prompt for cache-aware routing. A resumed attempt is routed by the prompt alone: the
+        tokens generated since were never sent to a worker as a prompt, so no index holds them."""
+        return RoutedPrompt(self.request.prompt_hashes, len(self.request.prompt_ids))
 
 
 class Deadline:
@@ -298,7 +305,7 @@ class Lifecycle:
             context_token_ids=plan.context_ids if plan.request.sampling.penalized else None,
         )
         while True:
-            worker = await self.pool.acquire_decode(avoid)
+            worker = await self.pool.acquire_decode(avoid, plan.routed)
             call = worker.stub.Decode(message, timeout=deadline.remaining())
             try:
                 event = await call.read()
@@ -318,7 +325,7 @@ class Lifecycle:
             await asyncio.sleep(SLOT_RETRY_SECONDS)
 
     def _start_prefill(self, plan: Plan, lease: DecodeLease | None, deadline: Deadline, exclude: set[str]) -> PrefillCall:
-        worker = self.pool.pick_prefill(exclude)
+        worker = self.pool.pick_prefill(exclude, plan.routed)
         target = wpb.KvTarget(address=lease.worker.address, reservation_id=lease.reservation_id) if lease else None
         message = wpb.PrefillRequest(
             request_id=plan.request.request_id,

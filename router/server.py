@@ -14,6 +14,7 @@ from .config import RouterConfig
 from .core import Router, model_facts
 from .grpc_edge import SERVICE, GenerationServicer
 from .http import start_http_front
+from .prefix_index import PrefixIndex
 from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,10 @@ async def serve(config: RouterConfig) -> None:
     announce_ports(config.port_file, server.port, metrics_port, http_port=http.port if http else None)
     log.info("router on port %d: waiting for workers", server.port)
     tokenizer = await asyncio.get_running_loop().run_in_executor(None, AutoTokenizer.from_pretrained, config.model)
+    prefix = PrefixIndex(config.block_size, config.prefix_caching, config.prefix_index_tokens, observe=metrics.observe_routed)
     pool = WorkerPool.connect(
-        config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls, config.resolve_seconds, config.grace_seconds
+        config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls, config.resolve_seconds, config.grace_seconds,
+        prefix=prefix,
     )
     await pool.start()
     await pool.wait_ready()

@@ -39,6 +39,7 @@ class GenerationRequest:
     stopping: Stopping  # EOS merged into stop_token_ids unless ignore_eos
     stop_sequences: tuple[str, ...]
     n: int = 1  # choices, each sampled with its own seed (choices.py)
+    prompt_hashes: tuple[bytes, ...] = ()  # the prompt's block hashes for cache-aware routing (prefix_index.py); none: by load alone
 
     @property
     def max_new_tokens(self) -> int:
@@ -153,7 +154,9 @@ def _check_backend(p: GenerateParams, facts: ModelFacts) -> None:
             )
 
 
-def build_request(params: GenerateParams, prompt_ids: list[int], limits: Limits, facts: ModelFacts) -> GenerationRequest:
+def build_request(
+    params: GenerateParams, prompt_ids: list[int], limits: Limits, facts: ModelFacts, prompt_hashes: tuple[bytes, ...] = ()
+) -> GenerationRequest:
     """The checks that need the prompt's length, then the engine-level request."""
     if not prompt_ids:
         raise RequestError("prompt tokenizes to no tokens", field="prompt")
@@ -188,4 +191,5 @@ def build_request(params: GenerateParams, prompt_ids: list[int], limits: Limits,
         stopping=stopping,
         stop_sequences=tuple(params.stop),
         n=params.n,
+        prompt_hashes=prompt_hashes,
     )

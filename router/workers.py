@@ -10,6 +10,11 @@ used once its health says SERVING; one that disappears is retired: it gets no
 new requests, the calls it has run to the end, and its channel is closed once
 the router holds no request on it (close waits up to `drain_seconds` for calls
 still open, such as a KV hand-off).
+
+Cache-aware routing (router/prefix_index.py): with a prompt's block hashes, the
+prefill and decode picks weigh where its prefix was sent before against load;
+the pool records each choice, and forgets a worker's blocks when it is marked
+unavailable or removed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from disagg.rpc.security import TlsFiles, open_channel
 from disagg.rpc.server import RequestError
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
+
+from .prefix_index import PREFILL_QUEUE_SLACK, PrefixIndex, RoutedPrompt, choose_by_overlap
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,11 @@ class Worker:
     def free_slots(self) -> int:
         return (self.load.capacity if self.load else 0) - self.outstanding
 
+    @property
+    def prefill_load(self) -> int:
+        """Prefills ahead of a new one: this router's in flight, and those the worker last said were queued."""
+        return self.outstanding + (self.load.queued if self.load else 0)
+
 
 @dataclass(eq=False)
 class _Waiter:
@@ -56,6 +68,7 @@ class _Waiter:
 
     future: asyncio.Future
     avoid: frozenset[str]
+    prompt: RoutedPrompt
 
 
 def _connect(address: str, role: str, tls: TlsFiles | None) -> Worker:
@@ -75,6 +88,7 @@ class WorkerPool:
     drain_seconds: float = 30.0
     tls: TlsFiles | None = None
     resolver: Resolver = resolve
+    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(enabled=False))  # where prompts were sent (off: load alone)
     retired: list[Worker] = field(default_factory=list)  # gone from DNS, finishing their calls
     _answers: dict[Target, frozenset[str]] = field(default_factory=dict)  # last good answer per DNS target
     _waiters: collections.deque = field(default_factory=collections.deque)
@@ -92,10 +106,11 @@ class WorkerPool:
         resolve_seconds: float = 5.0,
         drain_seconds: float = 30.0,
         resolver: Resolver = resolve,
+        prefix: PrefixIndex | None = None,
     ) -> WorkerPool:
-        """A pool over targets (HOST:PORT or dns:...); start() resolves the DNS ones."""
+        """A pool over targets (HOST:PORT or dns:...); start() resolves the DNS ones. prefix: cache-aware routing (None: off)."""
         targets = {"prefill": tuple(parse_target(t, "--prefill") for t in prefill), "decode": tuple(parse_target(t, "--decode") for t in decode)}
-        pool = cls([], [], max_queue, poll_seconds, targets, resolve_seconds, drain_seconds, tls, resolver)
+        pool = cls([], [], max_queue, poll_seconds, targets, resolve_seconds, drain_seconds, tls, resolver, prefix or PrefixIndex(enabled=False))
         for role, role_targets in targets.items():
             pool._apply(role, [t.address for t in role_targets if not t.dns])
         return pool
@@ -168,6 +183,7 @@ class WorkerPool:
             log.info("%s worker %s removed: draining (%d requests on it)", role, worker.address, worker.outstanding)
             workers.remove(worker)
             self.retired.append(worker)
+            self.prefix.forget(worker)  # gets no new requests; a worker that comes back at this address starts cold
         self._close_idle_retired()
         self._fail_waiters_if_no_decode()
 
@@ -215,6 +231,8 @@ class WorkerPool:
                 logging.INFO if serving else logging.WARNING, "%s worker %s is %s",
                 worker.role, worker.address, "ready" if serving else f"unavailable ({reason})",
             )
+        if not serving:
+            self.prefix.forget(worker)  # down, draining or restarting: its cache will not be there when it is back
         worker.healthy = serving
 
     def mark_unavailable(self, worker: Worker) -> None:
@@ -222,6 +240,7 @@ class WorkerPool:
         if worker.healthy:
             log.warning("%s worker %s stopped answering", worker.role, worker.address)
         worker.healthy = False
+        self.prefix.forget(worker)
         self._fail_waiters_if_no_decode()
 
     def _fail_waiters_if_no_decode(self) -> None:
@@ -235,32 +254,48 @@ class WorkerPool:
         return any(w.healthy and w.address not in avoid for w in self.decode)
 
     # -- prefill choice -----------------------------------------------------
-    def pick_prefill(self, exclude: set[str] = frozenset()) -> Worker:
-        """The least-loaded healthy prefill worker not in exclude; when none is
-        healthy, one the poller doubts is still worth a try before giving up."""
+    def pick_prefill(self, exclude: set[str] = frozenset(), prompt: RoutedPrompt = RoutedPrompt()) -> Worker:
+        """The healthy prefill worker not in exclude where the prompt's prefix most likely is, unless
+        its queue is too deep, else the least-loaded; when none is healthy, one the poller doubts is
+        still worth a try before giving up. The choice is recorded in the prefix index."""
         untried = [w for w in self.prefill if w.address not in exclude]
         candidates = [w for w in untried if w.healthy] or (untried if exclude else [])
         if not candidates:
             raise RequestError("no prefill worker is available" + (" (the others failed this request)" if exclude else ""), grpc.StatusCode.UNAVAILABLE)
-        return min(candidates, key=lambda w: (not w.healthy, w.outstanding + (w.load.queued if w.load else 0)))
+        worker = choose_by_overlap(
+            candidates, lambda w: w.prefill_load, lambda w: self.prefix.overlap(w, prompt), self.prefix.block_size, PREFILL_QUEUE_SLACK
+        ) or min(candidates, key=lambda w: (not w.healthy, w.prefill_load))
+        self.prefix.record(worker, prompt)
+        return worker
 
     # -- decode admission ---------------------------------------------------
-    def _best_decode(self, avoid: frozenset[str] = frozenset()) -> Worker | None:
+    def _best_decode(self, avoid: frozenset[str] = frozenset(), prompt: RoutedPrompt = RoutedPrompt()) -> Worker | None:
+        """Of the healthy decode workers with a free slot, not in avoid: where the prompt's prefix most
+        likely is, unless its extra load outweighs that, else the one with the most free slots."""
         candidates = [w for w in self.decode if w.healthy and w.free_slots > 0 and w.address not in avoid]
-        return max(candidates, key=lambda w: w.free_slots) if candidates else None
+        if not candidates:
+            return None
+        return choose_by_overlap(candidates, lambda w: -w.free_slots, lambda w: self.prefix.overlap(w, prompt), self.prefix.block_size) or max(
+            candidates, key=lambda w: w.free_slots
+        )
 
-    async def acquire_decode(self, avoid: frozenset[str] = frozenset()) -> Worker:
-        """A decode worker (not in avoid: those failed this request) with a slot counted for this request; waits in FIFO order."""
+    def _take_slot(self, worker: Worker, prompt: RoutedPrompt) -> Worker:
+        worker.outstanding += 1
+        self.prefix.record(worker, prompt)
+        return worker
+
+    async def acquire_decode(self, avoid: frozenset[str] = frozenset(), prompt: RoutedPrompt = RoutedPrompt()) -> Worker:
+        """A decode worker (not in avoid: those failed this request) with a slot counted for this request,
+        chosen for the prompt's prefix as well as load (recorded in the prefix index); waits in FIFO order."""
         if not self.has_decode(avoid):
             raise RequestError("no decode worker is available", grpc.StatusCode.UNAVAILABLE)
         if not self._waiters:
-            worker = self._best_decode(avoid)
+            worker = self._best_decode(avoid, prompt)
             if worker is not None:
-                worker.outstanding += 1
-                return worker
+                return self._take_slot(worker, prompt)
         if len(self._waiters) >= self.max_queue:
             raise RequestError(f"server is at capacity: {len(self._waiters)} requests already waiting for a decode slot", grpc.StatusCode.RESOURCE_EXHAUSTED)
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, prompt)
         self._waiters.append(waiter)
         try:
             return await waiter.future
@@ -280,13 +315,12 @@ class WorkerPool:
 
     def _admit_waiters(self) -> None:
         while self._waiters:
-            worker = self._best_decode(self._waiters[0].avoid)
+            worker = self._best_decode(self._waiters[0].avoid, self._waiters[0].prompt)
             if worker is None:
                 return
             waiter = self._waiters.popleft()
             if not waiter.future.done():
-                worker.outstanding += 1
-                waiter.future.set_result(worker)
+                waiter.future.set_result(self._take_slot(worker, waiter.prompt))
 
     @property
     def queued(self) -> int:

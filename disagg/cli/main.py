@@ -53,6 +53,10 @@ def serve_router_args(args) -> list[str]:
         out += ["--http-max-body-bytes", str(args.http_max_body_bytes)]
     if args.http_timeout_seconds is not None:
         out += ["--http-timeout-seconds", str(args.http_timeout_seconds)]
+    if args.block_size is not None:
+        out += ["--block-size", str(args.block_size)]
+    if args.prefix_caching is not None:
+        out += ["--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
     return out
 
 
@@ -237,6 +241,9 @@ def add_serve_parser(sub) -> None:
                             "nixl-cu12; auto: NIXL where it is installed, else the gRPC stream)")
     serve.add_argument("--colocated", action="store_true", help="no prefill workers: each decode worker also prefills (the baseline)")
     serve.add_argument("--max-seq-len", type=int, default=0, help="prompt plus generated tokens (default: the workers' default)")
+    serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block, the unit of prefix caching (default 16)")
+    serve.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="cache-aware routing: a prompt goes to the workers its prefix was sent to before, unless they are saturated (default on)")
     add_neuron_arguments(serve)
     serve.set_defaults(run=cmd_serve)
 

@@ -24,6 +24,18 @@ class RouterMetrics:
         self.failovers = Counter("disagg_router_worker_failovers", "Requests moved off a failed worker", ["role"], registry=registry)
         self.queued = Gauge("disagg_router_queued_requests", "Requests waiting for a decode slot", registry=registry)
         self.in_flight = Gauge("disagg_router_in_flight_requests", "Generate calls in progress", registry=registry)
+        # Cache-aware routing (router/prefix_index.py): their ratio is the router's estimate of the workers' prefix-cache hit rate.
+        self.routed_prompt_tokens = Counter(
+            "disagg_router_routed_prompt_tokens", "Prompt tokens sent to a worker, by the worker's role", ["role"], registry=registry
+        )
+        self.routed_hit_tokens = Counter(
+            "disagg_router_routed_hit_tokens", "Of those, tokens of a prefix the router had sent that worker before (an estimate of its cache hits)",
+            ["role"], registry=registry,
+        )
+
+    def observe_routed(self, role: str, prompt_tokens: int, hit_tokens: int) -> None:
+        self.routed_prompt_tokens.labels(role).inc(prompt_tokens)
+        self.routed_hit_tokens.labels(role).inc(hit_tokens)
 
 
 class PrefillMetrics:
