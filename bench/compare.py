@@ -165,8 +165,8 @@ def in_process(model_path: str, prompt_len: int, streams: list[int], rng: random
     for n in streams:
         for slot in range(n):
             for layer, (k, v) in enumerate(result.layers):
-                backend.write_kv(slot, layer, KvKind.KEY, 0, k)
-                backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+                backend.write_kv([slot], layer, KvKind.KEY, 0, k)
+                backend.write_kv([slot], layer, KvKind.VALUE, 0, v)
         done = []
         decode_loop = DecodeLoop(backend, lambda events: None, lambda keys: done.extend(keys))
         decode_loop.start()

@@ -35,8 +35,8 @@ def in_process(model: str, prompt_ids: list[int], new_tokens: int, repeats: int,
         result = backend.prefill(prompt_ids, Sampling())
         prefills.append(time.perf_counter() - start)
     for layer, (k, v) in enumerate(result.layers):
-        backend.write_kv(0, layer, KvKind.KEY, 0, k)
-        backend.write_kv(0, layer, KvKind.VALUE, 0, v)
+        backend.write_kv([0], layer, KvKind.KEY, 0, k)
+        backend.write_kv([0], layer, KvKind.VALUE, 0, v)
     for _ in range(max(1, repeats // 4)):
         done = threading.Event()
         decode_loop = DecodeLoop(backend, lambda events: None, lambda keys: done.set())

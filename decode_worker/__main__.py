@@ -25,6 +25,11 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
     parser.add_argument("--no-async", dest="async_mode", action="store_false", help="turn async mode off (host and device work in turn)")
     parser.add_argument("--colocated", action="store_true", help="also serve prefill from this process (one worker doing both phases)")
     parser.add_argument("--lease-seconds", type=float, default=30.0, help="how long a reserved slot waits for its KV")
+    parser.add_argument("--block-size", type=int, default=16, help="KV positions per block of the paged KV cache (default 16, as vLLM)")
+    parser.add_argument(
+        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="keep full KV blocks of earlier prompts and reuse them for prompts that share the prefix (default on)",
+    )
     args = parser.parse_args(argv)
     setup_process(args)
     shared, settings = worker_fields(args)
@@ -36,6 +41,8 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
         async_mode=args.async_mode,
         lease_seconds=args.lease_seconds,
         colocated=args.colocated,
+        block_size=args.block_size,
+        prefix_caching=args.prefix_caching,
     )
 
 

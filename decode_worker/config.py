@@ -18,6 +18,9 @@ class DecodeWorkerConfig(WorkerConfig):
     async_mode: bool = True
     lease_seconds: float = 30.0
     colocated: bool = False  # also serve PrefillService on this process (the non-disaggregated baseline)
+    block_size: int = 16  # KV positions per block where the backend pages its KV (vLLM's default)
+    prefix_caching: bool = True  # reuse published blocks of earlier prompts
+    num_blocks: int = 0  # settled at load (size_slots): blocks in the cache; 0: a slot of max_seq_len positions per sequence
 
     def __post_init__(self):
         if self.batch_size < 0:
@@ -28,6 +31,8 @@ class DecodeWorkerConfig(WorkerConfig):
             raise ValueError("--max-batch-size must be at least 1")
         if self.lease_seconds <= 0:
             raise ValueError("--lease-seconds must be positive")
+        if self.block_size < 1:
+            raise ValueError("--block-size must be at least 1")
 
     def slots_before_load(self) -> int:
         """The slot count a backend that compiles for its batch needs before loading (0: decide after)."""
@@ -44,3 +49,16 @@ class DecodeWorkerConfig(WorkerConfig):
                 " raise it or lower --max-seq-len"
             )
         return min(fit, self.max_batch_size)
+
+    def blocks_for(self, bytes_per_token: int, max_seq_len: int, sequences: int) -> int:
+        """How many blocks of block_size positions the KV budget holds, plus the null block; at least one
+        sequence's worth, at most what `sequences` sequences of max_seq_len fill (as many positions as the
+        slot layout would hold: memory past that could only keep more cached prefixes, and is touched at start-up)."""
+        longest = -(-max_seq_len // self.block_size)
+        fit = min(int(self.kv_cache_gib * GIB // (bytes_per_token * self.block_size)), sequences * longest)
+        if fit < longest:
+            raise ValueError(
+                f"--kv-cache-gib {self.kv_cache_gib} holds {fit} blocks of {self.block_size} positions,"
+                f" fewer than one sequence of max_seq_len needs ({longest})"
+            )
+        return fit + 1

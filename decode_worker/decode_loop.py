@@ -64,6 +64,7 @@ class Sequence:
     stopping: Stopping  # max_new_tokens counts from first_token
     step_offset: int = 0  # sampling counter of first_token (tokens generated on an earlier worker)
     context_ids: tuple[int, ...] = ()  # the prompt_len ids behind the KV, when a penalty needs them
+    table: tuple[int, ...] = ()  # its block table, where the backend pages its KV (else its slot is its KV)
     generated: int = 1  # tokens the host has seen, the first one included
     scheduled: int = 1  # tokens seen plus tokens being computed
     in_flight: int = 0  # steps submitted and not yet processed that include this row
@@ -268,6 +269,11 @@ class DecodeLoop:
         # The first token came from prefill; it may already end the request.
         reason = token_finish(seq.first_token, 1, seq.prompt_len + 1, seq.stopping, self.max_seq_len)
         self._active[seq.slot] = seq
+        if seq.table:
+            # Queued on the device thread as the penalty state below: the slot's new table
+            # lands after every step of its previous owner, before this sequence's first.
+            placed = self._device.submit(self.backend.set_block_table, seq.slot, list(seq.table))
+            placed.add_done_callback(lambda done: self._start_done(seq, done))
         if seq.sampling.penalized:
             # Queued on the device thread: after every step that still held the slot's
             # previous owner, before the first step of this one.

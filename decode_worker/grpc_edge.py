@@ -56,7 +56,9 @@ class DecodeServicer:
             await context.abort(exc.code, str(exc))
         try:
             r = stream.reservation
-            yield wpb.DecodeEvent(reserved=wpb.Reserved(reservation_id=r.reservation_id, slot=r.slot, lease_seconds=worker.config.lease_seconds))
+            yield wpb.DecodeEvent(reserved=wpb.Reserved(
+                reservation_id=r.reservation_id, slot=r.slot, lease_seconds=worker.config.lease_seconds, cached_tokens=r.cached_tokens
+            ))
             async for event in worker.events(stream):
                 logprobs = [worker_messages.logprobs_to_pb(x) for x in event.logprobs] if event.logprobs else None
                 yield wpb.DecodeEvent(tokens=wpb.DecodeTokens(token_ids=event.token_ids, finish=int(event.finish), logprobs=logprobs))
@@ -90,7 +92,7 @@ class DecodeServicer:
             worker_messages.check_pull(check_parsed(request), worker.info)
             pull = KvPull(
                 request.reservation_id, request.agent_name, request.agent_metadata, request.address,
-                request.prompt_len, request.num_layers, request.first_token, request.generation,
+                request.prompt_len, request.num_layers, request.first_token, request.generation, request.token_start,
             )
             received = await worker.pull_kv(pull, context.time_remaining())
         except RequestError as exc:
@@ -127,9 +129,18 @@ def backend_options(config) -> dict:
     )
 
 
-def size_slots(config: DecodeWorkerConfig, info) -> DecodeWorkerConfig:
-    """The config with its slot count settled: given, or sized from the KV budget now that the model is known."""
+def size_slots(config: DecodeWorkerConfig, info, pages_kv: bool = False) -> DecodeWorkerConfig:
+    """The config with its slot count settled: given, or sized from the KV budget now that the model is known.
+    Where the backend pages its KV, the budget is blocks, and the slots (rows of the batch) are --batch-size or --max-batch-size."""
     itemsize = torch.empty(0, dtype=getattr(torch, info.dtype)).element_size()
+    if pages_kv:
+        slots = config.batch_size or config.max_batch_size
+        blocks = config.blocks_for(info.kv_bytes_per_token(itemsize), info.max_seq_len, slots)
+        log.info(
+            "paged KV cache: %d blocks of %d positions (--kv-cache-gib %g), %d sequences at a time, prefix caching %s",
+            blocks - 1, config.block_size, config.kv_cache_gib, slots, "on" if config.prefix_caching else "off",
+        )
+        return dataclasses.replace(config, batch_size=slots, num_blocks=blocks)
     per_slot = info.kv_bytes_per_token(itemsize) * info.max_seq_len
     slots = config.slots_before_load() or config.slots_for(per_slot)
     how = "--batch-size" if config.batch_size else f"--kv-cache-gib {config.kv_cache_gib:g}, at most --max-batch-size {config.max_batch_size}"
@@ -159,7 +170,10 @@ async def serve(config: DecodeWorkerConfig) -> None:
     reporter = startup.install(config.status_file)
     startup.report(startup.Phase.LOADING, f"decode worker on port {server.port}: loading {config.model} ({config.backend} backend)")
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **backend_options(config)))
-    config = size_slots(config, backend.info)
+    config = size_slots(config, backend.info, backend.pages_kv)
+    if not backend.pages_kv:
+        log.info("KV cache: one slot of max_seq_len positions per sequence (%s backend%s): no paging, no prefix caching",
+                 config.backend, ", compiled step" if config.backend == "torch" else "")
     worker = DecodeWorker(backend, config, metrics)
     await stop_on_failure(server, worker.start)
     servicer.worker = worker

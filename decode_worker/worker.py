@@ -19,6 +19,7 @@ import grpc
 
 from disagg.engine.backends import Backend
 from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_KV_WRITE, DeviceLost, describe, with_injected_faults
+from disagg.engine.kv_blocks import BlockPool, block_hashes, blocks_for, cache_salt
 from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
 from disagg.engine.slot_manager import Reservation, SlotManager, SlotState
 from disagg.kv_transport import open_fallible
@@ -72,7 +73,9 @@ class DecodeWorker:
         self.metrics = metrics
         self.config = config
         self.info = backend.info
-        self.slots = SlotManager(config.batch_size)
+        self.blocks = BlockPool(config.num_blocks, config.block_size, caching=config.prefix_caching) if config.num_blocks else None
+        self.slots = SlotManager(config.batch_size, blocks=self.blocks)
+        self._salt = cache_salt(self.info.name, self.info.dtype)
         self._streams: dict[str, DecodeStream] = {}
         # One writer thread: KV writes land in submission order, so a write for a
         # released reservation always finishes before the slot's next owner writes.
@@ -87,13 +90,22 @@ class DecodeWorker:
         )
         metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
         metrics.slots.set_function(lambda: self.slots.num_slots)
+        if self.blocks is not None:
+            metrics.watch_blocks(self.blocks)
         self._reaper: asyncio.Task | None = None
         self.nixl = None  # the NIXL sink, with --kv-transport nixl
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        cache_bytes = await self._loop.run_in_executor(None, self.backend.allocate_slots, self.config.batch_size)
-        log.info("slot cache: %d slots x %d positions, %.1f MiB", self.config.batch_size, self.info.max_seq_len, cache_bytes / 2**20)
+        config = self.config
+        cache_bytes = await self._loop.run_in_executor(
+            None, self.backend.allocate_slots, config.batch_size, config.num_blocks, config.block_size if config.num_blocks else 0
+        )
+        if config.num_blocks:
+            blocks, mib = config.num_blocks - 1, cache_bytes / 2**20
+            log.info("KV cache: %d blocks x %d positions for %d sequences, %.1f MiB", blocks, config.block_size, config.batch_size, mib)
+        else:
+            log.info("slot cache: %d slots x %d positions, %.1f MiB", config.batch_size, self.info.max_seq_len, cache_bytes / 2**20)
         if self.config.kv_transport == "nixl":
             self.nixl = open_fallible(lambda: open_nixl_sink(self.backend, self._write_kv, self.config.nixl_backend), self.config)
         log.info("KV transport: %s", f"NIXL agent {self.nixl.agent.name}, slot cache registered" if self.nixl else "gRPC stream")
@@ -121,12 +133,25 @@ class DecodeWorker:
                 raise InvalidField("stopping.max_new_tokens", f"must be at least 1, got {stopping.max_new_tokens}")
             worker_messages.checked_context(context_ids, prompt_len, sampling.penalized, self.info.vocab_size)
         worker_messages.check_sampling(self.backend, sampling)
-        if not self.slots.can_reserve():
-            raise RequestError(f"all {self.slots.num_slots} slots are in use", grpc.StatusCode.RESOURCE_EXHAUSTED)
-        reservation = self.slots.reserve(request_id, prompt_len, self.config.lease_seconds)
+        hashes, total_blocks = self._blocks_wanted(prompt_len, stopping, context_ids)
+        if not self.slots.can_reserve(hashes, total_blocks):
+            held = f"all {self.slots.num_slots} slots are in use"
+            if self.blocks is not None and self.slots.free_slots:
+                held = f"{total_blocks} KV blocks are needed and {self.blocks.available()} are free"
+            raise RequestError(held, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        reservation = self.slots.reserve(request_id, prompt_len, self.config.lease_seconds, hashes, total_blocks)
         stream = DecodeStream(reservation, sampling, stopping, first_step, tuple(context_ids))
         self._streams[stream.key] = stream
         return stream
+
+    def _blocks_wanted(self, prompt_len: int, stopping: Stopping, context_ids) -> tuple[list[bytes], int]:
+        """(the prompt's full blocks' hashes, where its ids are known; the blocks the sequence can fill:
+        its prompt and max_new_tokens, reserved up front so that it never outgrows the pool)."""
+        if self.blocks is None:
+            return [], 0
+        longest = min(prompt_len + stopping.max_new_tokens, self.info.max_seq_len)
+        hashes = block_hashes(list(context_ids), self.blocks.block_size, self._salt) if self.blocks.caching and context_ids else []
+        return hashes, blocks_for(longest, self.blocks.block_size)
 
     async def events(self, stream: DecodeStream) -> AsyncIterator[TokenEvent]:
         """The stream's tokens; steps that queued up while the caller was writing come as one event."""
@@ -179,7 +204,7 @@ class DecodeWorker:
             async for reservation_id, message in messages:
                 if stream is None:
                     stream = self._begin_transfer(reservation_id)
-                    coverage = KvCoverage(self.info.num_layers, stream.reservation.prompt_len)
+                    coverage = KvCoverage(self.info.num_layers, stream.reservation.prompt_len, stream.reservation.cached_tokens)
                 elif reservation_id and reservation_id != stream.key:
                     raise RequestError(f"reservation_id changed mid-transfer from {stream.key!r} to {reservation_id!r}")
                 if isinstance(message, KvCommit):
@@ -218,9 +243,12 @@ class DecodeWorker:
                     f"staged KV of {pull.prompt_len} tokens x {pull.num_layers} layers does not match the reservation"
                     f" ({reservation.prompt_len} x {self.info.num_layers})"
                 )
+            if pull.token_start != reservation.cached_tokens:  # the cached blocks are shared: nothing may write them
+                raise KvChunkError(f"staged KV starts at token {pull.token_start}; this reservation needs tokens from {reservation.cached_tokens}")
             deadline = time.monotonic() + min(timeout or self.config.lease_seconds, self.config.lease_seconds)
             read = functools.partial(
-                self.nixl.read_into_slot, reservation.slot, pull.agent_name, pull.agent_metadata, pull.address, pull.prompt_len, pull.generation, deadline
+                self.nixl.read_into, list(reservation.table), pull.agent_name, pull.agent_metadata, pull.address,
+                pull.token_start, pull.prompt_len, pull.generation, deadline,
             )
             try:
                 received = await asyncio.shield(self._loop.run_in_executor(self._kv_writer, read))
@@ -280,7 +308,8 @@ class DecodeWorker:
             raise KvChunkError(f"tokens [{piece.token_start}, {piece.token_end}) fall outside the prompt of {stream.reservation.prompt_len}")
         tensor = decode(piece)
         coverage.add(piece)
-        return self._loop.run_in_executor(self._kv_writer, self._write_kv, stream.reservation.slot, piece.layer, piece.kind, piece.token_start, tensor)
+        table = list(stream.reservation.table)
+        return self._loop.run_in_executor(self._kv_writer, self._write_kv, table, piece.layer, piece.kind, piece.token_start, tensor)
 
     def _commit(self, stream: DecodeStream, missing: list[str], commit: KvCommit) -> None:
         # The last piece's write yielded to the loop: the lease may have run out or the
@@ -298,9 +327,13 @@ class DecodeWorker:
             raise KvChunkError("missing KV: " + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else ""))
         reservation = self.slots.activate(stream.key)
         stream.transferring = False
-        self.decode_loop.admit(Sequence(
-            stream.key, reservation.slot, reservation.prompt_len, commit.first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids
-        ))
+        self.decode_loop.admit(self._sequence(stream, reservation, commit.first_token))
+
+    def _sequence(self, stream: DecodeStream, reservation: Reservation, first_token: int) -> Sequence:
+        return Sequence(
+            stream.key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step,
+            stream.context_ids if stream.sampling.penalized else (), table=tuple(reservation.table) if self.blocks is not None else (),
+        )
 
     # -- colocated mode: prefill on this worker's own device thread --------------
     async def colocated_fill(self, key: str, token_ids: list[int], first_token: int, layers) -> int:
@@ -308,21 +341,20 @@ class DecodeWorker:
         stream = self._streams.get(key)
         if stream is None or not self.slots.is_reserved(key) or stream.reservation.prompt_len != len(token_ids):
             raise RequestError(f"reservation_id {key!r} is unknown, expired or for another prompt", grpc.StatusCode.NOT_FOUND)
-        slot = stream.reservation.slot
+        table, cached = list(stream.reservation.table), stream.reservation.cached_tokens
 
         def copy() -> int:
+            # Only past the cached blocks: those are shared, and other sequences may be reading them.
             for layer, (keys, values) in enumerate(layers):
-                self._write_kv(slot, layer, KvKind.KEY, 0, keys)
-                self._write_kv(slot, layer, KvKind.VALUE, 0, values)
-            return sum(k.numel() * k.element_size() * 2 for k, _ in layers)
+                self._write_kv(table, layer, KvKind.KEY, cached, keys[:, cached:])
+                self._write_kv(table, layer, KvKind.VALUE, cached, values[:, cached:])
+            return sum(k[:, cached:].numel() * k.element_size() * 2 for k, _ in layers)
 
         copied = await asyncio.wrap_future(self.decode_loop.run_on_device(copy))
         if not self.slots.is_reserved(key):
             raise RequestError(f"reservation_id {key!r} was released during the copy", grpc.StatusCode.NOT_FOUND)
         reservation = self.slots.activate(key)
-        self.decode_loop.admit(Sequence(
-            key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step, stream.context_ids
-        ))
+        self.decode_loop.admit(self._sequence(stream, reservation, first_token))
         return copied
 
     # -- from the decode loop's thread ------------------------------------------
@@ -388,6 +420,7 @@ class KvPull:
     num_layers: int
     first_token: int
     generation: int
+    token_start: int = 0  # the staged KV is of tokens [token_start, prompt_len)
 
 
 def open_nixl_sink(backend: Backend, write_kv=None, nixl_backend: str = "UCX"):
@@ -402,10 +435,11 @@ def open_nixl_sink(backend: Backend, write_kv=None, nixl_backend: str = "UCX"):
     info = backend.info
     dtype = getattr(torch, info.dtype)
     cache = getattr(backend, "cache", None)
+    paged = getattr(backend, "paged", False)
     # The cache's own positions per slot: a compiled step's cache has a scratch position past max_seq_len.
-    positions = cache.keys[0].shape[2] if cache is not None else info.max_seq_len
+    positions = cache.keys[0].shape[2] if cache is not None and not paged else info.max_seq_len
     geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, dtype.itemsize, positions)
-    if cache is not None and cache.keys[0].device.type == "cpu":
+    if cache is not None and cache.keys[0].device.type == "cpu" and not paged:
         return NixlSink(geometry, cache.keys, cache.values, backend=nixl_backend)
-    log.info("KV transport: the slot cache is not in host memory; NIXL reads into a host staging buffer first")
+    log.info("KV transport: the KV cache is paged or not in host memory; NIXL reads into a host staging buffer first")
     return NixlHostStagingSink(geometry, dtype, write_kv or backend.write_kv, backend=nixl_backend)

@@ -172,8 +172,9 @@ class Deadline:
 class DecodeLease:
     """An open Decode stream: it holds the reserved slot until closed."""
 
-    def __init__(self, pool: WorkerPool, worker: Worker, call, reservation_id: str):
+    def __init__(self, pool: WorkerPool, worker: Worker, call, reservation_id: str, cached_tokens: int = 0):
         self.pool, self.worker, self.call, self.reservation_id = pool, worker, call, reservation_id
+        self.cached_tokens = cached_tokens  # the prompt's leading tokens the decode worker holds already: no KV is sent for them
         self.error: Exception | None = None  # set when the KV delivery failed for good
 
     def fail(self, error: Exception) -> None:
@@ -301,8 +302,9 @@ class Lifecycle:
             sampling=worker_messages.sampling_to_pb(plan.request.sampling),
             stopping=worker_messages.stopping_to_pb(plan.stopping),
             first_step=len(plan.done),
-            # Penalties count the prompt and the tokens before this worker: the decode worker needs their ids.
-            context_token_ids=plan.context_ids if plan.request.sampling.penalized else None,
+            # Penalties count the prompt and the tokens before this worker, and the prefix cache
+            # names the prompt's blocks by them: the decode worker needs their ids.
+            context_token_ids=plan.context_ids,
         )
         while True:
             worker = await self.pool.acquire_decode(avoid, plan.routed)
@@ -311,7 +313,7 @@ class Lifecycle:
                 event = await call.read()
                 if event is grpc.aio.EOF:
                     raise WorkerLost(worker, "the stream ended before reserving a slot")
-                return DecodeLease(self.pool, worker, call, event.reserved.reservation_id)
+                return DecodeLease(self.pool, worker, call, event.reserved.reservation_id, event.reserved.cached_tokens)
             except grpc.aio.AioRpcError as exc:
                 self.pool.release_decode(worker)
                 if exc.code() is grpc.StatusCode.UNAVAILABLE:
@@ -326,7 +328,7 @@ class Lifecycle:
 
     def _start_prefill(self, plan: Plan, lease: DecodeLease | None, deadline: Deadline, exclude: set[str]) -> PrefillCall:
         worker = self.pool.pick_prefill(exclude, plan.routed)
-        target = wpb.KvTarget(address=lease.worker.address, reservation_id=lease.reservation_id) if lease else None
+        target = wpb.KvTarget(address=lease.worker.address, reservation_id=lease.reservation_id, token_start=lease.cached_tokens) if lease else None
         message = wpb.PrefillRequest(
             request_id=plan.request.request_id,
             token_ids=plan.context_ids,

@@ -71,8 +71,8 @@ def one_token_prompt_first_token(backend, model_path: str, token_id: int) -> boo
 
 def write_prompt(backend, slot: int, layers) -> None:
     for layer, (keys, values) in enumerate(layers):
-        backend.write_kv(slot, layer, KvKind.KEY, 0, keys)
-        backend.write_kv(slot, layer, KvKind.VALUE, 0, values)
+        backend.write_kv([slot], layer, KvKind.KEY, 0, keys)
+        backend.write_kv([slot], layer, KvKind.VALUE, 0, values)
 
 
 def one_step(backend, rows: dict[int, tuple[int, int]]) -> dict[int, int]:

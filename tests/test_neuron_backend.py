@@ -219,7 +219,7 @@ def test_compiles_once_then_loads_and_prefill_kv_matches_the_torch_backend(stand
     for (k, v), (tk, tv) in zip(result.layers, torch_result.layers):
         torch.testing.assert_close(k, tk, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, tv, rtol=1e-4, atol=1e-5)
-    again.write_kv(1, 0, KvKind.KEY, 0, torch_result.layers[0][0])
+    again.write_kv([1], 0, KvKind.KEY, 0, torch_result.layers[0][0])
     assert again.layout.read_line(again._caches(0, KvKind.KEY), 1, len(ids)).equal(torch_result.layers[0][0])
 
 

@@ -58,8 +58,8 @@ def torch_prefill(ids):
 
 def write_prompt(backend, slot, result):
     for layer, (keys, values) in enumerate(result.layers):
-        backend.write_kv(slot, layer, KvKind.KEY, 0, keys)
-        backend.write_kv(slot, layer, KvKind.VALUE, 0, values)
+        backend.write_kv([slot], layer, KvKind.KEY, 0, keys)
+        backend.write_kv([slot], layer, KvKind.VALUE, 0, values)
 
 
 def step(backend, rows: dict[int, tuple[int, int]], row=GREEDY):
@@ -124,7 +124,7 @@ def test_3_kv_is_written_from_host_one_contiguous_run_at_a_time(work_dir, tmp_pa
     backend = neuron(tmp_path, tp=1)  # two KV heads per rank: a whole-slot slice is strided
     assert backend.layout.heads_per_rank == 2
     line = torch.randn(2, 7, backend.info.head_dim)
-    backend.write_kv(1, 0, KvKind.VALUE, 3, line)
+    backend.write_kv([1], 0, KvKind.VALUE, 3, line)
     assert slot_line(backend, 1, 0, 10, KvKind.VALUE)[:, 3:].equal(line)
     assert not slot_line(backend, 0, 0, 10, KvKind.VALUE).any() and not slot_line(backend, 1, 0, 3, KvKind.VALUE).any()
 

@@ -7,45 +7,60 @@ from conftest import tiny_model
 
 from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
+from disagg.engine.backends.slot_kv_cache import gather_rows
 from disagg.engine.cpu_kernels import slot_attention
 
 kernel = slot_attention.kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="slot_attention needs an AVX2 CPU and a C compiler")
 
 
-def gathered_sdpa(query, keys, values, slots, mask, scale):
+def gathered_sdpa(query, keys, values, tables, start, length, mask, scale):
     """What transformers' sdpa computes for one query per row, after the rows' spans are gathered."""
     n, q_heads, d = query.shape
     kv_heads = keys.shape[1]
-    k, v = keys.index_select(0, slots), values.index_select(0, slots)
+    k, v = gather_rows(keys, tables, start, length), gather_rows(values, tables, start, length)
     grouped = query.view(n, kv_heads, q_heads // kv_heads, d)  # query head i reads KV head i // group
     attn_mask = None if mask is None else mask[:, None, None, :]
     return F.scaled_dot_product_attention(grouped, k, v, attn_mask=attn_mask, scale=scale).reshape(n, q_heads, d)
 
 
+def layout(kind: str, head_dim: int, generator):
+    """(keys, values, tables): the slot layout (a block of 50 positions per slot, tables = slots)
+    or blocks of 8 positions, each row's table a scattered list of them."""
+    if kind == "slots":
+        blocks, size, tables = 7, 50, torch.tensor([[1], [4], [5]])
+    else:
+        blocks, size = 25, 8
+        tables = torch.tensor([[3, 9, 1, 20, 7, 2, 11], [5, 6, 4, 8, 12, 13, 14], [24, 23, 22, 21, 19, 18, 17]])
+    keys = torch.randn(blocks, 2, size, head_dim, generator=generator)
+    return keys, torch.randn(blocks, 2, size, head_dim, generator=generator), tables
+
+
+@pytest.mark.parametrize("kind", ["slots", "blocks"])
 @pytest.mark.parametrize("head_dim", [64, 40, 4])  # 40 and 4: the loops' tails past 16 and 8 lanes
 @pytest.mark.parametrize("masked", [True, False])
-def test_kernel_equals_sdpa_over_gathered_rows(head_dim, masked):
+def test_kernel_equals_sdpa_over_gathered_rows(kind, head_dim, masked):
     generator = torch.Generator().manual_seed(head_dim)
-    cache_keys = torch.randn(7, 2, 50, head_dim, generator=generator)
-    cache_values = torch.randn(7, 2, 50, head_dim, generator=generator)
-    start, length = 6, 37  # a span of the cache, as a sliding layer reads it
-    keys, values = cache_keys[:, :, start : start + length], cache_values[:, :, start : start + length]
-    slots = torch.tensor([1, 4, 5])
+    keys, values, tables = layout(kind, head_dim, generator)
+    start, length = 6, 37  # a span of each sequence, as a sliding layer reads it (crossing blocks of 8 mid-block)
     query = torch.randn(3, 6, head_dim, generator=generator)  # 6 query heads over 2 KV heads
     mask = None
     if masked:  # each row sees up to its own position
         mask = torch.arange(length)[None, :] <= torch.tensor([36, 20, 0])[:, None]
-    got = kernel.attend(query, keys, values, slots, mask, 0.3)
-    torch.testing.assert_close(got, gathered_sdpa(query, keys, values, slots, mask, 0.3), rtol=1e-5, atol=2e-6)
+    got = kernel.attend(query, keys, values, tables, start, length, mask, 0.3)
+    torch.testing.assert_close(got, gathered_sdpa(query, keys, values, tables, start, length, mask, 0.3), rtol=1e-5, atol=2e-6)
 
 
 def test_kernel_refuses_shapes_it_would_read_past():
     keys = torch.zeros(4, 2, 8, 16)
     with pytest.raises(ValueError, match="slot_attention"):
-        kernel.attend(torch.zeros(2, 6, 16), keys, torch.zeros(4, 2, 9, 16), torch.tensor([0, 1]), None, 1.0)
+        kernel.attend(torch.zeros(2, 6, 16), keys, torch.zeros(4, 2, 9, 16), torch.tensor([[0], [1]]), 0, 8, None, 1.0)
     with pytest.raises(ValueError, match="slot_attention"):
-        kernel.attend(torch.zeros(2, 6, 16), keys, keys, torch.tensor([0, 1], dtype=torch.int32), None, 1.0)
+        kernel.attend(torch.zeros(2, 6, 16), keys, keys, torch.tensor([[0], [1]], dtype=torch.int32), 0, 8, None, 1.0)
+    with pytest.raises(ValueError, match="outside"):  # past the tables' positions
+        kernel.attend(torch.zeros(2, 6, 16), keys, keys, torch.tensor([[0, 1], [1, 2]]), 4, 13, None, 1.0)
+    with pytest.raises(ValueError, match="outside"):  # a block id past the cache
+        kernel.attend(torch.zeros(2, 6, 16), keys, keys, torch.tensor([[0, 1], [1, 4]]), 0, 16, None, 1.0)
 
 
 def test_a_call_the_kernel_does_not_serve_gathers_and_runs_sdpa():
@@ -54,15 +69,17 @@ def test_a_call_the_kernel_does_not_serve_gathers_and_runs_sdpa():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     generator = torch.Generator().manual_seed(1)
-    cache_keys, cache_values = torch.randn(5, 1, 9, 8, generator=generator), torch.randn(5, 1, 9, 8, generator=generator)
-    slots = torch.tensor([0, 3])
-    keys, values = slot_attention.tag(cache_keys[:, :, :6], cache_values[:, :, :6], slots)
+    cache_keys, cache_values = torch.randn(5, 1, 4, 8, generator=generator), torch.randn(5, 1, 4, 8, generator=generator)
+    tables = torch.tensor([[0, 2], [3, 1]])
+    keys, values = slot_attention.tag(cache_keys, cache_values, tables, 0, 6)
     query = torch.randn(2, 2, 1, 8, generator=generator)
     bias = torch.randn(2, 1, 1, 6, generator=generator)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal, module.training = 2, True, False
     out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, keys, values, bias, scaling=0.5)
-    expected = F.scaled_dot_product_attention(query.view(2, 1, 2, 8), keys.index_select(0, slots), values.index_select(0, slots), attn_mask=bias, scale=0.5)
+    rows_k, rows_v = gather_rows(cache_keys, tables, 0, 6), gather_rows(cache_values, tables, 0, 6)
+    assert torch.equal(rows_k[1, :, 5], cache_keys[1, :, 1])  # position 5 of row 1: its second block (1), offset 1
+    expected = F.scaled_dot_product_attention(query.view(2, 1, 2, 8), rows_k, rows_v, attn_mask=bias, scale=0.5)
     torch.testing.assert_close(out, expected.reshape(2, 1, 2, 8), rtol=1e-6, atol=1e-6)
 
 

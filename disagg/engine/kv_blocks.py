@@ -97,6 +97,9 @@ class BlockPool:
     def used_blocks(self) -> int:
         return self.usable - self.free_blocks - self.cached_blocks
 
+    def references(self, block: int) -> int:
+        return self._refs[block]
+
     def available(self) -> int:
         """Blocks an allocation can take now (free ones, then evicted cached ones)."""
         return len(self._free) + len(self._cached)

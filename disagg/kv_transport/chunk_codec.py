@@ -86,12 +86,15 @@ class KvCommit:
 class KvCoverage:
     """Which token ranges of each layer's K and V have arrived, refusing overlaps."""
 
-    def __init__(self, num_layers: int, prompt_len: int):
+    def __init__(self, num_layers: int, prompt_len: int, token_start: int = 0):
+        """Expects tokens [token_start, prompt_len): the ones before are held already (prefix cache hits)."""
         self.num_layers = num_layers
-        self.prompt_len = prompt_len
+        self.prompt_len, self.token_start = prompt_len, token_start
         self._ranges: dict[tuple[int, KvKind], list[tuple[int, int]]] = {}
 
     def add(self, piece: KvPiece) -> None:
+        if piece.token_start < self.token_start:
+            raise KvChunkError(f"tokens [{piece.token_start}, {piece.token_end}) overlap the {self.token_start} tokens held already (cached)")
         ranges = self._ranges.setdefault((piece.layer, piece.kind), [])
         for start, end in ranges:
             if piece.token_start < end and start < piece.token_end:
@@ -103,6 +106,6 @@ class KvCoverage:
         for layer in range(self.num_layers):
             for kind in KvKind:
                 covered = sum(end - start for start, end in self._ranges.get((layer, kind), []))
-                if covered != self.prompt_len:
-                    gaps.append(f"layer {layer} {kind.name.lower()} has {covered} of {self.prompt_len} tokens")
+                if covered != self.prompt_len - self.token_start:
+                    gaps.append(f"layer {layer} {kind.name.lower()} has {covered} of tokens [{self.token_start}, {self.prompt_len})")
         return gaps

@@ -203,12 +203,16 @@ class _Reader:
             except Exception:  # already torn down on NIXL's side
                 pass
 
-    def read_into_slot(self, slot: int, agent_name: str, metadata: bytes, address: int, prompt_len: int, generation: int, deadline: float) -> int:
-        """Reads every layer's K and V of a staged prompt into the slot; returns the bytes read.
+    def read_into(
+        self, table: list[int], agent_name: str, metadata: bytes, address: int, token_start: int, prompt_len: int, generation: int, deadline: float
+    ) -> int:
+        """Reads every layer's K and V of a staged prompt's tokens [token_start, prompt_len) into
+        the sequence's blocks (the slot layout: table [slot]); returns the bytes read.
         Blocks until the read is done: call it on the thread that orders cache writes."""
+        tokens = prompt_len - token_start
         try:
             peer = self._peer(agent_name, metadata)
-            local, remote, count = self._descriptors(slot, address + HEADER_BYTES, prompt_len)
+            local, remote, count = self._descriptors(table, address + HEADER_BYTES, token_start, tokens)
             self._read(peer, agent_name, local, remote, count, deadline)
             # The generation after the KV (the seqlock's second read): see the module's docstring.
             tag = np.array([(self._generation.data_ptr(), 8, 0)], dtype=np.uint64), np.array([(address, 8, 0)], dtype=np.uint64)
@@ -221,14 +225,14 @@ class _Reader:
             raise NixlTransferError(f"KV read from {agent_name} failed: {type(exc).__name__}: {exc}") from exc
         if int(self._generation[0]) != generation:
             raise NixlTransferError(f"the staging buffer of {agent_name} was reused during the read (generation {generation} -> {int(self._generation[0])})")
-        self._land(slot, prompt_len)
-        return self.geometry.prompt_bytes(prompt_len)
+        self._land(table, token_start, tokens)
+        return self.geometry.prompt_bytes(tokens)
 
-    def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    def _descriptors(self, table: list[int], address: int, token_start: int, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
         raise NotImplementedError
 
-    def _land(self, slot: int, prompt_len: int) -> None:
-        """After a checked read: whatever must still happen for the KV to be in the slot."""
+    def _land(self, table: list[int], token_start: int, tokens: int) -> None:
+        """After a checked read: whatever must still happen for the KV to be in the cache."""
 
     def _read(self, peer: str, agent_name: str, local: np.ndarray, remote: np.ndarray, count: int, deadline: float, poll_seconds: float | None = None) -> None:
         local_list = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, MEMORY)
@@ -271,26 +275,28 @@ class NixlSink(_Reader):
         self._region_starts = np.array([t.data_ptr() for t in regions], dtype=np.uint64)
         super().__init__(geometry, regions, poll_seconds, backend)
 
-    def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    def _descriptors(self, table: list[int], address: int, token_start: int, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Strided (address, length, device, stride, count) rows, one per layer and kind
         (address: the staged KV's first byte); each expands to kv_heads descriptors."""
         g = self.geometry
-        run = g.run_bytes(prompt_len)
+        (slot,) = table  # this sink serves the slot layout only
+        run = g.run_bytes(tokens)
         regions = len(self._region_starts)
         layers, kinds = np.divmod(np.arange(regions, dtype=np.uint64), np.uint64(2))  # the regions' order
         local = np.empty((regions, 5), dtype=np.uint64)
-        local[:, 0] = g.slot_address(self._region_starts, slot)
+        local[:, 0] = g.slot_address(self._region_starts, slot) + np.uint64(g.run_bytes(token_start))
         local[:, 1:] = (run, 0, g.slot_head_stride, g.kv_heads)
         remote = np.empty((regions, 5), dtype=np.uint64)
-        remote[:, 0] = address + g.staging_offset(layers, kinds, prompt_len)
+        remote[:, 0] = address + g.staging_offset(layers, kinds, tokens)
         remote[:, 1:] = (run, 0, run, g.kv_heads)
         return local, remote, regions * g.kv_heads
 
 
 class NixlHostStagingSink(_Reader):
-    """Decode side, a slot cache NIXL cannot reach (Neuron device memory where NIXL
-    has no device path for it): the KV is read into one registered host buffer, then
-    each layer's K and V go to `write(slot, layer, kind, tensor)`, the backend's own
+    """Decode side, a KV cache NIXL cannot reach (Neuron device memory where NIXL
+    has no device path for it) or does not address (a cache of blocks: a prompt's
+    blocks are scattered): the KV is read into one registered host buffer, then
+    each layer's K and V go to `write(table, layer, kind, token_start, tensor)`, the backend's own
     KV write. One buffer is enough: reads and writes run on the one KV writer thread.
     vLLM's NIXL connector does the same for accelerators NIXL cannot register
     (kv_buffer_device "cpu")."""
@@ -301,18 +307,18 @@ class NixlHostStagingSink(_Reader):
         self._write = write
         super().__init__(geometry, [self._buffer], poll_seconds, backend)
 
-    def _descriptors(self, slot: int, address: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    def _descriptors(self, table: list[int], address: int, token_start: int, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
         """One region: the staging layout is compact on both sides."""
-        size = self.geometry.prompt_bytes(prompt_len)
+        size = self.geometry.prompt_bytes(tokens)
         return np.array([(self._buffer.data_ptr(), size, 0)], dtype=np.uint64), np.array([(address, size, 0)], dtype=np.uint64), 1
 
-    def _land(self, slot: int, prompt_len: int) -> None:
+    def _land(self, table: list[int], token_start: int, tokens: int) -> None:
         from .chunk_codec import KvKind
 
         g = self.geometry
-        shape = (g.kv_heads, prompt_len, g.head_dim)
+        shape = (g.kv_heads, tokens, g.head_dim)
         for layer in range(g.num_layers):
             for kind in KvKind:
-                start = g.staging_offset(layer, kind - 1, prompt_len)
-                tensor = self._buffer[start : start + g.layer_kind_bytes(prompt_len)].view(self._dtype).view(shape)
-                self._write(slot, layer, kind, 0, tensor)
+                start = g.staging_offset(layer, kind - 1, tokens)
+                tensor = self._buffer[start : start + g.layer_kind_bytes(tokens)].view(self._dtype).view(shape)
+                self._write(table, layer, kind, token_start, tensor)

@@ -64,8 +64,32 @@ class PrefillMetrics:
         )
 
 
+class BlockPoolCollector:
+    """A KV block pool's state, read when scraped: blocks used, free and cached (published, no
+    reader), and the prefix cache's counts (tokens looked up, tokens found, blocks evicted)."""
+
+    def __init__(self, role: str, pool):
+        self.role, self.pool = role, pool
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        pool, prefix = self.pool, f"disagg_{self.role}_kv_blocks"
+        blocks = GaugeMetricFamily(prefix, "KV blocks by state: used (read by a sequence), cached (kept for reuse), free", labels=["state"])
+        for state, count in (("used", pool.used_blocks), ("cached", pool.cached_blocks), ("free", pool.free_blocks)):
+            blocks.add_metric([state], count)
+        yield blocks
+        stats = pool.stats
+        yield CounterMetricFamily(
+            f"disagg_{self.role}_prefix_queried_tokens", "Prompt tokens (full blocks) looked up in the prefix cache", stats.queried_tokens
+        )
+        yield CounterMetricFamily(f"disagg_{self.role}_prefix_hit_tokens", "Of those, tokens found cached (not computed, not received)", stats.hit_tokens)
+        yield CounterMetricFamily(f"disagg_{self.role}_prefix_evicted_blocks", "Cached blocks dropped to make room", pool.stats.evictions)
+
+
 class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
         self.slots_in_use = Gauge("disagg_decode_slots_in_use", "Slots reserved or running", registry=registry)
         # With slots_in_use, the decode pool's autoscaling signal: the share of slots taken.
         self.slots = Gauge("disagg_decode_slots", "Slots this worker has (its decode batch size)", registry=registry)
@@ -80,6 +104,9 @@ class DecodeMetrics:
             "disagg_decode_kv_receive_seconds", "A transfer into a slot, first byte to commit, by transport", ["transport"], buckets=SLOW, registry=registry
         )
         self.kv_failures = Counter("disagg_decode_kv_receive_failures", "KV transfers refused or broken, by transport", ["transport"], registry=registry)
+
+    def watch_blocks(self, pool) -> None:
+        self.registry.register(BlockPoolCollector("decode", pool))
 
 
 def serve_metrics(port: int, host: str, metrics_class):

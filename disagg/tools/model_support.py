@@ -181,8 +181,8 @@ def backend_logits(model, rows: list[list[int]], lengths: tuple[int, ...] = PROM
         kv: dict[int, tuple] = {}
         logits[row].append(backend.prefill_logits(tokens[:n], lambda layer, k, v: kv.setdefault(layer, (k, v)))[0])
         for layer, (k, v) in kv.items():
-            backend.write_kv(slot, layer, KvKind.KEY, 0, k)
-            backend.write_kv(slot, layer, KvKind.VALUE, 0, v)
+            backend.write_kv([slot], layer, KvKind.KEY, 0, k)
+            backend.write_kv([slot], layer, KvKind.VALUE, 0, v)
     order = sorted(range(len(rows)), key=lambda r: slots[r])  # rows sorted by slot, as the decode loop sends them
     for step in range(DECODE_STEPS - 1):
         positions = [lengths[r] + step for r in order]

@@ -95,8 +95,8 @@ def run(job: dict) -> dict:
         elif action["do"] == "write":
             layers = torch.load(action["kv"])[action["name"]]["layers"]
             for layer, (keys, values) in enumerate(layers):
-                backend.write_kv(action["slot"], layer, KvKind.KEY, 0, keys)
-                backend.write_kv(action["slot"], layer, KvKind.VALUE, 0, values)
+                backend.write_kv([action["slot"]], layer, KvKind.KEY, 0, keys)
+                backend.write_kv([action["slot"]], layer, KvKind.VALUE, 0, values)
         elif action["do"] == "decode":
             results.setdefault("decoded", []).append(decode(backend, action["rows"]))
         elif action["do"] == "line":

@@ -103,13 +103,25 @@ class Backend(abc.ABC):
         ValueError naming prefix_kv.
         """
 
-    @abc.abstractmethod
-    def allocate_slots(self, num_slots: int) -> int:
-        """Allocates the decode slot cache once; returns its size in bytes."""
+    @property
+    def pages_kv(self) -> bool:
+        """Whether the decode cache can be blocks with a table per sequence (allocate_slots with
+        num_blocks); otherwise one slot of every position per sequence, its table [slot]."""
+        return False
 
     @abc.abstractmethod
-    def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
-        """Writes a token range of one layer's K or V, [kv_heads, tokens, head_dim], into a slot."""
+    def allocate_slots(self, num_slots: int, num_blocks: int = 0, block_size: int = 0) -> int:
+        """Allocates the decode KV cache once, for num_slots sequences at a time: num_blocks
+        blocks of block_size positions (pages_kv only), or 0: a slot per sequence. Returns bytes."""
+
+    @abc.abstractmethod
+    def write_kv(self, table: list[int], layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
+        """Writes a token range of one layer's K or V, [kv_heads, tokens, head_dim], through a
+        sequence's block table (the slot layout: [slot])."""
+
+    def set_block_table(self, slot: int, table: list[int]) -> None:
+        """Where a slot's sequence lies in the blocks, before its first step (pages_kv only)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps one KV slot per sequence")
 
     @abc.abstractmethod
     def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .slot_kv_cache import BucketDecodeCache, BucketStep, LayerPlan, SlotKvCache
+from .slot_kv_cache import BucketDecodeCache, BucketStep, LayerPlan, PagedKvCache
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class CompiledDecode:
     """The decode step's logits through one compiled graph, padded to buckets."""
 
     def __init__(
-        self, model, plans: list[LayerPlan], cache: SlotKvCache, num_slots: int,
+        self, model, plans: list[LayerPlan], cache: PagedKvCache, num_slots: int,
         batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...], max_seq_len: int,
     ):
         self.model, self.plans, self.cache = model, plans, cache

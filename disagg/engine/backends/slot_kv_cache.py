@@ -61,23 +61,53 @@ def layer_plans(config) -> list[LayerPlan]:
 
 
 @dataclass
-class SlotKvCache:
-    """Per layer, keys and values of shape [slots, kv_heads, max_seq_len, head_dim]."""
+class PagedKvCache:
+    """Per layer, keys and values of shape [blocks, kv_heads, block_size, head_dim]. A sequence's
+    position p lies in block table[p // block_size] at offset p % block_size. The slot layout is
+    the case of one block per slot holding every position (block_size = max_seq_len, table = [slot])."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
     @classmethod
-    def allocate(cls, num_layers: int, slots: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype, device) -> "SlotKvCache":
-        shape = (slots, kv_heads, max_seq_len, head_dim)
+    def allocate(cls, num_layers: int, blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype, device) -> "PagedKvCache":
+        shape = (blocks, kv_heads, block_size, head_dim)
         return cls(
             keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
             values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
         )
 
     @property
+    def block_size(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def write(self, table: list[int], layer: int, target_is_keys: bool, token_start: int, tensor: torch.Tensor) -> None:
+        """tensor [kv_heads, tokens, head_dim]: the sequence's positions token_start.. through its block table."""
+        target, size = (self.keys if target_is_keys else self.values)[layer], self.block_size
+        done, tokens = 0, tensor.shape[1]
+        while done < tokens:
+            position = token_start + done
+            offset = position % size
+            run = min(size - offset, tokens - done)
+            target[table[position // size], :, offset : offset + run].copy_(tensor[:, done : done + run])
+            done += run
+
+
+def gather_rows(pool: torch.Tensor, tables: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """[n, kv_heads, length, head_dim]: positions [start, start + length) of each row's sequence,
+    copied out of one layer's blocks [blocks, kv_heads, block_size, head_dim] through tables [n, w]."""
+    size = pool.shape[2]
+    if tables.shape[1] == 1:  # one block per row (the slot layout): copy the span alone
+        return pool[:, :, start : start + length].index_select(0, tables[:, 0])
+    first, last = start // size, -(-(start + length) // size)
+    n, heads, head_dim = tables.shape[0], pool.shape[1], pool.shape[3]
+    picked = pool.index_select(0, tables[:, first:last].reshape(-1)).view(n, last - first, heads, size, head_dim)
+    spans = picked.transpose(1, 2).reshape(n, heads, (last - first) * size, head_dim)
+    return spans[:, :, start - first * size : start - first * size + length]
 
 
 class _Layer(CacheLayerMixin):
@@ -142,35 +172,36 @@ class DecodeStep:
     positions: torch.Tensor  # [n] int64: where each row's new token goes
     kv_len: int  # max(positions) + 1
     min_position: int  # min(positions), known on the host
+    tables: torch.Tensor  # [n, w] int64: each row's block table, its first w blocks (w blocks cover kv_len)
     # Rows [first, first + n) of the cache are read as a view, not a gathered
-    # copy, when the slots are one contiguous run.
+    # copy, when the slots are one contiguous run (the slot layout only).
     contiguous_from: int | None = None
-    # Either way, the whole span of every slot, tagged for slot_attention to read
-    # each row's slot in place (True); else the view, or the rows' spans gathered.
+    # Either way, the rows' tables, tagged for slot_attention to read each row's
+    # blocks in place (True); else the view, or the rows' spans gathered.
     read_in_place: bool = False
 
 
 class _DecodeLayer(_Layer):
-    def __init__(self, plan: LayerPlan, keys: torch.Tensor, values: torch.Tensor, step: DecodeStep):
+    def __init__(self, plan: LayerPlan, keys: torch.Tensor, values: torch.Tensor, step: DecodeStep, written: tuple[torch.Tensor, torch.Tensor]):
         super().__init__(plan)
-        self.keys, self.values, self.step = keys, values, step
+        self.keys, self.values, self.step, self.written = keys, values, step, written
         # A sliding layer's rows see positions > position - window: skip what none of them sees.
         self.start = max(0, step.min_position - plan.window + 1) if plan.is_sliding else 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states/value_states [n, kv_heads, 1, head_dim]
-        step = self.step
-        self.keys[step.slots, :, step.positions] = key_states[:, :, 0]
-        self.values[step.slots, :, step.positions] = value_states[:, :, 0]
-        span = slice(self.start, step.kv_len)
-        if step.read_in_place:  # contiguous or not: the kernel reads a span in place faster than SDPA reads a view
-            return slot_attention.tag(self.keys[:, :, span], self.values[:, :, span], step.slots)
+        step, (blocks, offsets) = self.step, self.written
+        self.keys[blocks, :, offsets] = key_states[:, :, 0]
+        self.values[blocks, :, offsets] = value_states[:, :, 0]
+        length = step.kv_len - self.start
+        if step.read_in_place:  # contiguous or not: the kernel reads the blocks in place faster than SDPA reads a copy
+            return slot_attention.tag(self.keys, self.values, step.tables, self.start, length)
         if step.contiguous_from is not None:
-            rows = slice(step.contiguous_from, step.contiguous_from + step.slots.numel())
+            rows, span = slice(step.contiguous_from, step.contiguous_from + step.slots.numel()), slice(self.start, step.kv_len)
             return self.keys[rows, :, span], self.values[rows, :, span]
         # index_select copies whole rows of the span: 3.4x faster than the same gather
         # written as advanced indexing (keys[slots, :, span]), which copies element-wise.
-        return self.keys[:, :, span].index_select(0, step.slots), self.values[:, :, span].index_select(0, step.slots)
+        return gather_rows(self.keys, step.tables, self.start, length), gather_rows(self.values, step.tables, self.start, length)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.step.kv_len - self.start, self.start
@@ -182,8 +213,11 @@ class _DecodeLayer(_Layer):
 class DecodeCache(Cache):
     """One decode step's view of the slot cache."""
 
-    def __init__(self, plans: list[LayerPlan], store: SlotKvCache, step: DecodeStep):
-        layers = [_DecodeLayer(plan, store.keys[i], store.values[i], step) for i, plan in enumerate(plans)]
+    def __init__(self, plans: list[LayerPlan], store: PagedKvCache, step: DecodeStep):
+        # Where each row's new K/V line goes, the same in every layer: its position's block and offset.
+        size = store.block_size
+        written = (step.tables.gather(1, (step.positions // size)[:, None])[:, 0], step.positions % size)
+        layers = [_DecodeLayer(plan, store.keys[i], store.values[i], step, written) for i, plan in enumerate(plans)]
         super().__init__(layers=layers)
         self.step = step
 
@@ -233,7 +267,7 @@ class _BucketLayer(_Layer):
 class BucketDecodeCache(Cache):
     """One bucketed decode step's view of the slot cache (see BucketStep)."""
 
-    def __init__(self, plans: list[LayerPlan], store: SlotKvCache, step: BucketStep):
+    def __init__(self, plans: list[LayerPlan], store: PagedKvCache, step: BucketStep):
         super().__init__(layers=[_BucketLayer(plan, store.keys[i], store.values[i], step) for i, plan in enumerate(plans)])
         self.step = step
 

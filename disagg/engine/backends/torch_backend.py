@@ -25,7 +25,7 @@ from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, toke
 from . import architectures, row_masks
 from .base import Backend, ModelInfo, PrefillResult, PrefixKv, StepInputs
 from .compiled import CompiledDecode
-from .slot_kv_cache import DecodeCache, DecodeStep, LayerKvCallback, PrefillCache, SlotKvCache, layer_plans
+from .slot_kv_cache import DecodeCache, DecodeStep, LayerKvCallback, PagedKvCache, PrefillCache, layer_plans
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class TorchBackend(Backend):
         kv_shape = architectures.check_kv_shapes(self.model.config, self._probe(), len(self.plans))
         eos = eos_token_ids(config.model, self.model.config) if model is None else architectures.config_eos(self.model.config)
         self.info = describe(config.model, self.model.config, "torch", self.dtype, config.max_seq_len, kv_shape, eos)
-        self.cache: SlotKvCache | None = None
+        self.cache: PagedKvCache | None = None
+        self.paged = False  # KV in blocks with a table per sequence (else a slot per sequence), once allocated
         self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
         self.compiled: CompiledDecode | None = None  # when compiling, once the slots exist
         self.reads_in_place = False  # eager steps read scattered slots in place (slot_attention), once checked
@@ -217,17 +218,32 @@ class TorchBackend(Backend):
             )
         return [(k.to(self.device, self.dtype), v.to(self.device, self.dtype)) for k, v in prefix_kv]
 
-    def allocate_slots(self, num_slots: int) -> int:
-        """The slot cache; compiled, also every decode bucket (before the worker serves)."""
+    @property
+    def pages_kv(self) -> bool:
+        """Eager steps read block tables; the compiled step keeps one slot of every position per sequence."""
+        return not self.compile
+
+    def allocate_slots(self, num_slots: int, num_blocks: int = 0, block_size: int = 0) -> int:
+        """The KV cache for num_slots sequences: num_blocks blocks of block_size positions
+        (pages_kv), or else a slot of every position per sequence; compiled, also every
+        decode bucket (before the worker serves)."""
         info = self.info
-        # Compiled: a scratch slot, where the padding rows write, and a scratch position,
-        # never written or read: it keeps every KV-length bucket's view of the cache
-        # non-contiguous, the last bucket too, so all buckets share one graph (a view
-        # spanning a whole dimension takes other guards in Dynamo and compiled anew).
-        scratch = 1 if self.compile else 0
-        self.cache = SlotKvCache.allocate(
-            info.num_layers, num_slots + scratch, info.kv_heads, info.max_seq_len + scratch, info.head_dim, self.dtype, self.device
-        )
+        self.paged = bool(num_blocks)
+        if num_blocks:
+            if not self.pages_kv:
+                raise ValueError("the compiled decode step keeps one slot per sequence: allocate without blocks")
+            self.cache = PagedKvCache.allocate(info.num_layers, num_blocks, info.kv_heads, block_size, info.head_dim, self.dtype, self.device)
+            self.row_tables = torch.zeros(num_slots, -(-info.max_seq_len // block_size), dtype=torch.long, device=self.device)
+        else:
+            # Compiled: a scratch slot, where the padding rows write, and a scratch position,
+            # never written or read: it keeps every KV-length bucket's view of the cache
+            # non-contiguous, the last bucket too, so all buckets share one graph (a view
+            # spanning a whole dimension takes other guards in Dynamo and compiled anew).
+            scratch = 1 if self.compile else 0
+            self.cache = PagedKvCache.allocate(
+                info.num_layers, num_slots + scratch, info.kv_heads, info.max_seq_len + scratch, info.head_dim, self.dtype, self.device
+            )
+            self.row_tables = torch.arange(num_slots, device=self.device)[:, None]  # slot i is block i
         self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)  # penalties: 5 bytes per slot and vocabulary entry
         if self.compile:
             self.compiled = CompiledDecode(
@@ -241,6 +257,8 @@ class TorchBackend(Backend):
             self.reads_in_place = self._check_reads_in_place(num_slots)
             if self.native_model is not None:
                 self.native = self._check_native_step(num_slots)
+            if num_blocks:
+                self.row_tables.zero_()  # the checks' tables; a sequence's own comes with start_sequence
         return self.cache.nbytes
 
     def device_error(self, exc: BaseException) -> BaseException:
@@ -254,9 +272,8 @@ class TorchBackend(Backend):
             return lost
         return exc
 
-    def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
-        target = (self.cache.keys if kind is KvKind.KEY else self.cache.values)[layer]
-        target[slot, :, token_start : token_start + tensor.shape[1]].copy_(tensor)
+    def write_kv(self, table: list[int], layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
+        self.cache.write(table, layer, kind is KvKind.KEY, token_start, tensor)
 
     @torch.inference_mode()
     def _check_compiled_equals_eager(self, num_slots: int) -> None:
@@ -273,8 +290,9 @@ class TorchBackend(Backend):
         last of `slots`, which stand at different positions, past a 16-token sliding
         window where the slots are that long."""
         generator = torch.Generator().manual_seed(0)
+        used = self._probe_tables(slots)
         for cache in (*self.cache.keys, *self.cache.values):
-            cache[: slots[-1] + 1].copy_(torch.randn(cache[: slots[-1] + 1].shape, generator=generator))
+            cache[:used].copy_(torch.randn(cache[:used].shape, generator=generator))
         last = self.info.max_seq_len - 1
         rows = len(slots)
         positions = torch.tensor([min(40, last), min(23, last)][:rows])
@@ -284,6 +302,16 @@ class TorchBackend(Backend):
             seeds=torch.zeros(rows, dtype=torch.long), steps=torch.zeros(rows, dtype=torch.long),
             kv_len=int(positions.max()) + 1, contiguous_from=slots[0] if contiguous else None, min_position=int(positions.min()),
         )
+
+    def _probe_tables(self, slots: list[int]) -> int:
+        """Block tables for a check's rows (paged: each its own blocks, from block 1, wrapping
+        round a small cache); returns how many leading blocks the rows read."""
+        blocks, width = self.cache.keys[0].shape[0], self.row_tables.shape[1]
+        if not self.paged:  # the slot layout: slot i is block i
+            return slots[-1] + 1
+        for slot in slots:
+            self.row_tables[slot] = (torch.arange(width) + slot * width) % (blocks - 1) + 1
+        return blocks
 
     @torch.inference_mode()
     def _check_reads_in_place(self, num_slots: int) -> bool:
@@ -347,7 +375,7 @@ class TorchBackend(Backend):
             return None
         inputs = self._probe_step([0, 2] if num_slots >= 3 else list(range(min(num_slots, 2))))
         reference = self._eager_logits(inputs, read_in_place=False)
-        logits = self.native_model.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+        logits = self.native_model.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len)
         if not close(reference, logits):
             log.info("decode steps run through transformers' modules: the native step changes this model's logits")
             return None
@@ -359,17 +387,32 @@ class TorchBackend(Backend):
         if self.compiled is not None:
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         if self.native is not None:
-            return self.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+            return self.native.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len)
         return self._eager_logits(inputs)
+
+    def _tables(self, inputs: StepInputs) -> torch.Tensor:
+        """[n, w]: the rows' block tables, as many blocks as cover the step's KV length."""
+        width = -(-inputs.kv_len // self.cache.block_size)
+        return self.row_tables.index_select(0, inputs.slots.to(self.device))[:, :width]
 
     def _eager_logits(self, inputs: StepInputs, read_in_place: bool | None = None) -> torch.Tensor:
         min_position = inputs.min_position if inputs.min_position is not None else int(inputs.positions.min())
         positions = inputs.positions.to(self.device)
         read_in_place = self.reads_in_place if read_in_place is None else read_in_place
-        step = DecodeStep(inputs.slots.to(self.device), positions, inputs.kv_len, min_position, inputs.contiguous_from, read_in_place)
+        contiguous_from = None if self.paged else inputs.contiguous_from  # a view of slots needs the slot layout
+        step = DecodeStep(inputs.slots.to(self.device), positions, inputs.kv_len, min_position, self._tables(inputs), contiguous_from, read_in_place)
         cache = DecodeCache(self.plans, self.cache, step)
         out = self.model(inputs.input_ids.to(self.device)[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True)
         return out.logits[:, -1]
+
+    def set_block_table(self, slot: int, table: list[int]) -> None:
+        if not self.paged:
+            raise ValueError("the KV cache keeps one slot per sequence: no block tables")
+        if not 0 < len(table) <= self.row_tables.shape[1]:
+            raise ValueError(f"a block table of {len(table)} blocks for a slot of at most {self.row_tables.shape[1]}")
+        row = torch.zeros(self.row_tables.shape[1], dtype=torch.long)  # past the sequence's own blocks: the null block
+        row[: len(table)] = torch.tensor(table, dtype=torch.long)
+        self.row_tables[slot].copy_(row)
 
     def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
         self.token_counts.start(slot, prompt_ids, generated_ids)

@@ -34,8 +34,8 @@ __m256 _ZGVdN8v_expf(__m256 x); /* libmvec's expf over 8 lanes, AVX2 */
 typedef void (*product_fn)(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y);
 typedef int (*split_product_fn)(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y);
 typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_heads, long d, const float *keys, const float *values,
-                             long slot_stride, long head_stride, long pos_stride, const long *slots, long length,
-                             const unsigned char *mask, float scale, float *out, float *scratch);
+                             long block_stride, long head_stride, long pos_stride, const long *tables, long table_stride, long block_size,
+                             long start, long length, const unsigned char *mask, float scale, float *out, float *scratch);
 
 #define NR 24
 #define BLOCK_ROWS 64 /* rows per kernel call: small_gemm's blocks stay in the caches */
@@ -58,12 +58,12 @@ struct layer {
     long window; /* a sliding layer's window; 0: full attention */
 };
 
-/* Where the step's K/V lines go and its attention reads: per layer [slots, kv_heads,
- * positions, head_dim] with these strides (in floats); the decode worker's slot cache,
- * or one prompt's K/V (one slot). */
+/* Where the step's K/V lines go and its attention reads: per layer [blocks, kv_heads,
+ * block_size, head_dim] with these strides (in floats); the decode worker's cache of
+ * blocks, or one prompt's K/V (one block of all its positions). */
 struct kv_cache {
     float *const *keys, *const *values;
-    long slot_stride, head_stride, pos_stride;
+    long block_stride, head_stride, pos_stride, block_size;
 };
 
 /* Called once a layer's K/V lines are written (a prefill hands them on while later layers compute); nonzero stops the step. */
@@ -161,18 +161,19 @@ long native_step_workspace(const struct model *m, long rows, long kv_len) {
     return rows * (3 * m->hidden + widest(m) + 2 * q_dim + m->intermediate) + (m->q_heads / m->kv_heads) * kv_len;
 }
 
-/* One step: row r is token ids[r] at position positions[r] of slot slots[r]; cos and sin
- * [rows, head_dim] its rotary angles (transformers' rotary module's output). Row r
- * writes its K/V line at its position and attends over its slot's positions up to it
- * (the last `window` of them in a sliding layer), so every earlier position of its
- * slot must hold its K/V: a decode step's rows are in different slots; a prompt's
- * rows are in one, in order, each attending over the lines the rows before it wrote.
+/* One step: row r is token ids[r] at position positions[r] of the sequence whose block
+ * table is tables[r * table_stride ...] (position p in block table[p / block_size]);
+ * cos and sin [rows, head_dim] its rotary angles (transformers' rotary module's output).
+ * Row r writes its K/V line at its position and attends over its sequence's positions
+ * up to it (the last `window` of them in a sliding layer), so every earlier position
+ * must hold its K/V: a decode step's rows are different sequences; a prompt's rows are
+ * one (table_stride 0), in order, each attending over the lines the rows before it wrote.
  * logits: [rows - logit_from, lm_head.n], the
  * rows from logit_from on (a prompt needs its last only); work: native_step_workspace
  * floats. may_share: whether products may be shared with the helper thread (the
  * calling thread may run on more than one CPU). Returns 0, or 1 if layer_done (if
  * given) stopped the step. */
-int native_step(const struct model *m, const struct kv_cache *cache, long rows, const long *ids, const long *slots, const long *positions,
+int native_step(const struct model *m, const struct kv_cache *cache, long rows, const long *ids, const long *tables, long table_stride, const long *positions,
                 const float *cos, const float *sin, int may_share, layer_done_fn layer_done, long logit_from, float *logits, float *work) {
     long hidden = m->hidden, d = m->head_dim, q_dim = m->q_heads * d;
     float *x = work, *h = x + rows * hidden, *mixed = h + rows * hidden, *wide = mixed + rows * hidden;
@@ -187,7 +188,8 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
         product(m, may_share, h, rows, hidden, &L->qkv, wide);
         for (long r = 0; r < rows; r++) {
             const float *row = wide + r * L->qkv.n, *c = cos + r * d, *s = sin + r * d;
-            long at = slots[r] * cache->slot_stride + positions[r] * cache->pos_stride;
+            long p = positions[r], bs = cache->block_size;
+            long at = tables[r * table_stride + p / bs] * cache->block_stride + (p % bs) * cache->pos_stride;
             rotate(row + L->q_col, m->q_heads, d, c, s, q + r * q_dim);
             for (long kv = 0; kv < m->kv_heads; kv++) {
                 rotate(row + L->k_col + kv * d, 1, d, c, s, keys + at + kv * cache->head_stride);
@@ -199,9 +201,9 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
         for (long r = 0; r < rows; r++) {
             /* Positions up to the row's own; in a sliding layer those > position - window (transformers' sliding mask). */
             long first = L->window && positions[r] - L->window + 1 > 0 ? positions[r] - L->window + 1 : 0;
-            long at = first * cache->pos_stride;
-            m->attention(q + r * q_dim, 1, m->q_heads, m->kv_heads, d, keys + at, values + at, cache->slot_stride, cache->head_stride,
-                         cache->pos_stride, slots + r, positions[r] + 1 - first, 0, m->scale, attended + r * q_dim, scores);
+            m->attention(q + r * q_dim, 1, m->q_heads, m->kv_heads, d, keys, values, cache->block_stride, cache->head_stride, cache->pos_stride,
+                         tables + r * table_stride, table_stride, cache->block_size, first, positions[r] + 1 - first, 0, m->scale,
+                         attended + r * q_dim, scores);
         }
         product(m, may_share, attended, rows, q_dim, &L->o, mixed);
         add_into(x, mixed, rows * hidden);

@@ -34,7 +34,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
-from ..backends.slot_kv_cache import LayerKvCallback, LayerPlan, SlotKvCache
+from ..backends.slot_kv_cache import LayerKvCallback, LayerPlan, PagedKvCache
 from . import slot_attention, small_gemm
 from .packed_linear import PackedLinear, SharedInput
 
@@ -77,7 +77,7 @@ class _Layer(ctypes.Structure):
 class _KvCache(ctypes.Structure):
     _fields_ = [
         ("keys", ctypes.POINTER(ctypes.c_void_p)), ("values", ctypes.POINTER(ctypes.c_void_p)),
-        ("slot_stride", ctypes.c_long), ("head_stride", ctypes.c_long), ("pos_stride", ctypes.c_long),
+        ("block_stride", ctypes.c_long), ("head_stride", ctypes.c_long), ("pos_stride", ctypes.c_long), ("block_size", ctypes.c_long),
     ]
 
 
@@ -101,7 +101,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     library.native_step_workspace.argtypes, library.native_step_workspace.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long], ctypes.c_long
     pointer, long = ctypes.c_void_p, ctypes.c_long
-    library.native_step.argtypes = [pointer, pointer, long, pointer, pointer, pointer, pointer, pointer, ctypes.c_int, _LAYER_DONE, long, pointer, pointer]
+    library.native_step.argtypes = [
+        pointer, pointer, long, pointer, pointer, long, pointer, pointer, pointer, ctypes.c_int, _LAYER_DONE, long, pointer, pointer,
+    ]
     library.native_step.restype = ctypes.c_int
     return library
 
@@ -157,13 +159,14 @@ def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> _Weight
 
 
 def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor]) -> _KvCache:
-    """Per layer [slots, kv_heads, positions, head_dim] tensors, contiguous, all of one shape."""
+    """Per layer [blocks, kv_heads, block_size, head_dim] tensors, contiguous, all of one shape
+    (the slot layout: a block per slot, of every position)."""
     shape = keys[0].shape
     if any(t.shape != shape or not t.is_contiguous() or t.dtype != torch.float32 for t in (*keys, *values)):
-        raise ValueError(f"native step: a K/V cache that is not [slots, kv_heads, positions, head_dim] contiguous float32 in every layer ({tuple(shape)})")
+        raise ValueError(f"native step: a K/V cache that is not [blocks, kv_heads, block_size, head_dim] contiguous float32 in every layer ({tuple(shape)})")
     pointers = [(ctypes.c_void_p * len(keys))(*[t.data_ptr() for t in tensors]) for tensors in (keys, values)]
     cache = _KvCache(
-        ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_void_p)), *keys[0].stride()[:3]
+        ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_void_p)), *keys[0].stride()[:3], shape[2]
     )
     cache._keep = (pointers, keys, values)  # what the C side points at lives as long as the struct
     return cache
@@ -212,19 +215,20 @@ class NativeModel:
         )
         self.slot_cache: _KvCache | None = None
 
-    def attach(self, cache: SlotKvCache) -> None:
-        """The decode worker's slot cache, where decode steps write and read."""
+    def attach(self, cache: PagedKvCache) -> None:
+        """The decode worker's cache of blocks, where decode steps write and read."""
         if cache.keys[0].shape[1:2] != (self.kv_heads,) or cache.keys[0].shape[3] != self.head_dim:
-            raise ValueError(f"native step: slot cache {tuple(cache.keys[0].shape)} is not [slots, {self.kv_heads}, positions, {self.head_dim}]")
+            raise ValueError(f"native step: KV cache {tuple(cache.keys[0].shape)} is not [blocks, {self.kv_heads}, block_size, {self.head_dim}]")
         self.slot_cache, self.slot_shape = _kv_cache(cache.keys, cache.values), cache.keys[0].shape
 
-    def decode_logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step; row i is token input_ids[i] at
-        positions[i] of slot slots[i] (its K/V line written there; the slot's earlier
-        positions hold the sequence's K/V)."""
-        slots, positions, input_ids = (t.to(torch.long).contiguous() for t in (slots, positions, input_ids))
-        self._check_rows(slots, positions, input_ids, self.slot_shape[0], min(kv_len, self.slot_shape[2]))
-        return self._run(self.slot_cache, slots, positions, input_ids, int(positions.max()) + 1, 0, None)
+        positions[i] of the sequence whose block table is tables[i] ([n, blocks]; [n]: slots,
+        one block each), its K/V line written there; its earlier positions hold its K/V."""
+        tables, positions, input_ids = (t.to(torch.long).contiguous() for t in (tables, positions, input_ids))
+        table_width = tables.shape[1] if tables.dim() == 2 else 1
+        self._check_rows(tables, positions, input_ids, self.slot_shape[0], min(kv_len, table_width * self.slot_shape[2]))
+        return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None)
 
     def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv=None) -> torch.Tensor:
         """[1, vocab]: the logits after the prompt; each layer's K/V [kv_heads, tokens,
@@ -265,7 +269,7 @@ class NativeModel:
 
     def _check_rows(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, num_slots: int, kv_len: int) -> None:
         # The C side reads raw pointers: a slot, position or token id out of range would read past the buffers, not fail.
-        n = slots.shape[0]
+        n = slots.shape[0]  # slots: [n] one block each, or [n, blocks] block tables
         ranges = torch.stack([slots.min(), slots.max(), positions.min(), positions.max(), input_ids.min(), input_ids.max()]).tolist() if n else []
         if not n or positions.shape != (n,) or input_ids.shape != (n,) or not (
             0 <= ranges[0] <= ranges[1] < num_slots and 0 <= ranges[2] <= ranges[3] < kv_len and 0 <= ranges[4] <= ranges[5] < self.embed.shape[0]
@@ -273,13 +277,16 @@ class NativeModel:
             raise ValueError(f"native step: slots {tuple(slots.shape)}, positions {tuple(positions.shape)}, ids {tuple(input_ids.shape)}, kv_len {kv_len}")
 
     def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done) -> torch.Tensor:
+        """slots: [n] (each row's one block) or [n, blocks] block tables."""
         n = slots.shape[0]
+        table_stride = slots.stride(0) if slots.dim() == 2 else 1
         cos, sin = self.rotary(self.embed[:1], positions[None])  # [1, n, head_dim] each
         cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
         logits = torch.empty(n - logit_from, self.vocab, dtype=torch.float32)
         work = torch.empty(self.library.native_step_workspace(ctypes.byref(self.model), n, kv_len), dtype=torch.float32)
         self.library.native_step(
-            ctypes.byref(self.model), ctypes.byref(cache), n, input_ids.data_ptr(), slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            ctypes.byref(self.model), ctypes.byref(cache), n, input_ids.data_ptr(), slots.data_ptr(), table_stride,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             int(self.kernel.splits_here()), layer_done or _LAYER_DONE(), logit_from, logits.data_ptr(), work.data_ptr(),
         )
         return logits

@@ -83,21 +83,41 @@ static float exp_shifted(float *scores, long n, float top) {
     return sum;
 }
 
-/* out[0, d) = sum_t p[t] v[t] / sum, the sums held in registers 32 columns at a time. */
-static void weighted_values(const float *p, const float *v, long length, long pos_stride, long d, float sum, float *out) {
+/* Where position p of a row lies: its block (from the row's block table) and its offset in it. */
+struct paged_rows {
+    const long *tables; /* [rows][table_stride]: block ids */
+    long table_stride, block_size, block_stride;
+};
+
+/* The start of the run of positions from p to the end of p's block (at most `left`), and its length. */
+static inline long run_at(const struct paged_rows *g, const long *table, long p, long left, long *offset) {
+    long off = p % g->block_size;
+    *offset = table[p / g->block_size] * g->block_stride + off;
+    long run = g->block_size - off;
+    return run < left ? run : left;
+}
+
+/* out[0, d) = sum_t p[t] v[t] / sum over positions start.. start + length of one row's blocks,
+ * the sums held in registers 32 columns at a time, in position order. v: the head's first
+ * value (block 0, position 0); offsets from run_at are in positions, scaled by pos_stride. */
+static void weighted_values(const float *p, const float *v, const struct paged_rows *g, const long *table, long start, long length,
+                            long pos_stride, long d, float sum, float *out) {
     __m256 divisor = _mm256_set1_ps(sum);
     long i = 0;
     for (; i + 32 <= d; i += 32) {
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (long t = 0; t < length; t++) {
-            if (p[t] == 0.0f)
-                continue;
-            __m256 pt = _mm256_set1_ps(p[t]);
-            const float *vt = v + t * pos_stride + i;
-            a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), a0);
-            a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), a1);
-            a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), a2);
-            a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), a3);
+        for (long t = 0, at, run; t < length; t += run) {
+            run = run_at(g, table, start + t, length - t, &at);
+            for (long j = 0; j < run; j++) {
+                if (p[t + j] == 0.0f)
+                    continue;
+                __m256 pt = _mm256_set1_ps(p[t + j]);
+                const float *vt = v + (at + j) * pos_stride + i;
+                a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), a0);
+                a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), a1);
+                a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), a2);
+                a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), a3);
+            }
         }
         _mm256_storeu_ps(out + i, _mm256_div_ps(a0, divisor));
         _mm256_storeu_ps(out + i + 8, _mm256_div_ps(a1, divisor));
@@ -106,47 +126,64 @@ static void weighted_values(const float *p, const float *v, long length, long po
     }
     for (; i + 8 <= d; i += 8) {
         __m256 a = _mm256_setzero_ps();
-        for (long t = 0; t < length; t++)
-            if (p[t] != 0.0f)
-                a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * pos_stride + i), a);
+        for (long t = 0, at, run; t < length; t += run) {
+            run = run_at(g, table, start + t, length - t, &at);
+            for (long j = 0; j < run; j++)
+                if (p[t + j] != 0.0f)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(p[t + j]), _mm256_loadu_ps(v + (at + j) * pos_stride + i), a);
+        }
         _mm256_storeu_ps(out + i, _mm256_div_ps(a, divisor));
     }
     for (; i < d; i++) {
         float a = 0.0f;
-        for (long t = 0; t < length; t++)
-            a += p[t] * v[t * pos_stride + i];
+        for (long t = 0, at, run; t < length; t += run) {
+            run = run_at(g, table, start + t, length - t, &at);
+            for (long j = 0; j < run; j++)
+                a += p[t + j] * v[(at + j) * pos_stride + i];
+        }
         out[i] = a / sum;
     }
 }
 
-/* q: [rows, q_heads, d] contiguous; keys/values: a span of the layer's cache (its
- * first position), element strides slot_stride, head_stride, pos_stride (d
- * contiguous); slots: [rows]; each row reads the span's `length` positions of its slot; mask: [rows][length] bytes (1: attend),
- * or NULL (every position); out: [rows, q_heads, d] contiguous; scratch: group *
- * length floats. A row whose mask hides every position gets NaN, as SDPA gives. */
+/* s[0, length) = q . k[p] for the row's positions p = start.. start + length, four at a time within a block. */
+static void scores(const float *q, const float *k, const struct paged_rows *g, const long *table, long start, long length, long pos_stride, long d, float *s) {
+    for (long t = 0, at, run; t < length; t += run) {
+        run = run_at(g, table, start + t, length - t, &at);
+        const float *kt = k + at * pos_stride;
+        long j = 0;
+        for (; j + 4 <= run; j += 4)
+            _mm_storeu_ps(s + t + j, dot4(q, kt + j * pos_stride, pos_stride, d));
+        for (; j < run; j++)
+            s[t + j] = dot(q, kt + j * pos_stride, d);
+    }
+}
+
+/* q: [rows, q_heads, d] contiguous; keys/values: a layer's cache of blocks, element strides
+ * block_stride, head_stride, pos_stride (d contiguous); row r reads positions [start, start +
+ * length), position p in block tables[r * table_stride + p / block_size] at offset p % block_size
+ * (the slot layout is one block of every position per slot: tables = slots, table_stride 1);
+ * mask: [rows][length] bytes (1: attend), or NULL (every position); out: [rows, q_heads, d]
+ * contiguous; scratch: group * length floats. A row whose mask hides every position gets NaN, as SDPA gives. */
 void slot_attention(const float *q, long rows, long q_heads, long kv_heads, long d, const float *keys, const float *values,
-                    long slot_stride, long head_stride, long pos_stride, const long *slots, long length,
-                    const unsigned char *mask, float scale, float *out, float *scratch) {
+                    long block_stride, long head_stride, long pos_stride, const long *tables, long table_stride, long block_size,
+                    long start, long length, const unsigned char *mask, float scale, float *out, float *scratch) {
     long group = q_heads / kv_heads;
+    struct paged_rows g = {tables, table_stride, block_size, block_stride / pos_stride};
     for (long r = 0; r < rows; r++) {
         const unsigned char *m = mask ? mask + r * length : 0;
+        const long *table = tables + r * table_stride;
         for (long h = 0; h < kv_heads; h++) {
-            long base = slots[r] * slot_stride + h * head_stride;
-            const float *k = keys + base, *v = values + base;
-            for (long g = 0; g < group; g++) {
-                const float *qg = q + (r * q_heads + h * group + g) * d;
-                float *s = scratch + g * length, top = -INFINITY;
-                long t = 0;
-                for (; t + 4 <= length; t += 4)
-                    _mm_storeu_ps(s + t, dot4(qg, k + t * pos_stride, pos_stride, d));
-                for (; t < length; t++)
-                    s[t] = dot(qg, k + t * pos_stride, d);
-                for (t = 0; t < length; t++) {
+            const float *k = keys + h * head_stride, *v = values + h * head_stride;
+            for (long gi = 0; gi < group; gi++) {
+                const float *qg = q + (r * q_heads + h * group + gi) * d;
+                float *s = scratch + gi * length, top = -INFINITY;
+                scores(qg, k, &g, table, start, length, pos_stride, d, s);
+                for (long t = 0; t < length; t++) {
                     s[t] = (!m || m[t]) ? s[t] * scale : -INFINITY;
                     top = s[t] > top ? s[t] : top;
                 }
                 float sum = exp_shifted(s, length, top);
-                weighted_values(s, v, length, pos_stride, d, sum, out + (r * q_heads + h * group + g) * d);
+                weighted_values(s, v, &g, table, start, length, pos_stride, d, sum, out + (r * q_heads + h * group + gi) * d);
             }
         }
     }

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import pathlib
+from dataclasses import dataclass
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -40,33 +41,42 @@ class SlotAttention:
     def __init__(self, library: ctypes.CDLL):
         self._call = library.slot_attention
         long, pointer = ctypes.c_long, ctypes.c_void_p
-        self._call.argtypes = [pointer, long, long, long, long, pointer, pointer, long, long, long, pointer, long, pointer, ctypes.c_float, pointer, pointer]
+        self._call.argtypes = [
+            pointer, long, long, long, long, pointer, pointer, long, long, long, pointer, long, long, long, long, pointer, ctypes.c_float, pointer, pointer,
+        ]
         self._call.restype = None
 
     def attend(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, scale: float
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, start: int, length: int,
+        mask: torch.Tensor | None, scale: float,
     ) -> torch.Tensor:
-        """query [n, q_heads, d]; keys/values [slots, kv_heads, length, d] (a span of
-        the cache, d contiguous, the same strides); slots [n] int64; mask [n, length]
-        bool or None -> [n, q_heads, d]."""
+        """query [n, q_heads, d]; keys/values: a layer's blocks [blocks, kv_heads, block_size, d]
+        (d contiguous, the same strides); tables [n, w] int64: row r reads positions [start,
+        start + length) of its sequence through its block table; mask [n, length] bool or None
+        -> [n, q_heads, d]."""
         n, q_heads, d = query.shape
-        _, kv_heads, length, _ = keys.shape
+        blocks, kv_heads, block_size, _ = keys.shape
         # The C side reads raw pointers: anything off here would read past the buffers, not fail.
         if keys.stride() != values.stride() or keys.shape != values.shape or keys.stride(3) != 1 or q_heads % kv_heads or keys.shape[3] != d:
             raise ValueError(
                 f"slot_attention: keys {tuple(keys.shape)} {keys.stride()} values {tuple(values.shape)} {values.stride()} query {tuple(query.shape)}"
             )
-        if slots.shape != (n,) or slots.dtype != torch.long or (mask is not None and mask.shape != (n, length)):
+        if keys.stride(0) % keys.stride(2) or keys.stride(2) != d:
+            raise ValueError(f"slot_attention: keys {tuple(keys.shape)} {keys.stride()}: positions must be d apart, blocks whole positions apart")
+        if tables.dim() != 2 or tables.shape[0] != n or tables.dtype != torch.long or (mask is not None and mask.shape != (n, length)):
             raise ValueError(
-                f"slot_attention: slots {tuple(slots.shape)} {slots.dtype}, mask {None if mask is None else tuple(mask.shape)} for {n} rows of {length}"
+                f"slot_attention: tables {tuple(tables.shape)} {tables.dtype}, mask {None if mask is None else tuple(mask.shape)} for {n} rows of {length}"
             )
-        query, slots = query.contiguous(), slots.contiguous()
+        tables = tables.contiguous()
+        if n and (start < 0 or start + length > tables.shape[1] * block_size or int(tables.min()) < 0 or int(tables.max()) >= blocks):
+            raise ValueError(f"slot_attention: positions [{start}, {start + length}) or block ids outside tables {tuple(tables.shape)} of {blocks} blocks")
+        query = query.contiguous()
         mask = None if mask is None else mask.contiguous().view(torch.uint8)
         out = torch.empty(n, q_heads, d, dtype=torch.float32)
         scratch = torch.empty(q_heads // kv_heads * length, dtype=torch.float32)
         self._call(
             query.data_ptr(), n, q_heads, kv_heads, d, keys.data_ptr(), values.data_ptr(),
-            keys.stride(0), keys.stride(1), keys.stride(2), slots.data_ptr(), length,
+            keys.stride(0), keys.stride(1), keys.stride(2), tables.data_ptr(), tables.shape[1], block_size, start, length,
             None if mask is None else mask.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(),
         )
         return out
@@ -79,10 +89,31 @@ def kernel() -> SlotAttention | None:
     return SlotAttention(library) if library is not None else None
 
 
-def tag(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Marks a layer's whole cache span (every slot) as read in place by the rows of `slots`."""
-    keys.disagg_slots = values.disagg_slots = slots
-    return keys, values
+@dataclass(frozen=True)
+class PagedRead:
+    """What a tagged layer hands the attention: its blocks, and where each row reads them."""
+
+    keys: torch.Tensor  # the layer's blocks [blocks, kv_heads, block_size, head_dim]
+    values: torch.Tensor
+    tables: torch.Tensor  # [n, w]
+    start: int
+    length: int
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..backends.slot_kv_cache import gather_rows
+
+        return gather_rows(self.keys, self.tables, self.start, self.length), gather_rows(self.values, self.tables, self.start, self.length)
+
+
+def tag(keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the rows' keys and values, [n, kv_heads, length, head_dim] in shape only
+    (no memory: every element is one), tagged with where the kernel reads them in place."""
+    n, heads, head_dim = tables.shape[0], keys.shape[1], keys.shape[3]
+    read = PagedRead(keys, values, tables, start, length)
+    shaped = [t.new_zeros(()).expand(n, heads, length, head_dim) for t in (keys, values)]
+    for stand_in in shaped:
+        stand_in.disagg_paged = read
+    return shaped[0], shaped[1]
 
 
 def _served(query, key, value, attention_mask, dropout, kwargs) -> bool:
@@ -108,16 +139,16 @@ def _served(query, key, value, attention_mask, dropout, kwargs) -> bool:
 def _wrap(sdpa):
     @functools.wraps(sdpa)
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-        slots = getattr(key, "disagg_slots", None)
-        if slots is None:
+        read: PagedRead | None = getattr(key, "disagg_paged", None)
+        if read is None:
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
         if not _served(query, key, value, attention_mask, dropout, kwargs):
-            key, value = key.index_select(0, slots), value.index_select(0, slots)
+            key, value = read.gathered()
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
         n, q_heads, _, d = query.shape
         mask = None if attention_mask is None else attention_mask.expand(n, 1, 1, key.shape[2]).reshape(n, key.shape[2])
         scale = scaling if scaling is not None else d**-0.5
-        out = kernel().attend(query.reshape(n, q_heads, d), key, value, slots, mask, scale)
+        out = kernel().attend(query.reshape(n, q_heads, d), read.keys, read.values, read.tables, read.start, read.length, mask, scale)
         return out.view(n, 1, q_heads, d), None  # [n, q_length, heads, d], as transformers' sdpa returns it
 
     attention.disagg_slot_reads = True

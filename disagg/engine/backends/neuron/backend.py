@@ -217,7 +217,10 @@ class NeuronBackend(Backend):
             raise ValueError(f"a prompt of {length} tokens is over the last context-encoding bucket {self.context_buckets[-1]}")
         return fitting[0]
 
-    def allocate_slots(self, num_slots: int) -> int:
+    def allocate_slots(self, num_slots: int, num_blocks: int = 0, block_size: int = 0) -> int:
+        # NxDI's block KV layout (is_block_kv_layout) is not wired through this backend yet: one slot per sequence.
+        if num_blocks:
+            raise ValueError("the neuron backend keeps one KV slot per sequence (no block tables)")
         if num_slots != self.options.batch_size:
             raise ValueError(f"the compiled model has {self.options.batch_size} slots, not {num_slots}")
         return sum(c.numel() * c.element_size() for layer in range(self.info.num_layers) for kind in KvKind for c in self._caches(layer, kind))
@@ -227,7 +230,8 @@ class NeuronBackend(Backend):
         return classify(exc)
 
     @device_errors()
-    def write_kv(self, slot: int, layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
+    def write_kv(self, table: list[int], layer: int, kind: KvKind, token_start: int, tensor: torch.Tensor) -> None:
+        (slot,) = table  # the slot layout: a sequence's table is its slot
         self.layout.write_line(self._caches(layer, kind), slot, token_start, tensor)
 
     def unsupported(self, sampling: Sampling) -> list[str]:
