@@ -34,6 +34,7 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --dtype float32 --batch 2,8,16 --variants prepacked,prepacked-shared
     python bench/decode_step.py --dtype float32 --batch 1,8,16,32 --variants prepacked-gathered,prepacked --scattered
     python bench/decode_step.py --dtype float32 --batch 1,8,16,32,64 --variants prepacked,native --scattered
+    python bench/decode_step.py --batch 1,8,32 --variants prepacked,prepacked-paged --scattered   # the paged KV cache
 """
 
 from __future__ import annotations
@@ -175,18 +176,35 @@ def variant_options() -> dict[str, dict]:
     }
 
 
+PAGED = "-paged"  # a variant's name with this suffix: its KV in blocks of BLOCK_SIZE, each slot's table scattered
+BLOCK_SIZE = 16
+
+
+def allocate_paged(backend: TorchBackend, slots: int) -> None:
+    """The KV in blocks, each slot's blocks interleaved with the others' (as tables end up under load)."""
+    width = -(-backend.info.max_seq_len // BLOCK_SIZE)
+    backend.allocate_slots(slots, num_blocks=slots * width + 1, block_size=BLOCK_SIZE)
+    for slot in range(slots):
+        backend.set_block_table(slot, [1 + slot + slots * i for i in range(width)])
+
+
 def build_backends(args, names: list[str], path: str, batches: list[int]) -> dict[str, TorchBackend]:
     options = variant_options()
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
     for name in names:
+        base = name.removesuffix(PAGED)
         config = TorchBackendConfig(
-            model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, **options[name]
+            model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, **options[base]
         )
         with few_row_kernel(name != "prepacked-onednn"), linear_groups(name != "prepacked-ungrouped"):
             backend = backends[name] = TorchBackend(config)
         started = time.perf_counter()
-        backend.allocate_slots(max(batches) * (2 if args.scattered else 1))  # compiled: buckets from --batch-buckets
+        slots = max(batches) * (2 if args.scattered else 1)
+        if name.endswith(PAGED):
+            allocate_paged(backend, slots)
+        else:
+            backend.allocate_slots(slots)  # compiled: buckets from --batch-buckets
         if name == "prepacked-gathered":
             backend.reads_in_place = False
         print(f"{name}: slots ready in {time.perf_counter() - started:.1f}s", flush=True)

@@ -70,12 +70,19 @@ class PagedKvCache:
     values: list[torch.Tensor]
 
     @classmethod
-    def allocate(cls, num_layers: int, blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype, device) -> "PagedKvCache":
-        shape = (blocks, kv_heads, block_size, head_dim)
-        return cls(
-            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-        )
+    def allocate(
+        cls, num_layers: int, blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype, device, heads_outermost: bool = False
+    ) -> "PagedKvCache":
+        """heads_outermost: each layer's memory laid out [kv_heads, blocks, block_size, head_dim] (the tensors are
+        views of it in the [blocks, kv_heads, ...] order): a gather of rows' blocks is then one copy into the layout
+        attention reads (gather_rows), where [blocks, kv_heads, ...] memory takes a second copy to put heads first."""
+        if heads_outermost:
+            def new():
+                return torch.zeros((kv_heads, blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 0, 2, 3)
+        else:
+            def new():
+                return torch.zeros((blocks, kv_heads, block_size, head_dim), dtype=dtype, device=device)
+        return cls(keys=[new() for _ in range(num_layers)], values=[new() for _ in range(num_layers)])
 
     @property
     def block_size(self) -> int:
@@ -105,8 +112,13 @@ def gather_rows(pool: torch.Tensor, tables: torch.Tensor, start: int, length: in
         return pool[:, :, start : start + length].index_select(0, tables[:, 0])
     first, last = start // size, -(-(start + length) // size)
     n, heads, head_dim = tables.shape[0], pool.shape[1], pool.shape[3]
-    picked = pool.index_select(0, tables[:, first:last].reshape(-1)).view(n, last - first, heads, size, head_dim)
-    spans = picked.transpose(1, 2).reshape(n, heads, (last - first) * size, head_dim)
+    ids = tables[:, first:last].reshape(-1)
+    if pool.stride(1) > pool.stride(0):  # heads outermost in memory: one copy, then views
+        picked = pool.transpose(0, 1).index_select(1, ids).view(heads, n, last - first, size, head_dim).transpose(0, 1)
+        spans = picked.reshape(n, heads, (last - first) * size, head_dim)  # merges (blocks, positions): a view
+    else:
+        picked = pool.index_select(0, ids).view(n, last - first, heads, size, head_dim)
+        spans = picked.transpose(1, 2).reshape(n, heads, (last - first) * size, head_dim)
     return spans[:, :, start - first * size : start - first * size + length]
 
 

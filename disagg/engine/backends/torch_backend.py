@@ -232,7 +232,9 @@ class TorchBackend(Backend):
         if num_blocks:
             if not self.pages_kv:
                 raise ValueError("the compiled decode step keeps one slot per sequence: allocate without blocks")
-            self.cache = PagedKvCache.allocate(info.num_layers, num_blocks, info.kv_heads, block_size, info.head_dim, self.dtype, self.device)
+            self.cache = PagedKvCache.allocate(
+                info.num_layers, num_blocks, info.kv_heads, block_size, info.head_dim, self.dtype, self.device, heads_outermost=True
+            )
             self.row_tables = torch.zeros(num_slots, -(-info.max_seq_len // block_size), dtype=torch.long, device=self.device)
         else:
             # Compiled: a scratch slot, where the padding rows write, and a scratch position,

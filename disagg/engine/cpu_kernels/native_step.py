@@ -161,8 +161,9 @@ def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> _Weight
 def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor]) -> _KvCache:
     """Per layer [blocks, kv_heads, block_size, head_dim] tensors, contiguous, all of one shape
     (the slot layout: a block per slot, of every position)."""
-    shape = keys[0].shape
-    if any(t.shape != shape or not t.is_contiguous() or t.dtype != torch.float32 for t in (*keys, *values)):
+    shape, strides = keys[0].shape, keys[0].stride()
+    # Any order of blocks and heads in memory (C reads both strides); positions and head_dim packed.
+    if any(t.shape != shape or t.stride() != strides or strides[3] != 1 or strides[2] != shape[3] or t.dtype != torch.float32 for t in (*keys, *values)):
         raise ValueError(f"native step: a K/V cache that is not [blocks, kv_heads, block_size, head_dim] contiguous float32 in every layer ({tuple(shape)})")
     pointers = [(ctypes.c_void_p * len(keys))(*[t.data_ptr() for t in tensors]) for tensors in (keys, values)]
     cache = _KvCache(
