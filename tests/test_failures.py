@@ -5,18 +5,22 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import urllib.request
 
 import grpc
 import pytest
 from conftest import assert_nothing_held, start_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polling import wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.clients.grpc_client import Client
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
 LONG_PROMPT = "The ship's captain looked at the stars"
+# Two whole KV blocks and more: a second stream of it reads the first one's cached blocks.
+SHARED_PROMPT = LONG_PROMPT + " on a cold night far from the harbour, counting the hours until dawn, the first gulls and the smell of bread"
 
 
 @pytest.fixture
@@ -24,6 +28,11 @@ def cluster(cluster_logs, request):
     cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4, http_port=0)
     yield cluster
     cluster.stop()
+
+
+def decode_metric(process, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{process.metrics_address}/metrics", timeout=5).read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
 def active_decode_worker(cluster) -> str:
@@ -80,16 +89,22 @@ def test_a_prefill_worker_killed_during_prefill_is_retried_elsewhere(cluster, ll
 
 
 def test_a_decode_worker_killed_mid_stream_moves_the_request_with_no_token_lost(cluster, llama_ref):
-    expected = llama_ref.greedy(LONG_PROMPT, 300, ignore_eos=True)
+    """Two streams of one prompt on one decode worker, the second reading the first's cached
+    blocks, when the worker is killed: both move, and neither loses or repeats a token."""
+    expected = llama_ref.greedy(SHARED_PROMPT, 300, ignore_eos=True)
     with Client(cluster.router_address, timeout=120) as client:
-        stream = client.generate(LONG_PROMPT, max_new_tokens=300, ignore_eos=True)
+        stream = client.generate(SHARED_PROMPT, max_new_tokens=300, ignore_eos=True)
         received = [t for _, chunk in zip(range(10), stream) for t in chunk.token_ids]
+        sharing = client.generate(SHARED_PROMPT, max_new_tokens=300, ignore_eos=True)  # routed where the prompt's blocks are
+        received_sharing = [t for _, chunk in zip(range(3), sharing) for t in chunk.token_ids]
         victim = active_decode_worker(cluster)
+        assert decode_metric(cluster.process(victim), "disagg_decode_prefix_hit_tokens_total") > 0  # the blocks are shared
         cluster.signal(victim, signal.SIGKILL)
         rest = list(stream)
         tokens = received + [t for chunk in rest for t in chunk.token_ids]
         assert tokens == expected  # nothing lost, nothing repeated
         assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 300
+        assert received_sharing + [t for chunk in sharing for t in chunk.token_ids] == expected
 
         survivor = "decode-1" if victim == "decode-0" else "decode-0"
         cluster.signal(survivor, signal.SIGKILL)

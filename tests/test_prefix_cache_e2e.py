@@ -195,3 +195,23 @@ def lone_paged_decode_worker(cluster_logs):
         yield worker.address, blocks
     finally:
         cluster.stop()
+
+
+def test_penalties_and_seeded_sampling_are_unchanged_by_hits(paged_cluster, transport):
+    """The same requests before and after their context is cached (hits on both workers): penalized
+    greedy tokens equal transformers' with the same processing, and seeded samples do not move."""
+    from test_sampling_e2e import reference_run
+
+    if transport != DEFAULT_TRANSPORT:
+        pytest.skip("sampling does not depend on the transport")
+    ref = reference("llama")
+    context = "Penalties and seeds. " + CONTEXT
+    penalized = dict(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.5, presence_penalty=-0.5, frequency_penalty=2.0)
+    seeded = dict(max_new_tokens=16, ignore_eos=True, temperature=1.0, top_p=0.95, seed=1234)
+    expected, _ = reference_run(ref, ref.ids(context + QUESTIONS[0]), repetition=1.5, presence=-0.5, frequency=2.0, max_new_tokens=16)
+    with Client(paged_cluster.router_address, timeout=60) as client:
+        hits = decode_metric(paged_cluster, "disagg_decode_prefix_hit_tokens_total")
+        cold = [client.complete(context + QUESTIONS[0], **penalized).token_ids, client.complete(context + QUESTIONS[1], **seeded).token_ids]
+        warm = [client.complete(context + QUESTIONS[0], **penalized).token_ids, client.complete(context + QUESTIONS[1], **seeded).token_ids]
+    assert decode_metric(paged_cluster, "disagg_decode_prefix_hit_tokens_total") - hits >= 3 * 2 * BLOCK  # the warm pair, at least
+    assert cold == warm and cold[0] == expected

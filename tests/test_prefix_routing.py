@@ -203,7 +203,7 @@ def test_routed_and_hit_tokens_are_observed_per_role():
 
 
 def test_router_and_serve_flags():
-    from disagg.cli.main import build_parser, serve_router_args
+    from disagg.cli.main import build_parser, serve_router_args, serve_worker_args
     from router.__main__ import parse_config
 
     config = parse_config(["--model", "unused", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"])
@@ -215,6 +215,13 @@ def test_router_and_serve_flags():
     assert serve_router_args(build_parser().parse_args(["serve"])) == []
     args = build_parser().parse_args(["serve", "--block-size", "32", "--no-prefix-caching"])
     assert serve_router_args(args) == ["--block-size", "32", "--no-prefix-caching"]
+    args_given = serve_worker_args(args)[-3:]
+    assert args_given == ["--block-size", "32", "--no-prefix-caching"]  # both workers' caches alike
+    from decode_worker.__main__ import parse_config as decode_config
+    from prefill_worker.__main__ import parse_config as prefill_config
+
+    for worker_config in (decode_config(["--model", "m", *args_given]), prefill_config(["--model", "m", "--decode", "127.0.0.1:2", *args_given])):
+        assert (worker_config.block_size, worker_config.prefix_caching) == (32, False)  # and the workers take them
 
 
 # -- two tenants through real processes ------------------------------------------

@@ -43,6 +43,14 @@ def serve_worker_args(args) -> list[str]:
         out += ["--max-seq-len", str(args.max_seq_len)]
     if args.neuron_compiled_path:
         out += ["--neuron-compiled-path", args.neuron_compiled_path]
+    return out + cache_flags(args)
+
+
+def cache_flags(args) -> list[str]:
+    """The KV block size and prefix caching, where given: the router's index and both workers' caches alike."""
+    out = [] if args.block_size is None else ["--block-size", str(args.block_size)]
+    if args.prefix_caching is not None:
+        out += ["--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
     return out
 
 
@@ -53,11 +61,7 @@ def serve_router_args(args) -> list[str]:
         out += ["--http-max-body-bytes", str(args.http_max_body_bytes)]
     if args.http_timeout_seconds is not None:
         out += ["--http-timeout-seconds", str(args.http_timeout_seconds)]
-    if args.block_size is not None:
-        out += ["--block-size", str(args.block_size)]
-    if args.prefix_caching is not None:
-        out += ["--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
-    return out
+    return out + cache_flags(args)
 
 
 def print_banner(cluster, model: str) -> None:
