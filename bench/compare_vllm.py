@@ -211,6 +211,15 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
+
+def add_run_flags(parser: argparse.ArgumentParser, quiet_timeout: float, log_dir: str) -> None:
+    """The flags every benchmark against vLLM shares: dtype, vLLM's KV budget, a quiet machine, where logs go."""
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for both systems")
+    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
+    parser.add_argument("--quiet-load", type=float, default=0.8, help="before each system starts, wait until the 1-minute load average is below this")
+    parser.add_argument("--quiet-timeout", type=float, default=quiet_timeout, help="... for at most this many seconds")
+    parser.add_argument("--log-dir", default=log_dir)
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", default="1,8,16,32,64")
@@ -221,12 +230,8 @@ def main() -> int:
     parser.add_argument("--long-prompt", type=int, default=1024, help="TTFT of a prompt this long at 1 stream (0: skip)")
     parser.add_argument("--long-prompt-requests", type=int, default=5)
     parser.add_argument("--systems", default="vllm,disagg", help="which to run, in this order; a system left out keeps its figures from --json")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for both systems")
-    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
-    parser.add_argument("--quiet-load", type=float, default=0.8, help="before each system starts, wait until the 1-minute load average is below this")
-    parser.add_argument("--quiet-timeout", type=float, default=180.0, help="... for at most this many seconds")
-    parser.add_argument("--log-dir", default="/tmp/disagg-compare-vllm-logs")
+    add_run_flags(parser, quiet_timeout=180.0, log_dir="/tmp/disagg-compare-vllm-logs")
     parser.add_argument("--json", default="bench/results/compare_vllm.json")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]

@@ -39,7 +39,7 @@ import sys
 import time
 import urllib.request
 
-from compare_vllm import HERE, PEER_SCRIPT, NoBar, free_port, save, stop_group, vllm_version, wait_healthy, wait_quiet
+from compare_vllm import HERE, PEER_SCRIPT, NoBar, add_run_flags, free_port, save, stop_group, vllm_version, wait_healthy, wait_quiet
 
 from disagg.clients.openai_client import OpenAIClient
 from disagg.tools.loadgen import RequestSpec, closed_loop, run_one, summarize
@@ -223,14 +223,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=0, help="chat: conversations (default --concurrency)")
     p.add_argument("--turns", type=int, default=0, help="chat: turns per conversation (default --requests / conversations)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for both systems")
     p.add_argument("--disagg-args", default="", help="more `disagg serve` flags, one string")
     p.add_argument("--vllm-args", default="", help="more vLLM api_server flags, one string")
-    p.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--start-timeout", type=float, default=900.0)
-    p.add_argument("--quiet-load", type=float, default=0.8, help="before each system starts, wait until the 1-minute load average is below this")
-    p.add_argument("--quiet-timeout", type=float, default=90.0, help="... for at most this many seconds")
-    p.add_argument("--log-dir", default="/tmp/disagg-shared-prefix-logs")
+    add_run_flags(p, quiet_timeout=90.0, log_dir="/tmp/disagg-shared-prefix-logs")
     p.add_argument("--json-out", default="bench/results/shared_prefix.json")
     args = p.parse_args()
     args.systems, args.workloads = args.systems.split(","), args.workloads.split(",")

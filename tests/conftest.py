@@ -133,6 +133,17 @@ def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, d
         raise
 
 
+@pytest.fixture
+def one_torch_thread():
+    """This process on one torch thread for the test (the workers' default here, and what the C kernels serve)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def cluster_logs(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("clusters")

@@ -87,7 +87,7 @@ def test_unknown_reservation_is_not_found(decode):
         (lambda r: pieces(r, tokens=PROMPT_LEN + 2), "outside the prompt of 4"),
         (lambda r: pieces(r, layers=[99]), "layer 99 is not in"),
         (lambda r: pieces(r, layers=[0, 0]), "arrived twice"),
-        (lambda r: pieces(r, layers=[0]) + [commit(r)], "missing KV: layer 1 key has 0 of 4 tokens"),
+        (lambda r: pieces(r, layers=[0]) + [commit(r)], "missing KV: layer 1 key has 0 of tokens [0, 4)"),
         (lambda r: pieces(r) + [commit(r, prompt_len=9)], "commit for 9 tokens"),
         (lambda r: pieces(r) + [commit(r, first_token=10**6)], "first_token 1000000"),
         (lambda r: pieces(r), "ended without a commit"),

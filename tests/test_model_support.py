@@ -126,10 +126,12 @@ def test_an_unverified_model_type_is_refused(monkeypatch, tmp_path):
 def test_a_sliding_layer_reads_only_its_window():
     from disagg.engine.backends.slot_kv_cache import DecodeStep, LayerPlan, _DecodeLayer
 
-    keys = torch.zeros(3, 2, 64, 4)
-    step = DecodeStep(slots=torch.tensor([0, 2]), positions=torch.tensor([40, 30]), kv_len=41, min_position=30)
-    sliding = _DecodeLayer(LayerPlan("sliding_attention", 8), keys, keys.clone(), step)
-    full = _DecodeLayer(LayerPlan("full_attention"), keys, keys.clone(), step)
+    keys = torch.zeros(3, 2, 64, 4)  # the slot layout: slot i is block i, of every position
+    slots, positions = torch.tensor([0, 2]), torch.tensor([40, 30])
+    step = DecodeStep(slots=slots, positions=positions, kv_len=41, min_position=30, tables=slots[:, None])
+    written = (slots, positions)  # each row's line: its slot's block, at its position
+    sliding = _DecodeLayer(LayerPlan("sliding_attention", 8), keys, keys.clone(), step, written)
+    full = _DecodeLayer(LayerPlan("full_attention"), keys, keys.clone(), step, written)
     assert sliding.get_mask_sizes(1) == (41 - 23, 23)  # row at 30 still sees 23..30
     assert full.get_mask_sizes(1) == (41, 0)
     k, _ = sliding.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))

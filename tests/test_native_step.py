@@ -12,12 +12,8 @@ pytestmark = pytest.mark.skipif(small_gemm.kernel() is None, reason="the native 
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread(one_torch_thread):
     """The kernels serve a backend built on one torch thread (the workers' default here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def step_inputs(slots: list[int], positions: list[int], ids: list[int]) -> StepInputs:

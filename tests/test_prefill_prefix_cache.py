@@ -55,12 +55,8 @@ BLOCK = 16
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread(one_torch_thread):
     """The kernels serve a backend built on one torch thread (the workers' default here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.cache
