@@ -6,9 +6,12 @@ from conftest import tiny_model
 
 from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
-from disagg.engine.cpu_kernels import native_step, small_gemm
+from disagg.engine.cpu_kernels import native_step, packed_linear, small_gemm
 
 pytestmark = pytest.mark.skipif(small_gemm.kernel() is None, reason="the native step needs an AVX2 CPU and a C compiler")
+needs_bf16_packing = pytest.mark.skipif(
+    not packed_linear.can_prepack(torch.device("cpu"), torch.bfloat16), reason="oneDNN does not pack bf16 on this CPU: bf16 keeps transformers' modules"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +86,19 @@ def test_no_native_step_keeps_transformers_step():
     assert backend.native is None
 
 
-def test_bfloat16_keeps_transformers_step():
+def test_float16_keeps_transformers_step():
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float16")
+    backend.allocate_slots(4)
+    assert backend.native is None and backend.native_prefill is None
+
+
+@needs_bf16_packing
+def test_a_bf16_native_step_off_by_more_than_bf16_rounding_is_not_used(monkeypatch):
+    """bf16's start-up check is looser than float32's (transformers rounds every intermediate),
+    but a step off by 5% of the logits' scale (a wrong position or mask moves them by their
+    whole scale) keeps transformers' step."""
+    right = native_step.NativeModel.decode_logits
+    monkeypatch.setattr(native_step.NativeModel, "decode_logits", lambda self, *args: right(self, *args) * 1.05)
     backend = load_backend("torch", model=tiny_model("llama"), dtype="bfloat16")
     backend.allocate_slots(4)
     assert backend.native is None
@@ -180,3 +195,57 @@ def test_rotary_angles_narrower_than_a_head_are_refused():
     rotary.forward = lambda x, position_ids: tuple(t[..., : t.shape[-1] // 2] for t in full(x, position_ids))
     with pytest.raises(ValueError, match="rotary angles cover"):
         native_step.NativeModel(backend.model, backend.plans)
+
+
+def float32_over_bf16_weights(name: str):
+    """A float32 backend (transformers' modules) over the checkpoint's weights rounded to
+    bf16: the arithmetic a bf16 native step does, in float32 throughout."""
+    from transformers import AutoModelForCausalLM
+
+    from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(name), dtype=torch.bfloat16).float().eval()
+    return TorchBackend(TorchBackendConfig(model=tiny_model(name), dtype="float32", native_step=False), model=model)
+
+
+
+@needs_bf16_packing
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sw"])
+def test_a_bf16_native_step_is_the_float32_step_over_bf16_weights(name):
+    """bf16 weights, embedding and cache, float32 arithmetic: against a float32 step over the
+    same (widened) weights and cache, the one difference is the row's own K/V line, which ours
+    rounds to bf16 as it writes it."""
+    backend = load_backend("torch", model=tiny_model(name), dtype="bfloat16")
+    backend.allocate_slots(6)
+    assert backend.native is not None and backend.cache.keys[0].dtype == torch.bfloat16
+    reference = float32_over_bf16_weights(name)
+    reference.allocate_slots(6)
+    random_cache(backend)
+    for ours, theirs in zip((*backend.cache.keys, *backend.cache.values), (*reference.cache.keys, *reference.cache.values)):
+        theirs.copy_(ours)
+    inputs = step_inputs([0, 3, 4, 5], [30, 3, 0, 17], [5, 6, 7, 8])
+    with torch.inference_mode():
+        want = reference._eager_logits(inputs, read_in_place=False)
+        got = backend.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+    for layer, (ours, theirs) in enumerate(zip((*backend.cache.keys, *backend.cache.values), (*reference.cache.keys, *reference.cache.values))):
+        # The lines the step wrote: the first layer's rounded once to bf16; later layers' also read the rounded lines before them.
+        assert (ours.float() - theirs).abs().max() <= (2**-8 if layer in (0, len(backend.cache.keys)) else 1e-2) * theirs.abs().max()
+
+
+@needs_bf16_packing
+def test_a_bf16_native_prefill_is_the_float32_prefill_over_bf16_weights():
+    backend = load_backend("torch", model=tiny_model("mistral-sw"), dtype="bfloat16")  # past its 16-token window
+    assert backend.native_prefill is not None
+    reference = float32_over_bf16_weights("mistral-sw")
+    prompt = [(11 * i + 3) % backend.info.vocab_size for i in range(40)]
+    ours, theirs = [], []
+    with torch.inference_mode():
+        got = backend.native_prefill.prefill_logits(prompt, lambda layer, k, v: ours.append((k.clone(), v.clone())))
+        want = reference.prefill_logits(prompt, lambda layer, k, v: theirs.append((k.clone(), v.clone())))
+    # Later rows attend over bf16-rounded lines where the reference keeps float32 ones.
+    assert (got - want).abs().max() <= 5e-3 * want.abs().max()
+    for (our_k, our_v), (their_k, their_v) in zip(ours, theirs):
+        assert our_k.dtype == torch.bfloat16
+        for a, b in ((our_k, their_k), (our_v, their_v)):
+            assert (a.float() - b).abs().max() <= 1e-2 * b.abs().max()

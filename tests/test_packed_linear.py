@@ -119,6 +119,48 @@ def test_the_few_row_kernel_equals_nn_linear(out_features, in_features, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (1, 7)])
+def test_the_bf16_weight_kernel_is_a_float32_product_of_the_widened_weights(out_features, in_features, bias):
+    """bf16 panels are widened exactly as read: the product equals float32's over weight.float()
+    (up to the order of sums), and a row's bits do not depend on its batch."""
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias_values = torch.randn(out_features) if bias else None
+    kernel = small_gemm.kernel(torch.bfloat16)
+    panels = kernel.pack(weight)
+    assert panels.dtype == torch.bfloat16 and panels.shape == (-(-out_features // 24), in_features, 24)
+    x = torch.randn(13, in_features)
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias_values is None else bias_values.double()).float()
+    got = kernel.product(x, panels, out_features, bias_values)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    for rows in [1, 2, 3, 4, 5]:
+        assert torch.equal(kernel.product(x[:rows], panels, out_features, bias_values), got[:rows]), rows
+    with pytest.raises(ValueError, match="do not fit"):  # float32 panels are the other build's
+        kernel.product(x, small_gemm.kernel().pack(weight.float()), out_features, bias_values)
+    with pytest.raises(ValueError, match="do not fit"):  # the bias is added to float32 sums
+        kernel.product(x, panels, out_features, torch.randn(out_features, dtype=torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.skipif(not packed_linear.can_prepack(torch.device("cpu"), torch.bfloat16), reason="oneDNN does not pack bf16 on this CPU")
+def test_a_bf16_packed_linear_rounds_the_float32_product_once(one_torch_thread):
+    """PackedLinear over bf16 weights (the kernel for few rows): bf16 in, bf16 out, the float32
+    sum of exact products rounded once, as oneDNN's bf16 product rounds its float32 accumulators."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 50).to(torch.bfloat16)
+    reference = linear.weight.detach().double(), linear.bias.detach().double()
+    packed = packed_linear.PackedLinear(linear)
+    assert packed.few_rows.dim() == 3 and packed.few_rows.dtype == torch.bfloat16
+    x = torch.randn(4, 96).to(torch.bfloat16)
+    got = packed(x)
+    want = torch.nn.functional.linear(x.double(), *reference)
+    assert got.dtype == torch.bfloat16
+    # One rounding to bf16: within half a bf16 ulp (2^-8 relative) of the exact product, plus the sums' order.
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
+
+
+@needs_kernel
 def test_the_few_row_kernel_refuses_shapes_its_panels_were_not_packed_for():
     kernel = small_gemm.kernel()
     panels = kernel.pack(torch.randn(50, 96))  # 3 panels: up to 72 outputs
@@ -377,7 +419,7 @@ def test_a_prefill_s_rows_go_through_the_kernel_in_shared_blocks_of_64(one_threa
 def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("DISAGG_CACHE", str(tmp_path))
-    small_gemm.kernel.cache_clear()
+    small_gemm._kernel.cache_clear()
     try:
         assert small_gemm.kernel() is None
         linear = torch.nn.Linear(96, 160)
@@ -387,7 +429,7 @@ def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkey
             x = torch.randn(rows, 96)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     finally:
-        small_gemm.kernel.cache_clear()
+        small_gemm._kernel.cache_clear()
 
 
 @needs_kernel

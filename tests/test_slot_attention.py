@@ -51,6 +51,25 @@ def test_kernel_equals_sdpa_over_gathered_rows(kind, head_dim, masked):
     torch.testing.assert_close(got, gathered_sdpa(query, keys, values, tables, start, length, mask, 0.3), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("kind", ["slots", "blocks"])
+@pytest.mark.parametrize("head_dim", [64, 40, 4])
+def test_the_bf16_cache_build_reads_the_lines_widened(kind, head_dim):
+    """A bf16 cache (a bf16 model's) is widened exactly as read: the same attention as over
+    its float32 copy, with a float32 query; a cache of the other dtype is refused."""
+    generator = torch.Generator().manual_seed(head_dim)
+    keys, values, tables = layout(kind, head_dim, generator)
+    keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+    query = torch.randn(3, 6, head_dim, generator=generator)
+    mask = torch.arange(37)[None, :] <= torch.tensor([36, 20, 0])[:, None]
+    bf16_kernel = slot_attention.kernel(torch.bfloat16)
+    got = bf16_kernel.attend(query, keys, values, tables, 6, 37, mask, 0.3)
+    torch.testing.assert_close(got, kernel.attend(query, keys.float(), values.float(), tables, 6, 37, mask, 0.3), rtol=1e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="bfloat16 cache"):
+        bf16_kernel.attend(query, keys.float(), values.float(), tables, 6, 37, mask, 0.3)
+    with pytest.raises(ValueError, match="float32 cache"):
+        kernel.attend(query, keys, values, tables, 6, 37, mask, 0.3)
+
+
 def test_kernel_refuses_shapes_it_would_read_past():
     keys = torch.zeros(4, 2, 8, 16)
     with pytest.raises(ValueError, match="slot_attention"):

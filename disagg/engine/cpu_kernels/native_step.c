@@ -1,4 +1,4 @@
-/* One decode step of a Llama-shaped model in one call (float32): every layer,
+/* One decode step of a Llama-shaped model in one call: every layer,
  * the final norm and the LM head, for the few rows of a continuous batch; or one
  * short prompt's prefill, its rows one slot of a K/V buffer of its own.
  *
@@ -31,9 +31,43 @@
 
 __m256 _ZGVdN8v_expf(__m256 x); /* libmvec's expf over 8 lanes, AVX2 */
 
-typedef void (*product_fn)(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y);
-typedef int (*split_product_fn)(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y);
-typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_heads, long d, const float *keys, const float *values,
+/* What the model stores: its embedding and its K/V lines, float32, or (built with
+ * -DMODEL_BF16) bfloat16. The step computes in float32 either way: a row's hidden
+ * state, norms, rotations and sums never round to bf16; a K/V line rounds once as
+ * it is written (to nearest, ties to even, as PyTorch's conversion), as a bf16
+ * model's cache holds it. The weights' dtype is the products' business (their
+ * panels go by pointer to small_gemm's build for that dtype). */
+#ifdef MODEL_BF16
+typedef unsigned short store_t;
+static inline float widen(store_t x) {
+    union { unsigned u; float f; } bits = {(unsigned)x << 16};
+    return bits.f;
+}
+static inline store_t narrow(float f) {
+    union { float f; unsigned u; } bits = {f};
+    if ((bits.u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN (quiet) */
+        return (store_t)((bits.u >> 16) | 0x40u);
+    return (store_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
+}
+#else
+typedef float store_t;
+static inline float widen(store_t x) { return x; }
+static inline store_t narrow(float f) { return f; }
+#endif
+
+static void load_line(float *to, const store_t *from, long n) {
+    for (long i = 0; i < n; i++)
+        to[i] = widen(from[i]);
+}
+
+static void store_line(store_t *to, const float *from, long n) {
+    for (long i = 0; i < n; i++)
+        to[i] = narrow(from[i]);
+}
+
+typedef void (*product_fn)(const float *x, long M, long K, const void *panels, long N, const float *bias, float *y);
+typedef int (*split_product_fn)(const float *x, long M, long K, const void *panels, long N, const float *bias, float *y);
+typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_heads, long d, const store_t *keys, const store_t *values,
                              long block_stride, long head_stride, long pos_stride, const long *tables, long table_stride, long block_size,
                              long start, long length, const unsigned char *mask, float scale, float *out, float *scratch);
 
@@ -42,7 +76,8 @@ typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_he
 
 /* One product's weights: panels of NR columns (small_gemm's layout), N output columns, an optional bias. */
 struct weights {
-    const float *panels, *bias;
+    const void *panels; /* float32 or bf16, as the product function reads them */
+    const float *bias;
     long n;
     int shared; /* shared with the kernel's helper thread (small_gemm_split) where the caller may */
 };
@@ -62,7 +97,7 @@ struct layer {
  * block_size, head_dim] with these strides (in floats); the decode worker's cache of
  * blocks, or one prompt's K/V (one block of all its positions). */
 struct kv_cache {
-    float *const *keys, *const *values;
+    store_t *const *keys, *const *values;
     long block_stride, head_stride, pos_stride, block_size;
 };
 
@@ -72,7 +107,7 @@ typedef int (*layer_done_fn)(long layer);
 struct model {
     long layers, hidden, q_heads, kv_heads, head_dim, intermediate;
     float eps, scale;
-    const float *embed;                        /* [vocab, hidden] */
+    const store_t *embed;                      /* [vocab, hidden] */
     const float *final_norm;
     struct weights lm_head;
     product_fn product;
@@ -158,7 +193,7 @@ static long widest(const struct model *m) {
 /* The floats of workspace a step of `rows` rows needs (see native_step), its largest position below kv_len. */
 long native_step_workspace(const struct model *m, long rows, long kv_len) {
     long q_dim = m->q_heads * m->head_dim;
-    return rows * (3 * m->hidden + widest(m) + 2 * q_dim + m->intermediate) + (m->q_heads / m->kv_heads) * kv_len;
+    return rows * (3 * m->hidden + widest(m) + 2 * q_dim + m->intermediate) + (m->q_heads / m->kv_heads) * kv_len + m->head_dim;
 }
 
 /* One step: row r is token ids[r] at position positions[r] of the sequence whose block
@@ -178,12 +213,13 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
     long hidden = m->hidden, d = m->head_dim, q_dim = m->q_heads * d;
     float *x = work, *h = x + rows * hidden, *mixed = h + rows * hidden, *wide = mixed + rows * hidden;
     float *q = wide + rows * widest(m), *attended = q + rows * q_dim, *act = attended + rows * q_dim;
-    float *scores = act + rows * m->intermediate; /* the attention's: group * kv_len */
+    float *line = act + rows * m->intermediate; /* one rotated key: d floats */
+    float *scores = line + d;                   /* the attention's: group * kv_len */
     for (long r = 0; r < rows; r++)
-        memcpy(x + r * hidden, m->embed + ids[r] * hidden, (size_t)hidden * sizeof(float));
+        load_line(x + r * hidden, m->embed + ids[r] * hidden, hidden);
     for (long l = 0; l < m->layers; l++) {
         const struct layer *L = &m->layer[l];
-        float *keys = cache->keys[l], *values = cache->values[l];
+        store_t *keys = cache->keys[l], *values = cache->values[l];
         rms_norm(x, rows, hidden, L->attn_norm, m->eps, h);
         product(m, may_share, h, rows, hidden, &L->qkv, wide);
         for (long r = 0; r < rows; r++) {
@@ -192,8 +228,9 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
             long at = tables[r * table_stride + p / bs] * cache->block_stride + (p % bs) * cache->pos_stride;
             rotate(row + L->q_col, m->q_heads, d, c, s, q + r * q_dim);
             for (long kv = 0; kv < m->kv_heads; kv++) {
-                rotate(row + L->k_col + kv * d, 1, d, c, s, keys + at + kv * cache->head_stride);
-                memcpy(values + at + kv * cache->head_stride, row + L->v_col + kv * d, (size_t)d * sizeof(float));
+                rotate(row + L->k_col + kv * d, 1, d, c, s, line);
+                store_line(keys + at + kv * cache->head_stride, line, d);
+                store_line(values + at + kv * cache->head_stride, row + L->v_col + kv * d, d);
             }
         }
         if (layer_done && layer_done(l))

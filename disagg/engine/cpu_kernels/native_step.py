@@ -15,9 +15,11 @@ modules, whose attention (SDPA, blocked) is faster there.
 
 Served: transformers' Llama, Mistral and Qwen2 (the decoder-layer classes of
 `SERVED`: pre-norm RMSNorm, rotary q and k, SiLU-gated MLP, no logit scaling;
-sliding windows and biases included) in float32 on an AVX2 CPU with a C
-compiler, every linear packed for the kernel. Anything else keeps the
-modules. `TorchBackend` also checks at start-up that a native step and a native
+sliding windows and biases included) in float32 or bfloat16 on an AVX2 CPU with
+a C compiler, every linear packed for the kernel. A bf16 model's weights,
+embedding and K/V stay bf16 in memory (half the bytes a step reads) and are
+widened to float32 as they are read: the step itself computes in float32 and
+rounds only the K/V lines it writes. Anything else keeps the modules. `TorchBackend` also checks at start-up that a native step and a native
 prefill give the logits (and K/V) of transformers' own, and keeps the modules
 for whichever does not.
 """
@@ -44,6 +46,8 @@ SOURCE = pathlib.Path(__file__).with_name("native_step.c")
 # No fused multiply-adds outside the kernels: a * b + c rounds twice, as PyTorch computes it.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")  # glibc's vector expf (silu)
+# The model's dtype (its embedding and K/V lines) -> the flags of its build.
+MODEL_FLAGS = {torch.float32: (), torch.bfloat16: ("-DMODEL_BF16",)}
 
 # Decoder layers whose arithmetic native_step.c follows, with their norm class.
 SERVED = {
@@ -95,8 +99,10 @@ class _Model(ctypes.Structure):
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    library = small_gemm.load_library(SOURCE, FLAGS, LIBRARIES, "decode steps and prefills run through transformers' modules")
+def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
+    if dtype not in MODEL_FLAGS:
+        return None
+    library = small_gemm.load_library(SOURCE, FLAGS + MODEL_FLAGS[dtype], LIBRARIES, f"{dtype} decode steps and prefills run through transformers' modules")
     if library is None:
         return None
     library.native_step_workspace.argtypes, library.native_step_workspace.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long], ctypes.c_long
@@ -131,15 +137,18 @@ def unserved(model, plans: list[LayerPlan]) -> str | None:
         for part, names in ((layer.self_attn, ATTENTION_PARTS), (layer.mlp, MLP_PARTS - {"act_fn"}))
         for name in names
     ]
-    if not all(isinstance(linear, PackedLinear) and linear.few_rows.dim() == 3 for linear in linears):
-        return "its linears are not packed for the few-row kernel (float32, one torch thread, an AVX2 CPU)"
+    dtype = inner.embed_tokens.weight.dtype
+    if dtype not in MODEL_FLAGS:
+        return f"it runs in {dtype}, not float32 or bfloat16"
+    if not all(isinstance(linear, PackedLinear) and linear.few_rows.dim() == 3 and linear.few_rows.dtype == dtype for linear in linears):
+        return f"its linears are not packed for the few-row kernel ({dtype}, one torch thread, an AVX2 CPU)"
     if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
         return "it has layers that are neither full nor sliding-window attention"
     if len({layer.self_attn.scaling for layer in layers}) != 1 or len(
         {norm.variance_epsilon for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)} | {inner.norm.variance_epsilon}
     ) != 1:
         return "its layers differ in attention scale or norm epsilon"
-    if small_gemm.kernel() is None or slot_attention.kernel() is None or _library() is None:
+    if small_gemm.kernel(dtype) is None or slot_attention.kernel(dtype) is None or _library(dtype) is None:
         return "its kernels cannot be built here"
     return None
 
@@ -154,17 +163,22 @@ def _grouped(members: list[PackedLinear]) -> SharedInput:
     return group
 
 
-def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> _Weights:
-    return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, int(panels.numel() * 4 >= small_gemm.SPLIT_MIN_BYTES))
+def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int, keep: list) -> _Weights:
+    """A product's panels, with its bias as float32 (kept alive in `keep`): the kernel adds it to float32 sums."""
+    if bias is not None:
+        bias = bias.float().contiguous()
+        keep.append(bias)
+    shared = int(panels.numel() * panels.element_size() >= small_gemm.SPLIT_MIN_BYTES)
+    return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, shared)
 
 
-def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor]) -> _KvCache:
-    """Per layer [blocks, kv_heads, block_size, head_dim] tensors, contiguous, all of one shape
-    (the slot layout: a block per slot, of every position)."""
+def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype) -> _KvCache:
+    """Per layer [blocks, kv_heads, block_size, head_dim] tensors of the model's dtype, contiguous,
+    all of one shape (the slot layout: a block per slot, of every position)."""
     shape, strides = keys[0].shape, keys[0].stride()
     # Any order of blocks and heads in memory (C reads both strides); positions and head_dim packed.
-    if any(t.shape != shape or t.stride() != strides or strides[3] != 1 or strides[2] != shape[3] or t.dtype != torch.float32 for t in (*keys, *values)):
-        raise ValueError(f"native step: a K/V cache that is not [blocks, kv_heads, block_size, head_dim] contiguous float32 in every layer ({tuple(shape)})")
+    if any(t.shape != shape or t.stride() != strides or strides[3] != 1 or strides[2] != shape[3] or t.dtype != dtype for t in (*keys, *values)):
+        raise ValueError(f"native step: a K/V cache that is not [blocks, kv_heads, block_size, head_dim] contiguous {dtype} in every layer ({tuple(shape)})")
     pointers = [(ctypes.c_void_p * len(keys))(*[t.data_ptr() for t in tensors]) for tensors in (keys, values)]
     cache = _KvCache(
         ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_void_p)), *keys[0].stride()[:3], shape[2]
@@ -179,13 +193,14 @@ class NativeModel:
 
     def __init__(self, model, plans: list[LayerPlan]):
         inner, config = model.model, model.config
-        self.library, self.rotary, self.kernel = _library(), inner.rotary_emb, small_gemm.kernel()
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.library, self.rotary, self.kernel = _library(self.dtype), inner.rotary_emb, small_gemm.kernel(self.dtype)
         self.embed = inner.embed_tokens.weight.detach().contiguous()
         first_attention = inner.layers[0].self_attn
         self.head_dim = first_attention.head_dim
         q_heads = first_attention.q_proj.out_features // self.head_dim
         self.kv_heads = first_attention.k_proj.out_features // self.head_dim
-        cos, _ = self.rotary(self.embed[:1], torch.zeros(1, 1, dtype=torch.long))
+        cos, _ = self.rotary(self.embed[:1].float(), torch.zeros(1, 1, dtype=torch.long))
         if cos.shape[-1] != self.head_dim:  # a partial rotation: the C side rotates whole heads, reading head_dim angles a row
             raise ValueError(f"native step: the rotary angles cover {cos.shape[-1]} of the head's {self.head_dim} dimensions")
         layers = (_Layer * len(inner.layers))()
@@ -193,25 +208,26 @@ class NativeModel:
         for i, (layer, plan) in enumerate(zip(inner.layers, plans)):
             attention, mlp = layer.self_attn, layer.mlp
             qkv, gate_up = _grouped([attention.q_proj, attention.k_proj, attention.v_proj]), _grouped([mlp.gate_proj, mlp.up_proj])
-            norms = [norm.weight.detach().contiguous() for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+            norms = [norm.weight.detach().float().contiguous() for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
             self._keep += [qkv, gate_up, *norms]
             layers[i] = _Layer(
                 norms[0].data_ptr(), norms[1].data_ptr(),
-                _weights(qkv.panels, qkv.bias, qkv.width), attention.q_proj.shared_start, attention.k_proj.shared_start, attention.v_proj.shared_start,
-                _weights(attention.o_proj.few_rows, attention.o_proj.bias, attention.o_proj.out_features),
-                _weights(gate_up.panels, gate_up.bias, gate_up.width), mlp.gate_proj.shared_start, mlp.up_proj.shared_start,
-                _weights(mlp.down_proj.few_rows, mlp.down_proj.bias, mlp.down_proj.out_features),
+                _weights(qkv.panels, qkv.bias, qkv.width, self._keep),
+                attention.q_proj.shared_start, attention.k_proj.shared_start, attention.v_proj.shared_start,
+                _weights(attention.o_proj.few_rows, attention.o_proj.bias, attention.o_proj.out_features, self._keep),
+                _weights(gate_up.panels, gate_up.bias, gate_up.width, self._keep), mlp.gate_proj.shared_start, mlp.up_proj.shared_start,
+                _weights(mlp.down_proj.few_rows, mlp.down_proj.bias, mlp.down_proj.out_features, self._keep),
                 (plan.window or 0) if plan.is_sliding else 0,
             )
-        final_norm, lm_head = inner.norm.weight.detach().contiguous(), model.lm_head
+        final_norm, lm_head = inner.norm.weight.detach().float().contiguous(), model.lm_head
         self._keep += [final_norm, layers]
         self.layers, self.vocab = len(inner.layers), lm_head.out_features
-        kernels = small_gemm.kernel()._call, small_gemm.kernel()._split, slot_attention.kernel()._call
+        kernels = self.kernel._call, self.kernel._split, slot_attention.kernel(self.dtype)._call
         pointers = [ctypes.cast(function, ctypes.c_void_p).value for function in kernels]
         self.model = _Model(
             self.layers, config.hidden_size, q_heads, self.kv_heads, self.head_dim, mlp.gate_proj.out_features,
             inner.norm.variance_epsilon, first_attention.scaling,
-            self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.few_rows, lm_head.bias, self.vocab),
+            self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.few_rows, lm_head.bias, self.vocab, self._keep),
             *pointers, layers,
         )
         self.slot_cache: _KvCache | None = None
@@ -220,7 +236,7 @@ class NativeModel:
         """The decode worker's cache of blocks, where decode steps write and read."""
         if cache.keys[0].shape[1:2] != (self.kv_heads,) or cache.keys[0].shape[3] != self.head_dim:
             raise ValueError(f"native step: KV cache {tuple(cache.keys[0].shape)} is not [blocks, {self.kv_heads}, block_size, {self.head_dim}]")
-        self.slot_cache, self.slot_shape = _kv_cache(cache.keys, cache.values), cache.keys[0].shape
+        self.slot_cache, self.slot_shape = _kv_cache(cache.keys, cache.values, self.dtype), cache.keys[0].shape
 
     def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step; row i is token input_ids[i] at
@@ -235,13 +251,13 @@ class NativeModel:
         """[1, vocab]: the logits after the prompt; each layer's K/V [kv_heads, tokens,
         head_dim] goes to on_layer as soon as it is written (before the layer's attention).
         prefix_kv: per layer (keys, values) [kv_heads, P, head_dim], the KV of token_ids[:P]
-        (float32): they fill the buffer's first P lines, only rows P.. run, and on_layer
+        (the model's dtype): they fill the buffer's first P lines, only rows P.. run, and on_layer
         gets the new rows' K/V (views of the buffer)."""
         n = len(token_ids)
         start = 0 if prefix_kv is None else prefix_kv[0][0].shape[1]
         shape = (1, self.kv_heads, n, self.head_dim)
-        keys = [torch.empty(shape, dtype=torch.float32) for _ in range(self.layers)]
-        values = [torch.empty(shape, dtype=torch.float32) for _ in range(self.layers)]
+        keys = [torch.empty(shape, dtype=self.dtype) for _ in range(self.layers)]
+        values = [torch.empty(shape, dtype=self.dtype) for _ in range(self.layers)]
         if prefix_kv is not None:
             if len(prefix_kv) != self.layers or not 0 < start < n or any(t.shape != (self.kv_heads, start, self.head_dim) for pair in prefix_kv for t in pair):
                 raise ValueError(f"native prefill: prefix_kv of {len(prefix_kv)} layers, {start} tokens, for a prompt of {n}")
@@ -263,7 +279,7 @@ class NativeModel:
                 return 1
 
         # Rows P.. of one slot, each attending over the lines before it: the prefix's, then the rows' own.
-        logits = self._run(_kv_cache(keys, values), torch.zeros(rows, dtype=torch.long), positions, input_ids, n, rows - 1, _LAYER_DONE(layer_done))
+        logits = self._run(_kv_cache(keys, values, self.dtype), torch.zeros(rows, dtype=torch.long), positions, input_ids, n, rows - 1, _LAYER_DONE(layer_done))
         if failure:
             raise failure[0]
         return logits
@@ -281,7 +297,7 @@ class NativeModel:
         """slots: [n] (each row's one block) or [n, blocks] block tables."""
         n = slots.shape[0]
         table_stride = slots.stride(0) if slots.dim() == 2 else 1
-        cos, sin = self.rotary(self.embed[:1], positions[None])  # [1, n, head_dim] each
+        cos, sin = self.rotary(self.embed[:1].float(), positions[None])  # [1, n, head_dim] each, float32
         cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
         logits = torch.empty(n - logit_from, self.vocab, dtype=torch.float32)
         work = torch.empty(self.library.native_step_workspace(ctypes.byref(self.model), n, kv_len), dtype=torch.float32)

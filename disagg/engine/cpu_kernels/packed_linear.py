@@ -74,7 +74,7 @@ class PackedLinear(nn.Module):
         # Buffers, not parameters: the model's own weights stay what was loaded.
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
         # For a decode step's rows: the kernel's panels [ceil(out / 24), in, 24], or the transposed weight [in, out].
-        kernel = small_gemm.kernel() if weight.dtype == torch.float32 and torch.get_num_threads() == 1 else None
+        kernel = small_gemm.kernel(weight.dtype) if torch.get_num_threads() == 1 else None
         few_rows = kernel.pack(weight) if kernel is not None else weight.t().contiguous()
         self.register_buffer("few_rows", few_rows, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
@@ -105,12 +105,17 @@ class PackedLinear(nn.Module):
 def packed_product(rows: torch.Tensor, packed: torch.Tensor, few_rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[n, in] x the weight -> [n, out]: up to SMALL_ROWS rows through the kernel's
     panels (3-d); more (a prefill's) too, in blocks of SMALL_ROWS, where the kernel
-    shares them with its helper; else one row over the transposed weight (2-d), else oneDNN."""
+    shares them with its helper; else one row over the transposed weight (2-d), else oneDNN.
+    The kernel takes and gives float32: bf16 rows are widened (exactly) and the float32
+    sums rounded once to bf16, as oneDNN's bf16 product rounds its float32 accumulators."""
     n = rows.shape[0]
-    if few_rows.dim() == 3 and n <= SMALL_ROWS:
-        return small_gemm.kernel().product(rows, few_rows, packed.shape[0], bias)
-    if few_rows.dim() == 3 and small_gemm.kernel().shares(few_rows):
-        return prefill_blocks(rows.contiguous(), few_rows, packed.shape[0], bias)
+    if few_rows.dim() == 3:
+        kernel = small_gemm.kernel(few_rows.dtype)
+        kernel_bias = None if bias is None else bias.float()
+        if n <= SMALL_ROWS:
+            return kernel.product(rows.float(), few_rows, packed.shape[0], kernel_bias).to(rows.dtype)
+        if kernel.shares(few_rows):
+            return prefill_blocks(rows.float().contiguous(), few_rows, packed.shape[0], kernel_bias).to(rows.dtype)
     if few_rows.dim() == 2 and n == 1:
         out = rows @ few_rows
         return out + bias if bias is not None else out
@@ -123,7 +128,7 @@ def prefill_blocks(rows: torch.Tensor, panels: torch.Tensor, out_features: int, 
     output columns, so a block must stay in the caches; and blocks of 64 rows on two
     cores compute 1.6-1.7x as fast as oneDNN on one, or 0.97x when the helper gets
     no core (SmolLM's layers, 1,024 rows; docs/benchmarks-history.md, both cores shared)."""
-    kernel = small_gemm.kernel()
+    kernel = small_gemm.kernel(panels.dtype)
     out = rows.new_empty(rows.shape[0], out_features)
     for start in range(0, rows.shape[0], SMALL_ROWS):
         kernel.product(rows[start : start + SMALL_ROWS], panels, out_features, bias, out=out[start : start + SMALL_ROWS])
@@ -161,7 +166,8 @@ class SharedInput:
     def __init__(self, members: list["PackedLinear"]):
         self.panels = torch.cat([member.few_rows for member in members])  # [sum of the members' panels, in, 24]
         self.width = self.panels.shape[0] * small_gemm.PANEL
-        self.bias = self.panels.new_zeros(self.width) if any(member.bias is not None for member in members) else None
+        # float32 whatever the weights' dtype: the kernel adds it to its float32 sums.
+        self.bias = torch.zeros(self.width) if any(member.bias is not None for member in members) else None
         self.members = frozenset(members)
         start = 0
         for member in members:
@@ -182,10 +188,10 @@ class SharedInput:
         if last is not None and last[0] is x and last[1] == version and member in last[3]:
             product, waiting = last[2], last[3] - {member}
         else:
-            product, waiting = small_gemm.kernel().product(rows, self.panels, self.width, self.bias), self.members - {member}
+            product, waiting = small_gemm.kernel(self.panels.dtype).product(rows.float(), self.panels, self.width, self.bias), self.members - {member}
         self._last = (x, version, product, waiting) if waiting else None
         start = member.shared_start
-        return product[:, start : start + member.out_features].contiguous()
+        return product[:, start : start + member.out_features].to(rows.dtype).contiguous()
 
 
 def _version(x: torch.Tensor) -> int:

@@ -21,6 +21,23 @@
 
 __m256 _ZGVdN8v_expf(__m256 x); /* libmvec's expf over 8 lanes, AVX2 */
 
+/* The cache's element: float32, or (built with -DKV_BF16) bfloat16, widened exactly
+ * to float32 as it is read; q, the scores and the sums are float32 either way. */
+#ifdef KV_BF16
+typedef unsigned short kv_t;
+static inline __m256 load_kv(const kv_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline float kv_float(kv_t x) {
+    union { unsigned u; float f; } bits = {(unsigned)x << 16};
+    return bits.f;
+}
+#else
+typedef float kv_t;
+static inline __m256 load_kv(const kv_t *p) { return _mm256_loadu_ps(p); }
+static inline float kv_float(kv_t x) { return x; }
+#endif
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -28,31 +45,31 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline float dot(const float *a, const float *b, long d) {
+static inline float dot(const float *a, const kv_t *b, long d) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     long i = 0;
     for (; i + 16 <= d; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_kv(b + i + 8), s1);
     }
     for (; i + 8 <= d; i += 8)
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(b + i), s0);
     float tail = 0.0f;
     for (; i < d; i++)
-        tail += a[i] * b[i];
+        tail += a[i] * kv_float(b[i]);
     return hsum(_mm256_add_ps(s0, s1)) + tail;
 }
 
 /* The four dots q . k[t + j], j < 4, rows pos_stride apart, as one vector of 4. */
-static inline __m128 dot4(const float *q, const float *k, long pos_stride, long d) {
+static inline __m128 dot4(const float *q, const kv_t *k, long pos_stride, long d) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     long i = 0;
     for (; i + 8 <= d; i += 8) {
         __m256 qi = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + i), a0);
-        a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + pos_stride + i), a1);
-        a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 2 * pos_stride + i), a2);
-        a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 3 * pos_stride + i), a3);
+        a0 = _mm256_fmadd_ps(qi, load_kv(k + i), a0);
+        a1 = _mm256_fmadd_ps(qi, load_kv(k + pos_stride + i), a1);
+        a2 = _mm256_fmadd_ps(qi, load_kv(k + 2 * pos_stride + i), a2);
+        a3 = _mm256_fmadd_ps(qi, load_kv(k + 3 * pos_stride + i), a3);
     }
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -60,7 +77,7 @@ static inline __m128 dot4(const float *q, const float *k, long pos_stride, long 
         float tail[4] = {0, 0, 0, 0};
         for (long j = 0; j < 4; j++)
             for (long c = i; c < d; c++)
-                tail[j] += q[c] * k[j * pos_stride + c];
+                tail[j] += q[c] * kv_float(k[j * pos_stride + c]);
         sums = _mm_add_ps(sums, _mm_loadu_ps(tail));
     }
     return sums;
@@ -100,7 +117,7 @@ static inline long run_at(const struct paged_rows *g, const long *table, long p,
 /* out[0, d) = sum_t p[t] v[t] / sum over positions start.. start + length of one row's blocks,
  * the sums held in registers 32 columns at a time, in position order. v: the head's first
  * value (block 0, position 0); offsets from run_at are in positions, scaled by pos_stride. */
-static void weighted_values(const float *p, const float *v, const struct paged_rows *g, const long *table, long start, long length,
+static void weighted_values(const float *p, const kv_t *v, const struct paged_rows *g, const long *table, long start, long length,
                             long pos_stride, long d, float sum, float *out) {
     __m256 divisor = _mm256_set1_ps(sum);
     long i = 0;
@@ -112,11 +129,11 @@ static void weighted_values(const float *p, const float *v, const struct paged_r
                 if (p[t + j] == 0.0f)
                     continue;
                 __m256 pt = _mm256_set1_ps(p[t + j]);
-                const float *vt = v + (at + j) * pos_stride + i;
-                a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), a0);
-                a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), a1);
-                a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), a2);
-                a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), a3);
+                const kv_t *vt = v + (at + j) * pos_stride + i;
+                a0 = _mm256_fmadd_ps(pt, load_kv(vt), a0);
+                a1 = _mm256_fmadd_ps(pt, load_kv(vt + 8), a1);
+                a2 = _mm256_fmadd_ps(pt, load_kv(vt + 16), a2);
+                a3 = _mm256_fmadd_ps(pt, load_kv(vt + 24), a3);
             }
         }
         _mm256_storeu_ps(out + i, _mm256_div_ps(a0, divisor));
@@ -130,7 +147,7 @@ static void weighted_values(const float *p, const float *v, const struct paged_r
             run = run_at(g, table, start + t, length - t, &at);
             for (long j = 0; j < run; j++)
                 if (p[t + j] != 0.0f)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(p[t + j]), _mm256_loadu_ps(v + (at + j) * pos_stride + i), a);
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(p[t + j]), load_kv(v + (at + j) * pos_stride + i), a);
         }
         _mm256_storeu_ps(out + i, _mm256_div_ps(a, divisor));
     }
@@ -139,17 +156,17 @@ static void weighted_values(const float *p, const float *v, const struct paged_r
         for (long t = 0, at, run; t < length; t += run) {
             run = run_at(g, table, start + t, length - t, &at);
             for (long j = 0; j < run; j++)
-                a += p[t + j] * v[(at + j) * pos_stride + i];
+                a += p[t + j] * kv_float(v[(at + j) * pos_stride + i]);
         }
         out[i] = a / sum;
     }
 }
 
 /* s[0, length) = q . k[p] for the row's positions p = start.. start + length, four at a time within a block. */
-static void scores(const float *q, const float *k, const struct paged_rows *g, const long *table, long start, long length, long pos_stride, long d, float *s) {
+static void scores(const float *q, const kv_t *k, const struct paged_rows *g, const long *table, long start, long length, long pos_stride, long d, float *s) {
     for (long t = 0, at, run; t < length; t += run) {
         run = run_at(g, table, start + t, length - t, &at);
-        const float *kt = k + at * pos_stride;
+        const kv_t *kt = k + at * pos_stride;
         long j = 0;
         for (; j + 4 <= run; j += 4)
             _mm_storeu_ps(s + t + j, dot4(q, kt + j * pos_stride, pos_stride, d));
@@ -164,7 +181,7 @@ static void scores(const float *q, const float *k, const struct paged_rows *g, c
  * (the slot layout is one block of every position per slot: tables = slots, table_stride 1);
  * mask: [rows][length] bytes (1: attend), or NULL (every position); out: [rows, q_heads, d]
  * contiguous; scratch: group * length floats. A row whose mask hides every position gets NaN, as SDPA gives. */
-void slot_attention(const float *q, long rows, long q_heads, long kv_heads, long d, const float *keys, const float *values,
+void slot_attention(const float *q, long rows, long q_heads, long kv_heads, long d, const kv_t *keys, const kv_t *values,
                     long block_stride, long head_stride, long pos_stride, const long *tables, long table_stride, long block_size,
                     long start, long length, const unsigned char *mask, float scale, float *out, float *scratch) {
     long group = q_heads / kv_heads;
@@ -173,7 +190,7 @@ void slot_attention(const float *q, long rows, long q_heads, long kv_heads, long
         const unsigned char *m = mask ? mask + r * length : 0;
         const long *table = tables + r * table_stride;
         for (long h = 0; h < kv_heads; h++) {
-            const float *k = keys + h * head_stride, *v = values + h * head_stride;
+            const kv_t *k = keys + h * head_stride, *v = values + h * head_stride;
             for (long gi = 0; gi < group; gi++) {
                 const float *qg = q + (r * q_heads + h * group + gi) * d;
                 float *s = scratch + gi * length, top = -INFINITY;

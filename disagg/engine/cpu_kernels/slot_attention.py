@@ -33,12 +33,15 @@ from . import small_gemm
 SOURCE = pathlib.Path(__file__).with_name("slot_attention.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")  # glibc's vector expf
+# The cache's dtype -> the flags of its build (bf16 lines are widened to float32 as they are read).
+KV_FLAGS = {torch.float32: (), torch.bfloat16: ("-DKV_BF16",)}
 # Keyword arguments that change the attention's arithmetic: a call with any of them set goes to transformers' sdpa.
 UNSERVED = ("softcap", "sinks", "s_aux", "position_bias", "sliding_window_size", "alibi")
 
 
 class SlotAttention:
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, kv_dtype: torch.dtype = torch.float32):
+        self.kv_dtype = kv_dtype
         self._call = library.slot_attention
         long, pointer = ctypes.c_long, ctypes.c_void_p
         self._call.argtypes = [
@@ -57,9 +60,11 @@ class SlotAttention:
         n, q_heads, d = query.shape
         blocks, kv_heads, block_size, _ = keys.shape
         # The C side reads raw pointers: anything off here would read past the buffers, not fail.
-        if keys.stride() != values.stride() or keys.shape != values.shape or keys.stride(3) != 1 or q_heads % kv_heads or keys.shape[3] != d:
+        same_dtypes = query.dtype == torch.float32 and keys.dtype == values.dtype == self.kv_dtype
+        if not same_dtypes or keys.stride() != values.stride() or keys.shape != values.shape or keys.stride(3) != 1 or q_heads % kv_heads or keys.shape[3] != d:
             raise ValueError(
-                f"slot_attention: keys {tuple(keys.shape)} {keys.stride()} values {tuple(values.shape)} {values.stride()} query {tuple(query.shape)}"
+                f"slot_attention: keys {tuple(keys.shape)} {keys.stride()} {keys.dtype} values {tuple(values.shape)} {values.stride()} {values.dtype}"
+                f" query {tuple(query.shape)} {query.dtype} (a {self.kv_dtype} cache, a float32 query)"
             )
         if keys.stride(0) % keys.stride(2) or keys.stride(2) != d:
             raise ValueError(f"slot_attention: keys {tuple(keys.shape)} {keys.stride()}: positions must be d apart, blocks whole positions apart")
@@ -82,11 +87,17 @@ class SlotAttention:
         return out
 
 
+def kernel(kv_dtype: torch.dtype = torch.float32) -> SlotAttention | None:
+    """The kernel over a cache of this dtype (float32 or bfloat16), or None where it cannot run here (logged once)."""
+    return _kernel(kv_dtype)  # one object per dtype, however it is asked for
+
+
 @functools.cache
-def kernel() -> SlotAttention | None:
-    """The kernel, or None where it cannot run here (logged once)."""
-    library = small_gemm.load_library(SOURCE, FLAGS, LIBRARIES, "decode attention gathers scattered slots")
-    return SlotAttention(library) if library is not None else None
+def _kernel(kv_dtype: torch.dtype) -> SlotAttention | None:
+    if kv_dtype not in KV_FLAGS:
+        return None
+    library = small_gemm.load_library(SOURCE, FLAGS + KV_FLAGS[kv_dtype], LIBRARIES, f"decode attention over a {kv_dtype} cache gathers scattered slots")
+    return SlotAttention(library, kv_dtype) if library is not None else None
 
 
 @dataclass(frozen=True)

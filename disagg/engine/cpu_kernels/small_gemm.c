@@ -37,6 +37,21 @@
 #define NR 24
 #define KC 256
 
+/* The weights' element: float32, or (built with -DWEIGHT_BF16) bfloat16, widened to
+ * float32 as it is loaded (a bf16 is a float32's upper half: shifted left 16 bits it
+ * is that float exactly). The rows, the sums and y stay float32 either way, so a bf16
+ * weight reads half the bytes and each output is still one float32 sum of exact
+ * products (what oneDNN's bf16 products accumulate in, before their one rounding). */
+#ifdef WEIGHT_BF16
+typedef unsigned short weight_t;
+static inline __m256 load_weights(const weight_t *w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+}
+#else
+typedef float weight_t;
+static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w); }
+#endif
+
 /* Adds the chunk's sums into y (after the first chunk) or the bias (on it); writes ncols <= NR columns. */
 static inline __attribute__((always_inline)) void store_row(__m256 a0, __m256 a1, __m256 a2, float *y, const float *bias, int ncols, int first) {
     float sums[NR] __attribute__((aligned(32)));
@@ -70,10 +85,10 @@ static inline __attribute__((always_inline)) void store_row(__m256 a0, __m256 a1
         a##i##2 = _mm256_fmadd_ps(xi, w2, a##i##2);                    \
     }
 #define STORE(i) store_row(a##i##0, a##i##1, a##i##2, y + (i) * ldy, bias, ncols, first);
-/* One chunk row of the panel (24 floats, 96 bytes). */
+/* One chunk row of the panel (24 weights: 96 bytes in float32, 48 in bf16). */
 #define LOAD_W                                                         \
-    const float *w = chunk + k * NR;                                   \
-    __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8), w2 = _mm256_load_ps(w + 16);
+    const weight_t *w = chunk + k * NR;                                \
+    __m256 w0 = load_weights(w), w1 = load_weights(w + 8), w2 = load_weights(w + 16);
 /* The same, and a prefetch of the same row of the chunk after it. */
 #define LOAD_W_PREFETCH                                                \
     _mm_prefetch((const char *)(chunk + k * NR + ahead), _MM_HINT_T0);      \
@@ -81,7 +96,7 @@ static inline __attribute__((always_inline)) void store_row(__m256 a0, __m256 a1
     LOAD_W
 
 #define BLOCK(rows, load, declare, accumulate, store)                                                        \
-    static void block##rows(const float *x, long ldx, const float *chunk, long kn, long ahead, float *y,     \
+    static void block##rows(const float *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,     \
                             long ldy, const float *bias, int ncols, int first) {                            \
         (void)ahead;                                                                                         \
         declare for (long k = 0; k < kn; k++) { load accumulate } store                                     \
@@ -94,13 +109,13 @@ BLOCK(2, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1), ACCUMULATE(0) ACCUMULATE(1), ST
 BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
 
 /* Panels [first, last) of the product (see small_gemm). */
-static void panel_range(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y, long first, long last) {
+static void panel_range(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, long first, long last) {
     for (long p = first; p < last; p++) {
         int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
         const float *b = bias ? bias + p * NR : 0;
         for (long k0 = 0; k0 < K; k0 += KC) {
             long kn = K - k0 < KC ? K - k0 : KC;
-            const float *chunk = panels + (p * K + k0) * NR;
+            const weight_t *chunk = panels + (p * K + k0) * NR;
             long ahead = kn * NR; /* the next chunk, or the next panel's first: the next bytes in memory */
             for (long m = 0; m < M; m += 4) {
                 const float *xm = x + m * K + k0;
@@ -118,7 +133,7 @@ static void panel_range(const float *x, long M, long K, const float *panels, lon
 
 /* x: [M, K] row-major; panels: ceil(N / NR) panels of [K][NR] (columns past N zero);
  * bias: [N] or NULL; y: [M, N] row-major, written whole. */
-void small_gemm(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y) {
+void small_gemm(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y) {
     panel_range(x, M, K, panels, N, bias, y, 0, (N + NR - 1) / NR);
 }
 
@@ -170,7 +185,8 @@ enum { OPEN = 0, READY = 1, TAKEN = 2 };
 #define STATE(ticket, state) ((unsigned)(((ticket) & 0xFFFFFFu) << 8) | (unsigned)(state))
 
 struct job {
-    const float *x, *panels, *bias; /* x: the caller's copy (x_copy) */
+    const float *x, *bias; /* x: the caller's copy (x_copy) */
+    const weight_t *panels;
     float *helper_y;                /* [M, N], row stride N, as y */
     _Atomic unsigned *states;       /* one per panel */
     long M, K, N;
@@ -330,7 +346,7 @@ static void copy_panel(const float *from, float *y, long M, long N, long p) {
 }
 
 /* Returns 1 if the helper was offered a share of the product, 0 if the caller computed it alone. */
-int small_gemm_split(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y) {
+int small_gemm_split(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y) {
     long count = (N + NR - 1) / NR;
     /* A helper at normal priority (where SCHED_IDLE is refused) shares single rows only: more
      * would take the core from the process beside this one whenever it has work (measured). */
@@ -357,7 +373,7 @@ int small_gemm_split(const float *x, long M, long K, const float *panels, long N
     unsigned long long ticket = (TICKET(atomic_load_explicit(&claims, memory_order_relaxed)) + 1) & ((1ULL << (64 - 2 * PANEL_BITS)) - 1);
     for (long p = 0; p < count; p++)
         atomic_store_explicit(&panel_states[p], STATE(ticket, OPEN), memory_order_relaxed);
-    job = (struct job){x_copy, panels, bias, helper_y, panel_states, M, K, N};
+    job = (struct job){x_copy, bias, panels, helper_y, panel_states, M, K, N};
     atomic_store_explicit(&claims, CLAIMS(ticket, 0, count), memory_order_seq_cst); /* publishes the job */
     pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks the ticket under this lock */
     pthread_cond_signal(&wake);

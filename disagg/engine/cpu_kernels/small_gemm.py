@@ -1,4 +1,6 @@
-"""The few-row float32 product of `small_gemm.c`, built on first use.
+"""The few-row product of `small_gemm.c`, built on first use: float32 rows times
+float32 weights, or (a second build, `-DWEIGHT_BF16`) times bfloat16 weights widened
+as they are read, for half the bytes a decode step streams.
 
 The C file is compiled once with the system's C compiler (`$CC`, else `cc` or
 `gcc`) into `$DISAGG_CACHE/small_gemm/` (default `~/.cache/disagg`), named by
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
+# The weights' dtype -> the flags of its build (each build its own library, helper thread included).
+WEIGHT_FLAGS = {torch.float32: (), torch.bfloat16: ("-DWEIGHT_BF16",)}
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: SmolLM-135M's
 # q, o, gate, up, down and LM head (1.3-113 MB) are; its k and v alone (442 KB,
@@ -60,7 +64,8 @@ class SmallGemm:
     rows on that CPU.
     """
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, weight_dtype: torch.dtype = torch.float32):
+        self.weight_dtype = weight_dtype
         arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
         self._call.argtypes, self._call.restype = arguments, None
@@ -126,7 +131,7 @@ class SmallGemm:
 
     def shares(self, panels: torch.Tensor) -> bool:
         """Whether a product over these panels of up to SPLIT_MAX_ROWS rows, from this thread, is shared with the helper."""
-        return panels.numel() * 4 >= SPLIT_MIN_BYTES and self.splits_here()
+        return panels.numel() * panels.element_size() >= SPLIT_MIN_BYTES and self.splits_here()
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -138,13 +143,16 @@ class SmallGemm:
         return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
 
     def product(self, rows: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [n, in] float32 -> [n, out] (into `out`, contiguous, if given)."""
+        """rows [n, in] float32 -> [n, out] float32 (into `out`, contiguous, if given); panels of this build's weight dtype."""
         rows = rows.contiguous()
         n, in_features = rows.shape
         # The C side reads raw pointers: a shape it was not packed for would read past the buffers, not fail.
-        fits = panels.shape[1] == in_features and out_features <= panels.shape[0] * PANEL and (bias is None or bias.shape == (out_features,))
-        if not fits or rows.dtype != torch.float32 or not panels.is_contiguous():
-            raise ValueError(f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)}")
+        bias_fits = bias is None or (bias.shape == (out_features,) and bias.dtype == torch.float32)
+        fits = panels.shape[1] == in_features and out_features <= panels.shape[0] * PANEL and bias_fits
+        if not fits or rows.dtype != torch.float32 or panels.dtype != self.weight_dtype or not panels.is_contiguous():
+            raise ValueError(
+                f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)} {panels.dtype}"
+            )
         if out is None:
             out = torch.empty(n, out_features, dtype=torch.float32)
         elif out.shape != (n, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
@@ -154,11 +162,17 @@ class SmallGemm:
         return out
 
 
+def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
+    """The kernel for weights of this dtype (float32 or bfloat16), or None where it cannot run here (logged once)."""
+    return _kernel(weight_dtype)  # one object per dtype, however it is asked for
+
+
 @functools.cache
-def kernel() -> SmallGemm | None:
-    """The kernel, or None where it cannot run here (logged once)."""
-    library = load_library(SOURCE, FLAGS, (), "few-row linear kernel not used")
-    return SmallGemm(library) if library is not None else None
+def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
+    if weight_dtype not in WEIGHT_FLAGS:
+        return None
+    library = load_library(SOURCE, FLAGS + WEIGHT_FLAGS[weight_dtype], (), f"few-row linear kernel ({weight_dtype}) not used")
+    return SmallGemm(library, weight_dtype) if library is not None else None
 
 
 def load_library(source: pathlib.Path, flags: tuple[str, ...], libraries: tuple[str, ...], unused: str) -> ctypes.CDLL | None:
