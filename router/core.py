@@ -79,6 +79,9 @@ def model_facts(config: RouterConfig, pool: WorkerPool) -> ModelFacts:
     names = {load.model_name for load in loads}
     if len(names) > 1:
         log.warning("workers report different models: %s", sorted(names))
+    dtypes = {load.dtype for load in loads}
+    if len(dtypes) > 1:  # --dtype auto on hosts of different classes: KV of one dtype is refused by a cache of another
+        log.warning("workers report different dtypes: %s (name one with --dtype)", sorted(dtypes))
     first = loads[0]
     return ModelFacts(
         name=first.model_name,

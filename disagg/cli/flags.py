@@ -34,7 +34,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="Hugging Face checkpoint: a local directory or a hub id (default: the built-in tiny model, made on first use)")
     parser.add_argument("--backend", default="torch", choices=["torch", "neuron"])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                        help="auto: bfloat16 on a CPU with native bf16 (AVX512_BF16, AMX), float32 on others, the checkpoint's own on CUDA, bf16 on Neuron")
     parser.add_argument("--device", default="cpu", help="torch device for the torch backend (cpu, cuda)")
     parser.add_argument("--max-seq-len", type=int, default=0, help="prompt plus generated tokens (default: the model's limit, at most 4096)")
     parser.add_argument("--global-topk", type=int, default=0, help="cap sampling candidates per row, as NxDI's global_topk (0: whole vocabulary)")

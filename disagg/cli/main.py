@@ -239,7 +239,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (default 0: the machine's cores split between the workers)")
     serve.add_argument("--batch-size", type=int, default=0,
                        help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
-    serve.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                        help="auto: bfloat16 on a CPU with native bf16 (AVX512_BF16, AMX), float32 on others, the checkpoint's own on CUDA, bf16 on Neuron")
     serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES,
                        help="how KV moves from prefill to decode (nixl: read straight into the slot, needs "
                             "nixl-cu12; auto: NIXL where it is installed, else the gRPC stream)")

@@ -15,7 +15,7 @@ class WorkerConfig:
     model: str
     address: str = "127.0.0.1:0"
     backend: str = "torch"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # dtype_choice: bf16 on a native-bf16 CPU, float32 on others
     device: str = "cpu"
     max_seq_len: int = 0  # 0: the model's limit (at most 4096)
     global_topk: int = 0

@@ -55,7 +55,7 @@ class ClusterSpec:
     decode_workers: int = 1
     router_port: int = 0  # 0: a free port
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API; None: off, 0: a free port
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # dtype_choice: bf16 on a native-bf16 CPU, float32 on others
     batch_size: int = 8
     threads_per_worker: int = 0  # 0: split the machine's cores between the workers
     worker_args: list[str] = field(default_factory=list)  # extra flags for both workers
