@@ -209,12 +209,30 @@ def float32_over_bf16_weights(name: str):
 
 
 
+@pytest.fixture(params=["widen", "dot"])
+def bf16_kernel(request, monkeypatch):
+    """Each bf16 product kernel this CPU runs, named as DISAGG_BF16_KERNEL names it."""
+    if small_gemm.build_kernel(f"bf16-{request.param}") is None:
+        pytest.skip(f"the bf16-{request.param} kernel does not run on this CPU")
+    monkeypatch.setenv("DISAGG_BF16_KERNEL", request.param)
+    small_gemm._kernel.cache_clear()
+    yield request.param
+    small_gemm._kernel.cache_clear()
+
+
+# How far a bf16 native step's logits may be from float32 arithmetic over the same bf16
+# weights and cache, in the logits' scale. widen: only the row's own K/V line is rounded (to
+# bf16, as it is written); dot: each product's input row is rounded too, as a bf16 model's
+# products take them. transformers' bf16 modules, which round every intermediate, are 5e-3 to
+# 9e-3 off on these models.
+BF16_STEP_TOLERANCE = {"widen": 4e-3, "dot": 8e-3}
+
+
 @needs_bf16_packing
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sw"])
-def test_a_bf16_native_step_is_the_float32_step_over_bf16_weights(name):
+def test_a_bf16_native_step_is_the_float32_step_over_bf16_weights(name, bf16_kernel):
     """bf16 weights, embedding and cache, float32 arithmetic: against a float32 step over the
-    same (widened) weights and cache, the one difference is the row's own K/V line, which ours
-    rounds to bf16 as it writes it."""
+    same (widened) weights and cache, within BF16_STEP_TOLERANCE."""
     backend = load_backend("torch", model=tiny_model(name), dtype="bfloat16")
     backend.allocate_slots(6)
     assert backend.native is not None and backend.cache.keys[0].dtype == torch.bfloat16
@@ -227,14 +245,14 @@ def test_a_bf16_native_step_is_the_float32_step_over_bf16_weights(name):
     with torch.inference_mode():
         want = reference._eager_logits(inputs, read_in_place=False)
         got = backend.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
-    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+    assert (got - want).abs().max() <= BF16_STEP_TOLERANCE[bf16_kernel] * want.abs().max()
     for layer, (ours, theirs) in enumerate(zip((*backend.cache.keys, *backend.cache.values), (*reference.cache.keys, *reference.cache.values))):
         # The lines the step wrote: the first layer's rounded once to bf16; later layers' also read the rounded lines before them.
         assert (ours.float() - theirs).abs().max() <= (2**-8 if layer in (0, len(backend.cache.keys)) else 1e-2) * theirs.abs().max()
 
 
 @needs_bf16_packing
-def test_a_bf16_native_prefill_is_the_float32_prefill_over_bf16_weights():
+def test_a_bf16_native_prefill_is_the_float32_prefill_over_bf16_weights(bf16_kernel):
     backend = load_backend("torch", model=tiny_model("mistral-sw"), dtype="bfloat16")  # past its 16-token window
     assert backend.native_prefill is not None
     reference = float32_over_bf16_weights("mistral-sw")

@@ -119,24 +119,31 @@ def test_the_few_row_kernel_equals_nn_linear(out_features, in_features, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("build", ["bf16-widen", "bf16-dot"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (1, 7)])
-def test_the_bf16_weight_kernel_is_a_float32_product_of_the_widened_weights(out_features, in_features, bias):
-    """bf16 panels are widened exactly as read: the product equals float32's over weight.float()
-    (up to the order of sums), and a row's bits do not depend on its batch."""
+@pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (1, 7), (30, 258)])
+def test_the_bf16_weight_kernels_compute_their_exact_products(out_features, in_features, bias, build):
+    """widen: bf16 panels widened exactly as read, so the product is float32's over
+    weight.float(); dot: the rows rounded to bf16 as well (pairs of k per instruction).
+    Either up to the order of float32 sums, and a row's bits do not depend on its batch.
+    K of 7 and 258: the dot layout's padding to a multiple of 4."""
+    kernel = small_gemm.build_kernel(build)
+    if kernel is None:
+        pytest.skip(f"{build} does not run on this CPU")
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features).to(torch.bfloat16)
     bias_values = torch.randn(out_features) if bias else None
-    kernel = small_gemm.kernel(torch.bfloat16)
     panels = kernel.pack(weight)
-    assert panels.dtype == torch.bfloat16 and panels.shape == (-(-out_features // 24), in_features, 24)
+    assert panels.dtype == torch.bfloat16 and panels.shape == (-(-out_features // 24), kernel.packed_k(in_features), 24)
+    assert torch.equal(kernel.unpack(panels, out_features, in_features), weight)
     x = torch.randn(13, in_features)
-    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias_values is None else bias_values.double()).float()
+    rows = x.to(torch.bfloat16).double() if build == "bf16-dot" else x.double()
+    want = torch.nn.functional.linear(rows, weight.double(), None if bias_values is None else bias_values.double()).float()
     got = kernel.product(x, panels, out_features, bias_values)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     for rows in [1, 2, 3, 4, 5]:
         assert torch.equal(kernel.product(x[:rows], panels, out_features, bias_values), got[:rows]), rows
-    with pytest.raises(ValueError, match="do not fit"):  # float32 panels are the other build's
+    with pytest.raises(ValueError, match="do not fit"):  # float32 panels are another build's
         kernel.product(x, small_gemm.kernel().pack(weight.float()), out_features, bias_values)
     with pytest.raises(ValueError, match="do not fit"):  # the bias is added to float32 sums
         kernel.product(x, panels, out_features, torch.randn(out_features, dtype=torch.bfloat16))
@@ -419,7 +426,7 @@ def test_a_prefill_s_rows_go_through_the_kernel_in_shared_blocks_of_64(one_threa
 def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("DISAGG_CACHE", str(tmp_path))
-    small_gemm._kernel.cache_clear()
+    small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
     try:
         assert small_gemm.kernel() is None
         linear = torch.nn.Linear(96, 160)
@@ -429,7 +436,7 @@ def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkey
             x = torch.randn(rows, 96)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     finally:
-        small_gemm._kernel.cache_clear()
+        small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
 
 
 @needs_kernel

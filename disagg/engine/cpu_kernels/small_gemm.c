@@ -52,6 +52,39 @@ typedef float weight_t;
 static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w); }
 #endif
 
+/* The rows as the blocks read them. Built with -DDOT_BF16 as well (AVX512_BF16 CPUs):
+ * the rows rounded to bf16 (to nearest, ties to even, as PyTorch's conversion) and
+ * K padded to a multiple of 4; the panels hold each column's weights in pairs of k,
+ * so that one VDPBF16PS multiplies 16 columns by a pair of k: twice the products per
+ * instruction of a float32 FMA, on the bf16 inputs a bf16 model's own products take.
+ * A panel is quads of k, each 192 bytes: columns 0-15 of pair k, k + 1 (64 bytes),
+ * of pair k + 2, k + 3 (64), then columns 16-23 of each pair (32 + 32), so no load
+ * crosses a cache line. Otherwise the float32 rows themselves. */
+#ifdef DOT_BF16
+typedef unsigned short input_t;
+#define INPUT_K(K) (((K) + 3) & ~3L)
+static void prepare_input(const float *x, long M, long K, input_t *out) {
+    long kp = INPUT_K(K);
+    for (long m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        input_t *o = out + m * kp;
+        long k = 0;
+        for (; k + 32 <= K; k += 32)
+            _mm512_storeu_si512((void *)(o + k), (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k)));
+        for (; k < K; k++) {
+            union { float f; unsigned u; } bits = {row[k]};
+            o[k] = (bits.u & 0x7fffffffu) > 0x7f800000u ? (input_t)((bits.u >> 16) | 0x40u) : (input_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
+        }
+        for (; k < kp; k++)
+            o[k] = 0;
+    }
+}
+#else
+typedef float input_t;
+#define INPUT_K(K) (K)
+static void prepare_input(const float *x, long M, long K, input_t *out) { memcpy(out, x, (size_t)(M * K) * sizeof(float)); }
+#endif
+
 /* Adds the chunk's sums into y (after the first chunk) or the bias (on it); writes ncols <= NR columns. */
 static inline __attribute__((always_inline)) void store_row(__m256 a0, __m256 a1, __m256 a2, float *y, const float *bias, int ncols, int first) {
     float sums[NR] __attribute__((aligned(32)));
@@ -96,45 +129,105 @@ static inline __attribute__((always_inline)) void store_row(__m256 a0, __m256 a1
     LOAD_W
 
 #define BLOCK(rows, load, declare, accumulate, store)                                                        \
-    static void block##rows(const float *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,     \
+    static void block##rows(const input_t *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,     \
                             long ldy, const float *bias, int ncols, int first) {                            \
         (void)ahead;                                                                                         \
         declare for (long k = 0; k < kn; k++) { load accumulate } store                                     \
     }
 
+#ifndef DOT_BF16 /* the float32 rows' blocks (the dot build's are dot_block) */
 BLOCK(4, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3), ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3), STORE(0) STORE(1) STORE(2) STORE(3))
 BLOCK(3, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1) DECLARE(2), ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2), STORE(0) STORE(1) STORE(2))
 BLOCK(2, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1), ACCUMULATE(0) ACCUMULATE(1), STORE(0) STORE(1))
 /* One row: after a block of 4 on the same chunk (M = 5, 9, ...) the chunk ahead is already on its way. */
 BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
+#endif
 
-/* Panels [first, last) of the product (see small_gemm). */
-static void panel_range(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, long first, long last) {
+#ifdef DOT_BF16
+/* Up to 4 rows over a chunk of quads of k: per row, columns 0-15 in a zmm and 16-23 in a ymm of sums. */
+static inline __attribute__((always_inline)) void dot_block(int rows, const input_t *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,
+                                                            long ldy, const float *bias, int ncols, int first) {
+    __m512 lo[4];
+    __m256 hi[4];
+    for (int r = 0; r < 4; r++)
+        lo[r] = _mm512_setzero_ps(), hi[r] = _mm256_setzero_ps();
+    for (long k = 0; k < kn; k += 4) {
+        const weight_t *w = chunk + k * NR; /* one quad: 4 k x 24 columns = 192 bytes */
+        if (rows > 1) {
+            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ahead + 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
+        }
+        __m512bh lo0 = (__m512bh)_mm512_loadu_si512((const void *)w), lo1 = (__m512bh)_mm512_loadu_si512((const void *)(w + 32));
+        __m256bh hi0 = (__m256bh)_mm256_loadu_si256((const void *)(w + 64)), hi1 = (__m256bh)_mm256_loadu_si256((const void *)(w + 80));
+        for (int r = 0; r < rows; r++) {
+            int pairs[2];
+            memcpy(pairs, x + r * ldx + k, sizeof pairs); /* x[k] in the low half: each pair's first element */
+            __m512i x0 = _mm512_set1_epi32(pairs[0]), x1 = _mm512_set1_epi32(pairs[1]);
+            lo[r] = _mm512_dpbf16_ps(lo[r], (__m512bh)x0, lo0);
+            hi[r] = _mm256_dpbf16_ps(hi[r], (__m256bh)_mm512_castsi512_si256(x0), hi0);
+            lo[r] = _mm512_dpbf16_ps(lo[r], (__m512bh)x1, lo1);
+            hi[r] = _mm256_dpbf16_ps(hi[r], (__m256bh)_mm512_castsi512_si256(x1), hi1);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        store_row(_mm512_castps512_ps256(lo[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo[r]), 1)), hi[r], y + r * ldy, bias, ncols, first);
+}
+#define BLOCK_CALL(rows) dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0)
+#else
+#define BLOCK_CALL(rows) block##rows(xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0)
+#endif
+
+/* Panels [first, last) of the product (see small_gemm); x prepared (prepare_input). */
+static void panel_range(const input_t *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, long first, long last) {
+    long ldx = INPUT_K(K), kp = INPUT_K(K);
     for (long p = first; p < last; p++) {
         int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
         const float *b = bias ? bias + p * NR : 0;
-        for (long k0 = 0; k0 < K; k0 += KC) {
-            long kn = K - k0 < KC ? K - k0 : KC;
-            const weight_t *chunk = panels + (p * K + k0) * NR;
+        for (long k0 = 0; k0 < kp; k0 += KC) {
+            long kn = kp - k0 < KC ? kp - k0 : KC;
+            const weight_t *chunk = panels + (p * kp + k0) * NR;
             long ahead = kn * NR; /* the next chunk, or the next panel's first: the next bytes in memory */
             for (long m = 0; m < M; m += 4) {
-                const float *xm = x + m * K + k0;
+                const input_t *xm = x + m * ldx + k0;
                 float *ym = y + m * N + p * NR;
                 switch (M - m >= 4 ? 4 : M - m) {
-                case 4: block4(xm, K, chunk, kn, ahead, ym, N, b, ncols, k0 == 0); break;
-                case 3: block3(xm, K, chunk, kn, ahead, ym, N, b, ncols, k0 == 0); break;
-                case 2: block2(xm, K, chunk, kn, ahead, ym, N, b, ncols, k0 == 0); break;
-                default: block1(xm, K, chunk, kn, ahead, ym, N, b, ncols, k0 == 0); break;
+                case 4: BLOCK_CALL(4); break;
+                case 3: BLOCK_CALL(3); break;
+                case 2: BLOCK_CALL(2); break;
+                default: BLOCK_CALL(1); break;
                 }
             }
         }
     }
 }
 
-/* x: [M, K] row-major; panels: ceil(N / NR) panels of [K][NR] (columns past N zero);
- * bias: [N] or NULL; y: [M, N] row-major, written whole. */
+/* This thread's prepared rows (the dot build's bf16 copy; otherwise x itself). */
+static const input_t *prepared(const float *x, long M, long K) {
+#ifdef DOT_BF16
+    static __thread input_t *rows;
+    static __thread long capacity;
+    long need = M * INPUT_K(K);
+    if (need > capacity) {
+        free(rows);
+        rows = malloc((size_t)need * sizeof(input_t));
+        capacity = rows ? need : 0;
+        if (!rows)
+            abort(); /* a few hundred KB: a process that cannot get them is out of memory anyway */
+    }
+    prepare_input(x, M, K, rows);
+    return rows;
+#else
+    (void)M, (void)K;
+    return x;
+#endif
+}
+
+/* x: [M, K] row-major float32; panels: ceil(N / NR) panels of [K][NR] (columns past N
+ * zero; the dot build's [K / 2][NR][2], K padded to even); bias: [N] or NULL; y: [M, N]
+ * row-major, written whole. */
 void small_gemm(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y) {
-    panel_range(x, M, K, panels, N, bias, y, 0, (N + NR - 1) / NR);
+    panel_range(prepared(x, M, K), M, K, panels, N, bias, y, 0, (N + NR - 1) / NR);
 }
 
 /* The same product on two cores: the caller and a helper thread share out the
@@ -185,7 +278,8 @@ enum { OPEN = 0, READY = 1, TAKEN = 2 };
 #define STATE(ticket, state) ((unsigned)(((ticket) & 0xFFFFFFu) << 8) | (unsigned)(state))
 
 struct job {
-    const float *x, *bias; /* x: the caller's copy (x_copy) */
+    const input_t *x; /* the caller's prepared copy (x_copy) */
+    const float *bias;
     const weight_t *panels;
     float *helper_y;                /* [M, N], row stride N, as y */
     _Atomic unsigned *states;       /* one per panel */
@@ -193,7 +287,8 @@ struct job {
 };
 static struct job job;
 /* Buffers that only grow, and are never freed: a helper that resumes late may still read or write the old ones. */
-static float *x_copy, *helper_y;
+static input_t *x_copy;
+static float *helper_y;
 static _Atomic unsigned *panel_states;
 static long x_capacity, y_capacity, states_capacity;
 static _Atomic unsigned long long claims;
@@ -362,14 +457,14 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
         if (helper_state == 1)
             pthread_detach(helper_thread);
     }
-    if (helper_state < 0 || !grow((void **)&x_copy, &x_capacity, M * K, sizeof(float)) || !grow((void **)&helper_y, &y_capacity, M * N, sizeof(float)) ||
+    if (helper_state < 0 || !grow((void **)&x_copy, &x_capacity, M * INPUT_K(K), sizeof(input_t)) || !grow((void **)&helper_y, &y_capacity, M * N, sizeof(float)) ||
         !grow((void **)&panel_states, &states_capacity, count, sizeof(unsigned))) {
         pthread_mutex_unlock(&caller_lock);
         small_gemm(x, M, K, panels, N, bias, y);
         return 0;
     }
     give_helper_my_cpus();
-    memcpy(x_copy, x, (size_t)(M * K) * sizeof(float));
+    prepare_input(x, M, K, x_copy); /* the caller computes from the copy too: both read the same prepared rows */
     unsigned long long ticket = (TICKET(atomic_load_explicit(&claims, memory_order_relaxed)) + 1) & ((1ULL << (64 - 2 * PANEL_BITS)) - 1);
     for (long p = 0; p < count; p++)
         atomic_store_explicit(&panel_states[p], STATE(ticket, OPEN), memory_order_relaxed);
@@ -383,7 +478,7 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
             sched_yield();
     long panel, mine = 0;
     while (mine < caller_panel_limit && (panel = claim(ticket, 0)) >= 0) {
-        panel_range(x, M, K, panels, N, bias, y, panel, panel + 1);
+        panel_range(x_copy, M, K, panels, N, bias, y, panel, panel + 1);
         mine++;
     }
     int patient = caller_panel_limit < MAX_PANELS; /* tests: wait for the helper's panels, never take them */
@@ -399,7 +494,7 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
             if (spins % SPIN_CHECK == 0)
                 sched_yield();
         if (atomic_compare_exchange_strong(&panel_states[p], &open, STATE(ticket, TAKEN)))
-            panel_range(x, M, K, panels, N, bias, y, p, p + 1);
+            panel_range(x_copy, M, K, panels, N, bias, y, p, p + 1);
         else
             copy_panel(helper_y, y, M, N, p);
     }

@@ -1,6 +1,15 @@
 """The few-row product of `small_gemm.c`, built on first use: float32 rows times
-float32 weights, or (a second build, `-DWEIGHT_BF16`) times bfloat16 weights widened
-as they are read, for half the bytes a decode step streams.
+float32 weights; or times bfloat16 weights (half the bytes a decode step streams),
+in one of two builds chosen per host at first use (`kernel(torch.bfloat16)`):
+
+- `bf16-widen` (any AVX2 CPU): each weight widened to float32 as it is read,
+  float32 FMAs; the product is float32's over the bf16 weights.
+- `bf16-dot` (AVX512_BF16 CPUs): the rows rounded to bf16 and VDPBF16PS over
+  pairs of k, twice the products per instruction; the product is a bf16
+  model's own (bf16 inputs, float32 sums).
+
+Where both run, a short measured product at first use picks the faster (logged
+with both times); `DISAGG_BF16_KERNEL=widen|dot` names one instead.
 
 The C file is compiled once with the system's C compiler (`$CC`, else `cc` or
 `gcc`) into `$DISAGG_CACHE/small_gemm/` (default `~/.cache/disagg`), named by
@@ -21,17 +30,24 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import torch
 
 from disagg.engine.cache_dir import cache_dir
+from disagg.engine.dtype_choice import cpu_flags
 
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
-# The weights' dtype -> the flags of its build (each build its own library, helper thread included).
-WEIGHT_FLAGS = {torch.float32: (), torch.bfloat16: ("-DWEIGHT_BF16",)}
+# Each build: its weights' dtype, its flags, the CPU features (/proc/cpuinfo's names) it needs
+# beyond AVX2 and FMA. Each is a library of its own, helper thread included.
+BUILDS = {
+    "float32": (torch.float32, (), ()),
+    "bf16-widen": (torch.bfloat16, ("-DWEIGHT_BF16",), ()),
+    "bf16-dot": (torch.bfloat16, ("-DWEIGHT_BF16", "-DDOT_BF16", "-mavx512f", "-mavx512bf16", "-mavx512vl"), ("avx512f", "avx512vl", "avx512_bf16")),
+}
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: SmolLM-135M's
 # q, o, gate, up, down and LM head (1.3-113 MB) are; its k and v alone (442 KB,
@@ -64,8 +80,10 @@ class SmallGemm:
     rows on that CPU.
     """
 
-    def __init__(self, library: ctypes.CDLL, weight_dtype: torch.dtype = torch.float32):
-        self.weight_dtype = weight_dtype
+    def __init__(self, library: ctypes.CDLL, name: str = "float32"):
+        self.name = name
+        self.weight_dtype = BUILDS[name][0]
+        self.pairs = name == "bf16-dot"  # panels hold pairs of k; the rows are rounded to bf16
         arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
         self._call.argtypes, self._call.restype = arguments, None
@@ -133,14 +151,35 @@ class SmallGemm:
         """Whether a product over these panels of up to SPLIT_MAX_ROWS rows, from this thread, is shared with the helper."""
         return panels.numel() * panels.element_size() >= SPLIT_MIN_BYTES and self.splits_here()
 
-    @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """nn.Linear's weight [out, in] -> panels [ceil(out / 24), in, 24], the columns past `out` zero."""
+    def packed_k(self, in_features: int) -> int:
+        """The panels' K: in_features, or (pairs) rounded up to a multiple of 4."""
+        return -(-in_features // 4) * 4 if self.pairs else in_features
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """nn.Linear's weight [out, in] -> panels [ceil(out / 24), K, 24], the columns past `out`
+        zero; in the pairs layout K is in rounded up to a multiple of 4 (zero rows) and each
+        panel's memory is quads of k (small_gemm.c, DOT_BF16): [K / 4] x (columns 0-15 of
+        both pairs [2][16][2], then columns 16-23 [2][8][2]), a pair being k and k + 1."""
         out_features, in_features = weight.shape
-        panels = -(-out_features // PANEL)
-        padded = weight.new_zeros(panels * PANEL, in_features)
-        padded[:out_features] = weight
-        return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+        panels, k = -(-out_features // PANEL), self.packed_k(in_features)
+        padded = weight.new_zeros(panels * PANEL, k)
+        padded[:out_features, :in_features] = weight
+        if self.pairs:
+            quads = padded.view(panels, PANEL, k // 4, 2, 2).permute(0, 2, 3, 1, 4)  # [panel, quad, pair, column, element]
+            low, high = quads[:, :, :, :16].reshape(panels, k // 4, -1), quads[:, :, :, 16:].reshape(panels, k // 4, -1)
+            return torch.cat([low, high], dim=2).view(panels, k, PANEL)
+        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+    def unpack(self, panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """The weight [out, in] back from `pack`'s panels (a copy)."""
+        count, k = panels.shape[0], panels.shape[1]
+        if self.pairs:
+            quads = panels.reshape(count, k // 4, 4 * PANEL)  # per quad: 64 elements of columns 0-15, 32 of 16-23 (see pack)
+            low, high = quads[..., :64].reshape(count, k // 4, 2, 16, 2), quads[..., 64:].reshape(count, k // 4, 2, 8, 2)
+            weight = torch.cat([low, high], dim=3).permute(0, 3, 1, 2, 4).reshape(count * PANEL, k)
+        else:
+            weight = panels.transpose(1, 2).reshape(count * PANEL, k)
+        return weight[:out_features, :in_features]
 
     def product(self, rows: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """rows [n, in] float32 -> [n, out] float32 (into `out`, contiguous, if given); panels of this build's weight dtype."""
@@ -148,7 +187,7 @@ class SmallGemm:
         n, in_features = rows.shape
         # The C side reads raw pointers: a shape it was not packed for would read past the buffers, not fail.
         bias_fits = bias is None or (bias.shape == (out_features,) and bias.dtype == torch.float32)
-        fits = panels.shape[1] == in_features and out_features <= panels.shape[0] * PANEL and bias_fits
+        fits = panels.shape[1] == self.packed_k(in_features) and out_features <= panels.shape[0] * PANEL and bias_fits
         if not fits or rows.dtype != torch.float32 or panels.dtype != self.weight_dtype or not panels.is_contiguous():
             raise ValueError(
                 f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)} {panels.dtype}"
@@ -163,16 +202,66 @@ class SmallGemm:
 
 
 def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
-    """The kernel for weights of this dtype (float32 or bfloat16), or None where it cannot run here (logged once)."""
+    """The kernel for weights of this dtype (float32 or bfloat16), or None where none runs here (logged once)."""
     return _kernel(weight_dtype)  # one object per dtype, however it is asked for
 
 
 @functools.cache
 def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
-    if weight_dtype not in WEIGHT_FLAGS:
+    if weight_dtype == torch.float32:
+        return build_kernel("float32")
+    if weight_dtype != torch.bfloat16:
         return None
-    library = load_library(SOURCE, FLAGS + WEIGHT_FLAGS[weight_dtype], (), f"few-row linear kernel ({weight_dtype}) not used")
-    return SmallGemm(library, weight_dtype) if library is not None else None
+    named = os.environ.get("DISAGG_BF16_KERNEL")
+    if named:
+        if named not in ("widen", "dot"):
+            raise ValueError(f"DISAGG_BF16_KERNEL must be widen or dot, not {named!r}")
+        chosen = build_kernel(f"bf16-{named}")
+        log.info("bf16 products: %s", f"the bf16-{named} kernel (DISAGG_BF16_KERNEL)" if chosen else f"bf16-{named} cannot run here")
+        return chosen
+    candidates = [k for k in (build_kernel("bf16-dot"), build_kernel("bf16-widen")) if k is not None]
+    if len(candidates) < 2:
+        if candidates:
+            log.info("bf16 products: the %s kernel (the only one this CPU runs)", candidates[0].name)
+        return candidates[0] if candidates else None
+    times = {k.name: measured_seconds(k) for k in candidates}
+    chosen = min(candidates, key=lambda k: times[k.name])
+    log.info(
+        "bf16 products: the %s kernel, faster here (%s; 1 and 16 rows over a [%d, %d] weight)",
+        chosen.name, ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in times.items()), *CHOICE_SHAPE,
+    )
+    return chosen
+
+
+@functools.cache
+def build_kernel(name: str) -> SmallGemm | None:
+    """One build of the kernel (BUILDS), or None where it cannot run here (logged once)."""
+    _, flags, needs = BUILDS[name]
+    missing = [feature for feature in needs if feature not in cpu_flags()]
+    if missing:
+        log.info("few-row kernel %s not used: the CPU lacks %s", name, ", ".join(missing))
+        return None
+    library = load_library(SOURCE, FLAGS + flags, (), f"few-row kernel {name} not used")
+    return SmallGemm(library, name) if library is not None else None
+
+
+# The start-up measurement's weight: larger than the caches' share a core gets (weights stream
+# from memory in a decode step), small enough to take a few milliseconds.
+CHOICE_SHAPE = (4096, 1024)
+
+
+def measured_seconds(candidate: SmallGemm) -> float:
+    """The best of three: one row, then 16, through this kernel on this thread alone."""
+    generator = torch.Generator().manual_seed(0)
+    panels = candidate.pack(torch.randn(CHOICE_SHAPE, generator=generator).to(candidate.weight_dtype))
+    rows, out = torch.randn(16, CHOICE_SHAPE[1], generator=generator), torch.empty(16, CHOICE_SHAPE[0])
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for count in (1, 16):
+            candidate._call(rows.data_ptr(), count, CHOICE_SHAPE[1], panels.data_ptr(), CHOICE_SHAPE[0], None, out.data_ptr())
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def load_library(source: pathlib.Path, flags: tuple[str, ...], libraries: tuple[str, ...], unused: str) -> ctypes.CDLL | None:
