@@ -267,3 +267,47 @@ def test_a_bf16_native_prefill_is_the_float32_prefill_over_bf16_weights(bf16_ker
         assert our_k.dtype == torch.bfloat16
         for a, b in ((our_k, their_k), (our_v, their_v)):
             assert (a.float() - b).abs().max() <= 1e-2 * b.abs().max()
+
+
+def greedy_equals_generate(backend, architecture: str = "llama") -> None:
+    from conftest import reference
+    from test_backend import PROMPTS, run_batch
+
+    ref = reference(architecture)
+    backend.allocate_slots(6)
+    max_new = [6, 11, 17, 23]
+    out, _, _ = run_batch(backend, ref, PROMPTS, max_new, async_mode=True, slots=[1, 4, 2, 5])
+    for i, prompt in enumerate(PROMPTS):
+        assert out[str(i)] == ref.greedy(prompt, max_new[i]), prompt
+
+
+def test_two_torch_threads_keep_the_kernels_and_the_native_step():
+    """Whatever the torch thread count: a worker on two threads still packs for the kernel and
+    steps natively (its split products go to one helper per extra thread), with generate()'s tokens."""
+    torch.set_num_threads(2)  # the autouse fixture puts the count back
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    assert backend.native_prefill is not None
+    greedy_equals_generate(backend)
+    assert backend.native is not None
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """A CPU the kernels do not serve (an ARM Graviton, an x86 without AVX2), as PyTorch reports it."""
+    from disagg.engine.cpu_kernels import slot_attention
+
+    caches = (small_gemm._kernel, small_gemm.build_kernel, slot_attention._kernel, native_step._library)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_cpu_without_a_usable_kernel_keeps_transformers_modules(no_kernels, architecture):
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32")
+    assert small_gemm.kernel() is None and backend.native_prefill is None
+    greedy_equals_generate(backend, architecture)
+    assert backend.native is None and not backend.reads_in_place

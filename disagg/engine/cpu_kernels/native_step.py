@@ -141,7 +141,7 @@ def unserved(model, plans: list[LayerPlan]) -> str | None:
     if dtype not in MODEL_FLAGS:
         return f"it runs in {dtype}, not float32 or bfloat16"
     if not all(isinstance(linear, PackedLinear) and linear.few_rows.dim() == 3 and linear.few_rows.dtype == dtype for linear in linears):
-        return f"its linears are not packed for the few-row kernel ({dtype}, one torch thread, an AVX2 CPU)"
+        return f"its linears are not packed for the few-row kernel ({dtype} on an AVX2 CPU with a C compiler)"
     if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
         return "it has layers that are neither full nor sliding-window attention"
     if len({layer.self_attn.scaling for layer in layers}) != 1 or len(

@@ -24,15 +24,17 @@ bucketed decode step):
   at a time (1.6x oneDNN's speed with the other core idle, 0.97x without).
 
 So each linear keeps the oneDNN-packed weight for the rows of a prefill, plus,
-for a decode step's few rows, the kernel's panels (float32, one torch thread,
-an AVX2 CPU with a C compiler) or else the transposed weight for one row.
-Both are copies; the original is dropped unless something else holds it (a
-tied embedding). Linears that the model calls one after another on the same
-input (q, k and v; gate and up) are found at start-up (`group_shared_inputs`),
-and a single row reads them as one weight: one kernel call over their panels
-laid end to end. float32 on any x86 CPU; bfloat16 where oneDNN packs it
-(AVX-512 or AVX-NE-CONVERT; not on this AVX2 host, where bf16 keeps
-transformers' linears).
+for a decode step's few rows, the kernel's panels (float32 or bf16, any torch
+thread count: a split product goes to as many helper threads as the worker has
+torch threads but one; an AVX2 CPU with a C compiler) or else the transposed
+weight for one row. Both are copies; the original is dropped unless something
+else holds it (a tied embedding). Linears that the model calls one after another
+on the same input (q, k and v; gate and up) are found at start-up
+(`group_shared_inputs`), and a single row reads them as one weight: one kernel
+call over their panels laid end to end. float32 on any x86 CPU; bfloat16 where
+oneDNN packs it (AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU keeps
+transformers' linears in bf16, and `--dtype auto` gives it float32). bf16 rows
+go through the kernel widened to float32 and come back rounded once to bf16.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class PackedLinear(nn.Module):
         # Buffers, not parameters: the model's own weights stay what was loaded.
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
         # For a decode step's rows: the kernel's panels [ceil(out / 24), in, 24], or the transposed weight [in, out].
-        kernel = small_gemm.kernel(weight.dtype) if torch.get_num_threads() == 1 else None
+        kernel = small_gemm.kernel(weight.dtype)
         few_rows = kernel.pack(weight) if kernel is not None else weight.t().contiguous()
         self.register_buffer("few_rows", few_rows, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None

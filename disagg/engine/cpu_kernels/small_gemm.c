@@ -310,7 +310,11 @@ static long caller_panel_limit = MAX_PANELS; /* tests: the caller leaves the res
 static atomic_long helper_stall_ns; /* tests: the helper sleeps this long after each claim */
 static atomic_int caller_awaits_claim; /* tests: the caller starts once the helper has claimed a panel */
 static atomic_long late_panels;     /* panels the helper computed and found taken back */
-static pthread_t helper_thread;
+static pthread_t helper_thread; /* the first helper (tests read its CPUs) */
+/* How many helper threads a split product is shared with: the calling worker's torch threads
+ * but one (small_gemm_set_helpers, before the first split); each claims panels from the back. */
+#define MAX_HELPERS 63
+static long helper_count = 1;
 
 /* Every SPIN_CHECK pauses (a few microseconds) a spinning thread yields and checks the clock. */
 #define SPIN_CHECK 256
@@ -456,6 +460,11 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
         helper_state = pthread_create(&helper_thread, 0, helper, 0) == 0 ? 1 : -1;
         if (helper_state == 1)
             pthread_detach(helper_thread);
+        for (long i = 1; helper_state == 1 && i < helper_count; i++) { /* the others: one that fails to start is one fewer */
+            pthread_t more;
+            if (pthread_create(&more, 0, helper, 0) == 0)
+                pthread_detach(more);
+        }
     }
     if (helper_state < 0 || !grow((void **)&x_copy, &x_capacity, M * INPUT_K(K), sizeof(input_t)) || !grow((void **)&helper_y, &y_capacity, M * N, sizeof(float)) ||
         !grow((void **)&panel_states, &states_capacity, count, sizeof(unsigned))) {
@@ -471,7 +480,7 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
     job = (struct job){x_copy, bias, panels, helper_y, panel_states, M, K, N};
     atomic_store_explicit(&claims, CLAIMS(ticket, 0, count), memory_order_seq_cst); /* publishes the job */
     pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks the ticket under this lock */
-    pthread_cond_signal(&wake);
+    pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&sleep_lock);
     for (long spins = 1; atomic_load_explicit(&caller_awaits_claim, memory_order_relaxed) && BACK(atomic_load(&claims)) == (unsigned long long)count; spins++)
         if (spins % SPIN_CHECK == 0) /* tests: until the helper holds a panel */
@@ -518,7 +527,10 @@ long small_gemm_late_panels(void) { return atomic_load(&late_panels); }
  * that the helper computes the rest whatever the scheduler does. */
 void small_gemm_limit_caller_panels(long panels) { caller_panel_limit = panels > 0 ? panels : MAX_PANELS; }
 
-/* How many products the helper thread has computed a share of (for tests). */
+/* The helper threads a split product is shared with (1 to MAX_HELPERS); takes effect when they start, at the first split. */
+void small_gemm_set_helpers(long count) { helper_count = count < 1 ? 1 : count > MAX_HELPERS ? MAX_HELPERS : count; }
+
+/* How many products the helper threads have computed a share of (for tests). */
 long small_gemm_helper_jobs(void) { return atomic_load(&helper_jobs); }
 
 /* The CPUs (0-63, a bit each) the helper thread may run on, 0 before it starts (for tests). */

@@ -242,7 +242,13 @@ def build_kernel(name: str) -> SmallGemm | None:
         log.info("few-row kernel %s not used: the CPU lacks %s", name, ", ".join(missing))
         return None
     library = load_library(SOURCE, FLAGS + flags, (), f"few-row kernel {name} not used")
-    return SmallGemm(library, name) if library is not None else None
+    if library is None:
+        return None
+    # Split products go to the caller and the torch threads' worth of helpers beside it
+    # (one at least: a worker on one torch thread still takes an idle second core).
+    library.small_gemm_set_helpers.argtypes, library.small_gemm_set_helpers.restype = [ctypes.c_long], None
+    library.small_gemm_set_helpers(max(1, torch.get_num_threads() - 1))
+    return SmallGemm(library, name)
 
 
 # The start-up measurement's weight: larger than the caches' share a core gets (weights stream
