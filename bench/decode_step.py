@@ -26,6 +26,7 @@ same threads), the least time a batch-1 step can take; the weights are
 every parameter but the input embedding table, of which a step reads a row.
 
     python bench/decode_step.py                       # SmolLM-135M shape, bf16, CPU
+    python bench/decode_step.py --shape llama-3.2-1b --batch 1,8,32 --variants native --scattered
     python bench/decode_step.py --dtype float32 --batch 1,8,32,64
     python bench/decode_step.py --device cuda --variants eager,compiled
     python bench/decode_step.py --dtype float32 --variants prepacked-onednn,prepacked
@@ -56,7 +57,7 @@ from disagg.engine.backends import torch_backend  # noqa: E402
 from disagg.engine.backends.base import StepInputs  # noqa: E402
 from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from disagg.engine.cpu_kernels import small_gemm  # noqa: E402
-from disagg.tools.tinymodel import SMOLLM_135M_SHAPE, ensure_tiny_model  # noqa: E402
+from disagg.tools.tinymodel import BENCH_SHAPES, ensure_tiny_model  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -143,6 +144,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shape", default="smollm-135m", choices=sorted(BENCH_SHAPES), help="the model's shape (seeded weights)")
     parser.add_argument("--batch", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=30)
@@ -254,7 +256,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
-    path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
+    path = str(ensure_tiny_model(BENCH_SHAPES[args.shape]))
     names = args.variants.split(",")
     backends = build_backends(args, names, path, batches)
     roofline, result = roofline_result(args, device, path)

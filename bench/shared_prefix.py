@@ -168,10 +168,10 @@ def run_system(name: str, model: str, args, out: dict, checkpoint) -> None:
         out.update(name="vLLM CPU", version=vllm_version(), kv_cache_gib=args.vllm_kv_gib)
     else:
         command = [sys.executable, "-m", "disagg.cli.main", "serve", "--model", model, "--port", str(free_port()), "--http-port", str(port),
-                   "--dtype", args.dtype, *shlex.split(args.disagg_args)]
+                   "--dtype", args.disagg_dtype, *shlex.split(args.disagg_args)]
         env = None
         out.update(name="disagg serve")
-    out.update(command=shlex.join(command), dtype=args.dtype)
+    out.update(command=shlex.join(command), dtype=args.dtype if name == "vllm" else args.disagg_dtype)
     with server(name, command, port, args, env) as (url, startup):
         out["startup_seconds"] = startup
         asyncio.run(measure(url, args, out, checkpoint))
@@ -252,7 +252,8 @@ def main() -> int:
             results = json.load(f)
     keys = ("tenants", "context_tokens", "requests", "question_tokens", "max_tokens", "concurrency", "conversations", "turns")
     settings = {k: getattr(args, k) for k in keys}
-    results.update(model=f"SmolLM-135M shape, seeded weights, {args.dtype}", workloads=args.workloads, settings=settings, **host_facts())
+    model_name = f"SmolLM-135M shape, seeded weights; vLLM {args.dtype}, ours {args.disagg_dtype}"
+    results.update(model=model_name, workloads=args.workloads, settings=settings, **host_facts())
     for name in args.systems:
         wait_quiet(args.quiet_load, args.quiet_timeout)
         results[name] = out = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_launch": os.getloadavg()[0]}

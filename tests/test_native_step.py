@@ -95,10 +95,10 @@ def test_float16_keeps_transformers_step():
 @needs_bf16_packing
 def test_a_bf16_native_step_off_by_more_than_bf16_rounding_is_not_used(monkeypatch):
     """bf16's start-up check is looser than float32's (transformers rounds every intermediate),
-    but a step off by 5% of the logits' scale (a wrong position or mask moves them by their
+    but a step off by 15% of the logits' scale (a wrong position or mask moves them by their
     whole scale) keeps transformers' step."""
     right = native_step.NativeModel.decode_logits
-    monkeypatch.setattr(native_step.NativeModel, "decode_logits", lambda self, *args: right(self, *args) * 1.05)
+    monkeypatch.setattr(native_step.NativeModel, "decode_logits", lambda self, *args: right(self, *args) * 1.15)
     backend = load_backend("torch", model=tiny_model("llama"), dtype="bfloat16")
     backend.allocate_slots(4)
     assert backend.native is None

@@ -42,16 +42,30 @@ class TinyModelSpec:
     train_steps: int = 300
     seed: int = 0
     sliding_window: int | None = None  # for architectures that have one
+    saved_dtype: str = "float32"  # the checkpoint's tensors (bfloat16 halves a large shape's file)
 
     def cache_key(self) -> str:
-        blob = json.dumps({**asdict(self), "corpus": CORPUS.read_text(), "v": _VERSION, "chat_template": CHAT_TEMPLATE}, sort_keys=True)
+        # Fields added since the first checkpoints count only when set, so those keep their keys.
+        fields = {name: value for name, value in asdict(self).items() if LATER_FIELDS.get(name, object()) != value}
+        blob = json.dumps({**fields, "corpus": CORPUS.read_text(), "v": _VERSION, "chat_template": CHAT_TEMPLATE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
+
+LATER_FIELDS = {"saved_dtype": "float32"}
 
 # A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks.
 SMOLLM_135M_SHAPE = TinyModelSpec(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, max_position_embeddings=2048, train_steps=0
 )
+# Llama-3.2-1B's shape (16 layers, 32 query and 8 KV heads of 64, an MLP of 8,192, 128,256
+# tokens), seeded and untrained: a real size for benchmarks. Its LM head is its own (the real
+# one is tied to the embedding: the same bytes a step reads, one more copy in memory), its
+# rotary base the default, and positions up to 4,096.
+LLAMA_3_2_1B_SHAPE = TinyModelSpec(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, max_position_embeddings=4096,
+    train_steps=0, saved_dtype="bfloat16",
+)
+BENCH_SHAPES = {"smollm-135m": SMOLLM_135M_SHAPE, "llama-3.2-1b": LLAMA_3_2_1B_SHAPE}
 
 DEFAULT_SPEC = TinyModelSpec(
     vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, max_position_embeddings=1024, train_steps=400
@@ -155,6 +169,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _train(model, tokenizer, spec)
+    model = model.to(getattr(torch, spec.saved_dtype))
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     tmp = out.with_name(out.name + ".partial")
     model.save_pretrained(tmp)

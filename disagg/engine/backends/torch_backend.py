@@ -84,11 +84,22 @@ def close(reference: torch.Tensor, other: torch.Tensor) -> bool:
     return bool((reference - other).abs().max() <= 1e-4 * reference.abs().max() + 1e-5)
 
 
+# How far a bf16 native step or prefill may be from transformers' bf16 modules, in the
+# logits' (or K/V's) scale. Both round, differently: transformers every intermediate to bf16,
+# the native path only the weights, the K/V lines and (bf16-dot) the products' input rows. On
+# Llama-3.2-1B's shape with seeded weights, against float32 arithmetic over the same weights,
+# transformers' step is 2.9% of the scale off and the native one 1.5%, so the two are 3.2%
+# apart; a wrong position, mask or product moves the logits by their whole scale.
+BF16_AGREEMENT = 0.1
+
+
 def agrees(reference: torch.Tensor, other: torch.Tensor, dtype: torch.dtype) -> bool:
     """A native kernel's output against transformers' in the model's dtype: float32 the
-    same arithmetic in another order (`close`); bf16 within bf16's rounding (the native
-    path keeps float32 where transformers rounds every intermediate to bf16)."""
-    return close(reference, other) if dtype == torch.float32 else not far_apart(reference, other)
+    same arithmetic in another order (`close`); bf16 within BF16_AGREEMENT."""
+    if dtype == torch.float32:
+        return close(reference, other)
+    reference, other = reference.float(), other.float()
+    return bool((reference - other).abs().max() <= BF16_AGREEMENT * reference.abs().max() + 1e-3)
 
 
 def far_apart(reference: torch.Tensor, other: torch.Tensor) -> bool:
