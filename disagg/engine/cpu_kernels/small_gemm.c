@@ -276,21 +276,78 @@ void small_gemm(const float *x, long M, long K, const weight_t *panels, long N, 
  * SCHED_IDLE still gets a slice of each scheduling period) to take one job for another. */
 enum { OPEN = 0, READY = 1, TAKEN = 2 };
 #define STATE(ticket, state) ((unsigned)(((ticket) & 0xFFFFFFu) << 8) | (unsigned)(state))
+/* READY, with the helper whose buffer holds the panel (bits 2-7 of the state byte). */
+#define READY_BY(helper) (READY | ((unsigned)(helper) << 2))
+#define READY_HELPER(word) (((word) & 0xFFu) >> 2)
 
+#define MAX_HELPERS 63 /* a helper's number fits the state byte's 6 bits */
+/* The job, as the caller publishes it: every field atomic (relaxed), since a helper reads
+ * it while the caller may already write the next job's (it then fails its claim: see
+ * helper). A helper copies it into a job_view. */
 struct job {
-    const input_t *x; /* the caller's prepared copy (x_copy) */
+    _Atomic(const input_t *) x; /* the caller's prepared copy: x_slots[x_slot] */
+    _Atomic long x_slot;
+    _Atomic(const float *) bias;
+    _Atomic(const weight_t *) panels;
+    _Atomic(float *) helper_y[MAX_HELPERS]; /* each helper's own [M, N], row stride N, as y */
+    _Atomic(_Atomic unsigned *) states;     /* one per panel */
+    _Atomic long M, K, N;
+};
+struct job_view {
+    const input_t *x;
+    long x_slot;
     const float *bias;
     const weight_t *panels;
-    float *helper_y;                /* [M, N], row stride N, as y */
-    _Atomic unsigned *states;       /* one per panel */
+    float *helper_y; /* this helper's */
+    _Atomic unsigned *states;
     long M, K, N;
 };
 static struct job job;
-/* Buffers that only grow, and are never freed: a helper that resumes late may still read or write the old ones. */
-static input_t *x_copy;
-static float *helper_y;
+/* Buffers that only grow, and are never freed: a helper that resumes late may still read or write the old ones.
+ * Each helper computes into its own buffer, so one that resumes late on a finished job
+ * writes where no other helper's panel of the next job lies. The prepared rows go to one
+ * of X_SLOTS buffers that no helper reads (x_readers: helpers that may still compute from
+ * it), so the caller never writes rows a late helper reads. */
+#define X_SLOTS 4
+static input_t *x_slots[X_SLOTS];
+static atomic_long x_readers[X_SLOTS];
+static float *helper_ys[MAX_HELPERS];
 static _Atomic unsigned *panel_states;
-static long x_capacity, y_capacity, states_capacity;
+static long x_capacities[X_SLOTS], y_capacities[MAX_HELPERS], states_capacity;
+static long helpers_started;
+
+static void read_job(long helper, struct job_view *view) {
+    view->x = atomic_load_explicit(&job.x, memory_order_relaxed);
+    view->x_slot = atomic_load_explicit(&job.x_slot, memory_order_relaxed);
+    view->bias = atomic_load_explicit(&job.bias, memory_order_relaxed);
+    view->panels = atomic_load_explicit(&job.panels, memory_order_relaxed);
+    view->helper_y = atomic_load_explicit(&job.helper_y[helper], memory_order_relaxed);
+    view->states = atomic_load_explicit(&job.states, memory_order_relaxed);
+    view->M = atomic_load_explicit(&job.M, memory_order_relaxed);
+    view->K = atomic_load_explicit(&job.K, memory_order_relaxed);
+    view->N = atomic_load_explicit(&job.N, memory_order_relaxed);
+}
+
+static void write_job(long x_slot, const float *bias, const weight_t *panels, long M, long K, long N) {
+    atomic_store_explicit(&job.x, x_slots[x_slot], memory_order_relaxed);
+    atomic_store_explicit(&job.x_slot, x_slot, memory_order_relaxed);
+    atomic_store_explicit(&job.bias, bias, memory_order_relaxed);
+    atomic_store_explicit(&job.panels, panels, memory_order_relaxed);
+    for (long i = 0; i < helpers_started; i++)
+        atomic_store_explicit(&job.helper_y[i], helper_ys[i], memory_order_relaxed);
+    atomic_store_explicit(&job.states, panel_states, memory_order_relaxed);
+    atomic_store_explicit(&job.M, M, memory_order_relaxed);
+    atomic_store_explicit(&job.K, K, memory_order_relaxed);
+    atomic_store_explicit(&job.N, N, memory_order_relaxed);
+}
+
+/* A buffer for the prepared rows that no helper reads now, or -1 (every one still read by a late helper). */
+static long free_x_slot(void) {
+    for (long s = 0; s < X_SLOTS; s++)
+        if (atomic_load(&x_readers[s]) == 0)
+            return s;
+    return -1;
+}
 static _Atomic unsigned long long claims;
 /* Callers by a number of their own (thread-local: a pthread_t is reused once its thread ends). */
 static __thread long caller_id;
@@ -313,7 +370,6 @@ static atomic_long late_panels;     /* panels the helper computed and found take
 static pthread_t helper_thread; /* the first helper (tests read its CPUs) */
 /* How many helper threads a split product is shared with: the calling worker's torch threads
  * but one (small_gemm_set_helpers, before the first split); each claims panels from the back. */
-#define MAX_HELPERS 63
 static long helper_count = 1;
 
 /* Every SPIN_CHECK pauses (a few microseconds) a spinning thread yields and checks the clock. */
@@ -350,8 +406,8 @@ static void follow_caller_cpus(long *applied) {
     pthread_mutex_unlock(&cpus_lock);
 }
 
-static void *helper(void *unused) {
-    (void)unused;
+static void *helper(void *number) {
+    long index = (long)number; /* which buffer is its own */
     struct sched_param lowest = {0};
     atomic_store(&helper_priority, pthread_setschedparam(pthread_self(), SCHED_IDLE, &lowest) == 0 ? 1 : -1);
     unsigned long long seen = 0; /* the ticket of the last job looked at */
@@ -372,21 +428,27 @@ static void *helper(void *unused) {
         }
         seen = current_ticket();
         /* Read before the first claim: a claim of job `seen` succeeds only while that job
-         * is unfinished, and its caller writes the next job only once it is finished. */
-        struct job mine = job;
+         * is unfinished, and its caller writes the next job only once it is finished, so a
+         * view mixing two jobs' fields is never computed from. The rows' buffer is marked
+         * read before the claim (both seq_cst): a caller that finds the job finished, which
+         * it does only after this claim, then sees the buffer read and leaves it alone. */
+        struct job_view mine;
+        read_job(index, &mine);
         follow_caller_cpus(&applied_cpus);
-        long panel, computed = 0;
+        long panel, computed = 0, slot = mine.x_slot >= 0 && mine.x_slot < X_SLOTS ? mine.x_slot : 0;
+        atomic_fetch_add(&x_readers[slot], 1);
         while ((panel = claim(seen, 1)) >= 0) {
             long stall = atomic_load_explicit(&helper_stall_ns, memory_order_relaxed);
             if (stall) /* tests: a helper that loses its core right after a claim */
                 nanosleep(&(struct timespec){stall / 1000000000L, stall % 1000000000L}, 0);
             panel_range(mine.x, mine.M, mine.K, mine.panels, mine.N, mine.bias, mine.helper_y, panel, panel + 1);
             unsigned open = STATE(seen, OPEN);
-            if (atomic_compare_exchange_strong(&mine.states[panel], &open, STATE(seen, READY)))
+            if (atomic_compare_exchange_strong(&mine.states[panel], &open, STATE(seen, READY_BY(index))))
                 computed++;
             else
                 atomic_fetch_add_explicit(&late_panels, 1, memory_order_relaxed);
         }
+        atomic_fetch_sub(&x_readers[slot], 1);
         if (computed)
             atomic_fetch_add_explicit(&helper_jobs, 1, memory_order_relaxed);
     }
@@ -402,6 +464,8 @@ static void forget_helper_in_child(void) {
     atomic_store(&helper_jobs, 0);
     atomic_store(&late_panels, 0);
     atomic_store(&helper_priority, 0);
+    for (long s = 0; s < X_SLOTS; s++) /* the parent's helpers, which may have been reading, are not here */
+        atomic_store(&x_readers[s], 0);
     pthread_mutex_init(&sleep_lock, 0);
     pthread_mutex_init(&caller_lock, 0);
     pthread_mutex_init(&cpus_lock, 0);
@@ -425,6 +489,12 @@ static void give_helper_my_cpus(void) {
     pthread_mutex_unlock(&cpus_lock);
 }
 
+/* Buffers replaced by larger ones, kept (never freed: a helper that resumes late may still
+ * use one) and reachable from here. Each growth at least doubles, so a few dozen suffice. */
+#define RETIRED_MAX 256
+void *small_gemm_retired[RETIRED_MAX]; /* exported: never read here, and a store to a static the compiler would drop */
+static int retired_count;
+
 /* Grows a buffer that is never freed (see above) to hold `need` elements; 0 if out of memory. */
 static int grow(void **buffer, long *capacity, long need, long size) {
     if (need <= *capacity)
@@ -433,7 +503,9 @@ static int grow(void **buffer, long *capacity, long need, long size) {
     void *bigger = aligned_alloc(64, (size_t)((count * size + 63) / 64 * 64));
     if (!bigger)
         return 0;
-    *buffer = bigger, *capacity = count; /* the old one is left to a late helper */
+    if (*buffer && retired_count < RETIRED_MAX)
+        small_gemm_retired[retired_count++] = *buffer; /* left to a late helper */
+    *buffer = bigger, *capacity = count;
     return 1;
 }
 
@@ -457,27 +529,35 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
     if (helper_state == 0) {
         static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
         pthread_once(&fork_handler, register_fork_handler);
-        helper_state = pthread_create(&helper_thread, 0, helper, 0) == 0 ? 1 : -1;
+        helper_state = pthread_create(&helper_thread, 0, helper, (void *)0L) == 0 ? 1 : -1;
         if (helper_state == 1)
             pthread_detach(helper_thread);
-        for (long i = 1; helper_state == 1 && i < helper_count; i++) { /* the others: one that fails to start is one fewer */
+        helpers_started = helper_state == 1;
+        for (long i = 1; helper_state == 1 && i < helper_count; i++) { /* the others, numbered in turn: one that fails to start is one fewer */
             pthread_t more;
-            if (pthread_create(&more, 0, helper, 0) == 0)
-                pthread_detach(more);
+            if (pthread_create(&more, 0, helper, (void *)helpers_started) != 0)
+                break;
+            pthread_detach(more);
+            helpers_started++;
         }
     }
-    if (helper_state < 0 || !grow((void **)&x_copy, &x_capacity, M * INPUT_K(K), sizeof(input_t)) || !grow((void **)&helper_y, &y_capacity, M * N, sizeof(float)) ||
+    int buffers = helper_state > 0;
+    for (long i = 0; buffers && i < helpers_started; i++)
+        buffers = grow((void **)&helper_ys[i], &y_capacities[i], M * N, sizeof(float));
+    long x_slot = free_x_slot();
+    if (!buffers || x_slot < 0 || !grow((void **)&x_slots[x_slot], &x_capacities[x_slot], M * INPUT_K(K), sizeof(input_t)) ||
         !grow((void **)&panel_states, &states_capacity, count, sizeof(unsigned))) {
         pthread_mutex_unlock(&caller_lock);
         small_gemm(x, M, K, panels, N, bias, y);
         return 0;
     }
     give_helper_my_cpus();
+    input_t *x_copy = x_slots[x_slot];
     prepare_input(x, M, K, x_copy); /* the caller computes from the copy too: both read the same prepared rows */
     unsigned long long ticket = (TICKET(atomic_load_explicit(&claims, memory_order_relaxed)) + 1) & ((1ULL << (64 - 2 * PANEL_BITS)) - 1);
     for (long p = 0; p < count; p++)
         atomic_store_explicit(&panel_states[p], STATE(ticket, OPEN), memory_order_relaxed);
-    job = (struct job){x_copy, bias, panels, helper_y, panel_states, M, K, N};
+    write_job(x_slot, bias, panels, M, K, N);
     atomic_store_explicit(&claims, CLAIMS(ticket, 0, count), memory_order_seq_cst); /* publishes the job */
     pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks the ticket under this lock */
     pthread_cond_broadcast(&wake);
@@ -504,8 +584,8 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
                 sched_yield();
         if (atomic_compare_exchange_strong(&panel_states[p], &open, STATE(ticket, TAKEN)))
             panel_range(x_copy, M, K, panels, N, bias, y, p, p + 1);
-        else
-            copy_panel(helper_y, y, M, N, p);
+        else /* READY: open now holds the state word, naming the helper whose buffer has it */
+            copy_panel(helper_ys[READY_HELPER(open)], y, M, N, p);
     }
     pthread_mutex_unlock(&caller_lock);
     return 1;
