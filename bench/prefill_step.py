@@ -10,6 +10,7 @@ takes the idle core.
 
     python bench/prefill_step.py --lengths 16,64,128,256,512
     python bench/prefill_step.py --lengths 64,256 --one-core
+    python bench/prefill_step.py --dtype bfloat16 --lengths 512,1024
 """
 
 from __future__ import annotations
@@ -34,16 +35,17 @@ def main() -> None:
     parser.add_argument("--lengths", default="16,64,128,256,512")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--one-core", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
-    modules = TorchBackend(TorchBackendConfig(model=path, dtype="float32", native_step=False))
-    native = TorchBackend(TorchBackendConfig(model=path, dtype="float32"))
+    modules = TorchBackend(TorchBackendConfig(model=path, dtype=args.dtype, native_step=False))
+    native = TorchBackend(TorchBackendConfig(model=path, dtype=args.dtype))
     if native.native_prefill is None:
         sys.exit("the native prefill does not serve this model here (see the log)")
     native_step.PREFILL_MAX_TOKENS = max(int(n) for n in args.lengths.split(","))  # every length natively, to compare
-    small_gemm.kernel().split_here(not args.one_core)
+    small_gemm.kernel(getattr(torch, args.dtype)).split_here(not args.one_core)
     for length in (int(n) for n in args.lengths.split(",")):
         prompt = [(13 * i + 5) % native.info.vocab_size for i in range(length)]
         times = {"modules": [], "native": []}

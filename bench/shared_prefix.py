@@ -160,7 +160,8 @@ def server(name: str, command: list[str], port: int, args, env: dict | None = No
         stop_group(proc)
 
 
-def run_system(name: str, model: str, args, out: dict, checkpoint) -> None:
+def run_system(name: str, model: str, args, out: dict, checkpoint, workload=None) -> None:
+    """Starts the system on the model, runs `workload(url, args, out, checkpoint)` (default: this file's) against it, stops it."""
     port = free_port()
     if name == "vllm":
         command = [str(PEER_SCRIPT), "serve", model, str(port), "--dtype", args.dtype, "--enable-prefix-caching", *shlex.split(args.vllm_args)]
@@ -174,7 +175,7 @@ def run_system(name: str, model: str, args, out: dict, checkpoint) -> None:
     out.update(command=shlex.join(command), dtype=args.dtype if name == "vllm" else args.disagg_dtype)
     with server(name, command, port, args, env) as (url, startup):
         out["startup_seconds"] = startup
-        asyncio.run(measure(url, args, out, checkpoint))
+        asyncio.run((workload or measure)(url, args, out, checkpoint))
 
 
 def report(results: dict) -> str:
