@@ -23,8 +23,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from compare_vllm import NoBar, add_run_flags, save, wait_quiet  # noqa: E402
-from shared_prefix import HERE, PEER_SCRIPT, host_facts, random_ids, run_system  # noqa: E402
+from compare_vllm import NoBar, add_run_flags  # noqa: E402
+from shared_prefix import HERE, PEER_SCRIPT, host_facts, random_ids, run_systems  # noqa: E402
 
 from disagg.clients.openai_client import OpenAIClient  # noqa: E402
 from disagg.tools.loadgen import RequestSpec, closed_loop, percentiles, run_one  # noqa: E402
@@ -111,14 +111,7 @@ def main() -> int:
     keys = ("streams", "prompt_len", "output_len", "long_len", "long_output", "long_prompts", "every")
     results.update(model=f"SmolLM-135M shape, seeded weights; vLLM {args.dtype}, ours {args.disagg_dtype}",
                    settings={k: getattr(args, k) for k in keys}, **host_facts())
-    for name in args.systems:
-        wait_quiet(args.quiet_load, args.quiet_timeout)
-        results[name] = out = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_launch": os.getloadavg()[0]}
-        run_system(name, model, args, out, lambda: save(results, args.json_out), workload=measure)
-    save(results, args.json_out)
-    print(report(results))
-    print(f"saved {args.json_out}")
-    return 0
+    return run_systems(model, args, results, report, workload=measure)
 
 
 if __name__ == "__main__":

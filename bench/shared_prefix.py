@@ -255,10 +255,16 @@ def main() -> int:
     settings = {k: getattr(args, k) for k in keys}
     model_name = f"SmolLM-135M shape, seeded weights; vLLM {args.dtype}, ours {args.disagg_dtype}"
     results.update(model=model_name, workloads=args.workloads, settings=settings, **host_facts())
+    return run_systems(model, args, results, report)
+
+
+def run_systems(model: str, args, results: dict, report, workload=None) -> int:
+    """Each of args.systems in turn on a quiet machine, its figures into results (saved to
+    args.json_out after each workload); then prints report(results)."""
     for name in args.systems:
         wait_quiet(args.quiet_load, args.quiet_timeout)
         results[name] = out = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_launch": os.getloadavg()[0]}
-        run_system(name, model, args, out, lambda: save(results, args.json_out))
+        run_system(name, model, args, out, lambda: save(results, args.json_out), workload)
     save(results, args.json_out)
     print(report(results))
     print(f"saved {args.json_out}")

@@ -116,7 +116,10 @@ def packed_product(rows: torch.Tensor, packed: torch.Tensor, few_rows: torch.Ten
         kernel_bias = None if bias is None else bias.float()
         if n <= SMALL_ROWS:
             return kernel.product(rows.float(), few_rows, packed.shape[0], kernel_bias).to(rows.dtype)
-        if kernel.shares(few_rows):
+        # A prefill's rows: float32 through the kernel where it shares them with its helpers. bf16 keeps
+        # oneDNN, whose AVX512_BF16 products on one core (~200 GFLOP/s on SmolLM's 1,024-row linears)
+        # match the kernel on two and need no idle core (a prefill beside decoding streams has none).
+        if few_rows.dtype == torch.float32 and kernel.shares(few_rows):
             return prefill_blocks(rows.float().contiguous(), few_rows, packed.shape[0], kernel_bias).to(rows.dtype)
     if few_rows.dim() == 2 and n == 1:
         out = rows @ few_rows
