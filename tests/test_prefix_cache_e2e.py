@@ -88,12 +88,22 @@ def test_concurrent_requests_sharing_blocks_and_a_cancel_among_them(paged_cluste
     async def run():
         async with AsyncClient(paged_cluster.router_address, timeout=120) as client:
             await client.complete(prompts[0], max_new_tokens=4)  # publishes the context's blocks
-            doomed = asyncio.create_task(client.complete(CONTEXT + "Tell a long story about the harbour", max_new_tokens=200, ignore_eos=True))
-            results = await asyncio.gather(*(client.complete(p, max_new_tokens=16) for p in prompts))
+            streaming = asyncio.Event()
+
+            async def doomed_stream():
+                async for chunk in client.generate(CONTEXT + "Tell a long story about the harbour", max_new_tokens=200, ignore_eos=True):
+                    if chunk.token_ids:
+                        streaming.set()
+
+            doomed = asyncio.create_task(doomed_stream())
+            others = [asyncio.create_task(client.complete(p, max_new_tokens=16)) for p in prompts]
+            # Cancelled at its first token, with 199 to go, while the others (all sent) read the same blocks:
+            # whatever the host's speed, it is mid-stream.
+            await streaming.wait()
             doomed.cancel()
             with pytest.raises((asyncio.CancelledError, grpc.aio.AioRpcError)):
                 await doomed
-            return results
+            return await asyncio.gather(*others)
 
     for prompt, result in zip(prompts, asyncio.run(run())):
         assert result.token_ids == ref.greedy(prompt, 16), prompt
