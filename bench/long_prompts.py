@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_vllm import NoBar, add_run_flags  # noqa: E402
-from shared_prefix import HERE, PEER_SCRIPT, host_facts, random_ids, run_systems  # noqa: E402
+from shared_prefix import HERE, PEER_SCRIPT, add_server_flags, host_facts, random_ids, run_systems  # noqa: E402
 
 from disagg.clients.openai_client import OpenAIClient  # noqa: E402
 from disagg.tools.loadgen import RequestSpec, closed_loop, percentiles, run_one  # noqa: E402
@@ -96,9 +96,7 @@ def main() -> int:
     p.add_argument("--long-output", type=int, default=16)
     p.add_argument("--long-prompts", type=int, default=10)
     p.add_argument("--every", type=float, default=3.0, help="seconds between long prompts")
-    p.add_argument("--disagg-args", default="", help="more `disagg serve` flags, one string")
-    p.add_argument("--vllm-args", default="", help="more vLLM api_server flags, one string")
-    p.add_argument("--start-timeout", type=float, default=900.0)
+    add_server_flags(p)
     add_run_flags(p, quiet_timeout=180.0, log_dir="/tmp/disagg-long-prompts-logs")
     p.add_argument("--json-out", default="bench/results/long_prompts.json")
     args = p.parse_args()

@@ -212,6 +212,13 @@ def host_facts() -> dict:
     return {"cpu": cpu, "cpus": os.cpu_count(), "commit": sh("git", "rev-parse", "HEAD"), "dirty_files": sh("git", "status", "--porcelain").splitlines()}
 
 
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The flags run_system reads: more flags for each system, and how long a start may take."""
+    p.add_argument("--disagg-args", default="", help="more `disagg serve` flags, one string")
+    p.add_argument("--vllm-args", default="", help="more vLLM api_server flags, one string")
+    p.add_argument("--start-timeout", type=float, default=900.0)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="disagg,vllm", help="which to run, in this order; one left out keeps its figures from --json-out")
@@ -224,9 +231,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=0, help="chat: conversations (default --concurrency)")
     p.add_argument("--turns", type=int, default=0, help="chat: turns per conversation (default --requests / conversations)")
-    p.add_argument("--disagg-args", default="", help="more `disagg serve` flags, one string")
-    p.add_argument("--vllm-args", default="", help="more vLLM api_server flags, one string")
-    p.add_argument("--start-timeout", type=float, default=900.0)
+    add_server_flags(p)
     add_run_flags(p, quiet_timeout=90.0, log_dir="/tmp/disagg-shared-prefix-logs")
     p.add_argument("--json-out", default="bench/results/shared_prefix.json")
     args = p.parse_args()

@@ -89,12 +89,8 @@ def test_prepacked_linears_that_change_the_logits_are_refused_at_start_up(monkey
 
 
 @pytest.fixture
-def one_thread():
+def one_thread(one_torch_thread):
     """The kernel serves a backend built on one torch thread (the workers' default here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 needs_kernel = pytest.mark.skipif(small_gemm.kernel() is None, reason="no AVX2 CPU or C compiler: the few-row kernel is not built here")

@@ -120,7 +120,7 @@ def packed_product(rows: torch.Tensor, packed: torch.Tensor, few_rows: torch.Ten
         # oneDNN, whose AVX512_BF16 products on one core (~200 GFLOP/s on SmolLM's 1,024-row linears)
         # match the kernel on two and need no idle core (a prefill beside decoding streams has none).
         if few_rows.dtype == torch.float32 and kernel.shares(few_rows):
-            return prefill_blocks(rows.float().contiguous(), few_rows, packed.shape[0], kernel_bias).to(rows.dtype)
+            return prefill_blocks(rows.contiguous(), few_rows, packed.shape[0], bias)
     if few_rows.dim() == 2 and n == 1:
         out = rows @ few_rows
         return out + bias if bias is not None else out
