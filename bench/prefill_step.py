@@ -36,15 +36,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--one-core", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the kernel gets threads - 1 helpers, at least one)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     path = str(ensure_tiny_model(SMOLLM_135M_SHAPE))
     modules = TorchBackend(TorchBackendConfig(model=path, dtype=args.dtype, native_step=False))
     native = TorchBackend(TorchBackendConfig(model=path, dtype=args.dtype))
     if native.native_prefill is None:
         sys.exit("the native prefill does not serve this model here (see the log)")
-    native_step.PREFILL_MAX_TOKENS = max(int(n) for n in args.lengths.split(","))  # every length natively, to compare
+    longest = max(int(n) for n in args.lengths.split(","))
+    native_step.PREFILL_MAX_ROWS = native_step.PREFILL_MAX_ROWS_BF16_THREADED = longest  # every length natively, to compare
     small_gemm.kernel(getattr(torch, args.dtype)).split_here(not args.one_core)
     for length in (int(n) for n in args.lengths.split(",")):
         prompt = [(13 * i + 5) % native.info.vocab_size for i in range(length)]

@@ -170,7 +170,9 @@ def lone_decode_worker(cluster_logs):
     """One decode worker process alone (no router), with a 1 s lease, for the internal API."""
     from disagg.tools.local_cluster import ClusterSpec, LocalCluster
 
-    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "lone-decode")))
+    cluster = LocalCluster(ClusterSpec(
+        model=tiny_model("llama"), dtype="float32", compile=False, threads_per_worker=1, log_dir=str(cluster_logs / "lone-decode"),
+    ))
     worker = cluster.add_worker("decode", ["--lease-seconds", "1", "--batch-size", "2"])
     try:
         cluster.wait_serving(120, worker.address)

@@ -33,3 +33,15 @@ def test_only_the_device_thread_is_pinned(llama_path):
         assert os.sched_getaffinity(0) == process_cpus  # gRPC and KV receive keep the process's CPUs
     finally:
         decode_loop.stop()
+
+
+def test_serve_gives_prefill_workers_the_cores_and_decode_workers_a_share(monkeypatch):
+    from disagg.tools.local_cluster import ClusterSpec
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    spec = ClusterSpec(model="m", prefill_workers=2, decode_workers=2)
+    assert (spec.worker_threads("prefill"), spec.worker_threads("decode")) == (4, 2)
+    assert ClusterSpec(model="m", colocated=True, decode_workers=2).worker_threads("decode") == 4
+    assert ClusterSpec(model="m", threads_per_worker=3).worker_threads("prefill") == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert (ClusterSpec(model="m").worker_threads("prefill"), ClusterSpec(model="m").worker_threads("decode")) == (2, 1)

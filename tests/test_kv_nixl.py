@@ -91,7 +91,7 @@ def test_a_nixl_backend_that_does_not_load_stops_the_worker_in_one_line_or_falls
 
     # PyPI's NIXL ships a LIBFABRIC plugin that cannot load without libfabric >= 1.21 and CUDA.
     logs = cluster_logs / "nixl-libfabric"
-    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(logs)))
+    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, threads_per_worker=1, log_dir=str(logs)))
     try:
         lenient = cluster.add_worker("decode", ["--nixl-backend", "LIBFABRIC"])  # --kv-transport auto
         strict = cluster.add_worker("prefill", ["--kv-transport", "nixl", "--nixl-backend", "LIBFABRIC"])  # its --decode: lenient

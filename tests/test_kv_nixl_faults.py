@@ -112,7 +112,7 @@ def nixl_workers(cluster_logs):
     """A NIXL prefill worker and two NIXL decode workers, no router (the test plays it)."""
     from disagg.tools.local_cluster import ClusterSpec, LocalCluster, reserve_port
 
-    spec = ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "nixl-faults"),
+    spec = ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, threads_per_worker=1, log_dir=str(cluster_logs / "nixl-faults"),
                        worker_args=["--kv-transport", "nixl"])
     cluster = LocalCluster(spec)
     try:

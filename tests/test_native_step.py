@@ -150,15 +150,24 @@ def test_native_prefill_equals_transformers_prefill(name):
         torch.testing.assert_close(native_kv[layer][1], values, rtol=1e-5, atol=1e-5)
 
 
-def test_long_prompts_prefill_through_transformers_modules(monkeypatch):
+def test_long_prefills_go_through_transformers_modules_counting_only_the_rows_past_the_cached_prefix(monkeypatch):
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
-    monkeypatch.setattr(native_step, "PREFILL_MAX_TOKENS", 8)
+    monkeypatch.setattr(native_step, "PREFILL_MAX_ROWS", 8)
     called = []
     monkeypatch.setattr(backend.native_prefill, "prefill_logits", lambda *args: called.append(args) or torch.zeros(1, 1))
     backend.prefill_logits(list(range(9)), lambda *kv: None)
     assert not called
     backend.prefill_logits(list(range(8)), lambda *kv: None)
     assert len(called) == 1
+    info = backend.info
+    prefix = [(torch.zeros(info.kv_heads, 6, info.head_dim), torch.zeros(info.kv_heads, 6, info.head_dim)) for _ in range(info.num_layers)]
+    backend.prefill_logits(list(range(14)), lambda *kv: None, prefix)  # 8 rows past a 6-token prefix
+    assert len(called) == 2
+
+
+def test_bf16_prefills_past_64_rows_take_onednn_when_torch_has_more_than_one_thread():
+    assert native_step.prefill_max_rows(torch.bfloat16, 1) == native_step.prefill_max_rows(torch.float32, 2) == native_step.PREFILL_MAX_ROWS
+    assert native_step.prefill_max_rows(torch.bfloat16, 2) == native_step.PREFILL_MAX_ROWS_BF16_THREADED == 64
 
 
 def test_an_exception_in_the_layer_callback_stops_the_native_prefill_and_is_raised():

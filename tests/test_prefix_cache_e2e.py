@@ -198,7 +198,9 @@ def lone_paged_decode_worker(cluster_logs):
 
     blocks = 64
     budget = blocks * BLOCK * kv_bytes_per_token("llama") / 2**30
-    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "lone-paged")))
+    cluster = LocalCluster(ClusterSpec(
+        model=tiny_model("llama"), dtype="float32", compile=False, threads_per_worker=1, log_dir=str(cluster_logs / "lone-paged"),
+    ))
     worker = cluster.add_worker("decode", ["--kv-cache-gib", f"{budget:.10f}", "--max-batch-size", "64", "--block-size", str(BLOCK)])
     try:
         cluster.wait_serving(120, worker.address)

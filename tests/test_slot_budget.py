@@ -47,7 +47,9 @@ def test_a_decode_worker_sizes_its_slots_from_the_budget(cluster_logs):
 
     info = load_backend("torch", model=tiny_model("llama"), dtype="float32").info
     per_slot = info.kv_bytes_per_token(4) * info.max_seq_len
-    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="float32", compile=False, log_dir=str(cluster_logs / "slot-budget")))
+    cluster = LocalCluster(ClusterSpec(
+        model=tiny_model("llama"), dtype="float32", compile=False, threads_per_worker=1, log_dir=str(cluster_logs / "slot-budget"),
+    ))
     try:
         # Paged, the budget is blocks (here 5.5 slots' worth, 176 blocks): the rows of the batch are the cap of 64,
         # or a given size. The slot layout (the compiled step, neuron) still sizes its slots from the budget: slots_for above.

@@ -236,7 +236,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--http-timeout-seconds", type=float, default=None, help="an HTTP request still unanswered after this long ends with 504 (default 600)")
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
-    serve.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (default 0: the machine's cores split between the workers)")
+    serve.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (default 0: a prefill worker its share of the machine's cores "
+                            "among the prefill workers, a decode worker its share among all the workers)")
     serve.add_argument("--batch-size", type=int, default=0,
                        help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],

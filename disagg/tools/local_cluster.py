@@ -57,7 +57,7 @@ class ClusterSpec:
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API; None: off, 0: a free port
     dtype: str = "auto"  # dtype_choice: bf16 on a native-bf16 CPU, float32 on others
     batch_size: int = 8
-    threads_per_worker: int = 0  # 0: split the machine's cores between the workers
+    threads_per_worker: int = 0  # 0: see worker_threads
     worker_args: list[str] = field(default_factory=list)  # extra flags for both workers
     decode_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
@@ -71,6 +71,20 @@ class ClusterSpec:
     neuron: NeuronPlacement | None = None  # the workers run --backend neuron, each on its own NeuronCores
     stall_seconds: float = 60.0  # a compiling worker whose heartbeat is older than this is stuck
     compile_timeout: float | None = None  # at most this long compiling (None: as long as it makes progress)
+
+    def worker_threads(self, role: str) -> int:
+        """torch threads for a worker of this role: threads_per_worker, else the machine's cores
+        split between the decode and prefill workers for a decode worker, and between the
+        prefill workers alone for a prefill worker. Why: a decode step reads weights (bandwidth,
+        every step) while a prefill computes (bursts, idle between prompts); oneDNN's products
+        and SDPA on every core take a 1,024-token bf16 prefill from 1.88 to 1.00 s, and the
+        prefill shares the decode worker's cores only while it runs (docs/benchmarks.md)."""
+        if self.threads_per_worker:
+            return self.threads_per_worker
+        cores = os.cpu_count() or 2
+        if role == "prefill":
+            return max(1, cores // self.prefill_workers)
+        return max(1, cores // (self.decode_workers + (0 if self.colocated else self.prefill_workers)))
 
     def worker_names(self) -> list[str]:
         """In launch order: the decode workers, then the prefill workers (none when colocated)."""
@@ -137,10 +151,9 @@ class LocalCluster:
         """timeout: for each worker, its start-up seconds outside a compile; then for the router."""
         spec = self.spec
         self._env = {name: {"NEURON_RT_VISIBLE_CORES": cores} for name, cores in spec.neuron_cores().items()}  # refused before anything starts
-        workers = spec.decode_workers + (0 if spec.colocated else spec.prefill_workers)
-        threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
-        common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(threads), *spec.worker_args]
-        decode_args = common + ["--batch-size", str(spec.batch_size), *compile_flag(spec.compile), *spec.decode_args]
+        common = ["--model", spec.model, "--dtype", spec.dtype, *spec.worker_args]
+        decode_args = [*common, "--threads", str(spec.worker_threads("decode")), "--batch-size", str(spec.batch_size), *compile_flag(spec.compile)]
+        decode_args += spec.decode_args
         decode_args += ["--colocated"] if spec.colocated else []
         # Every worker is started before any is waited for: each spends seconds importing
         # torch before it binds its port, and those imports can run side by side. The prefill
@@ -154,7 +167,7 @@ class LocalCluster:
             ]
             if not spec.colocated:
                 pool = [a for r in reserved for a in ("--decode", f"127.0.0.1:{r.getsockname()[1]}")]
-                prefill_args = common + pool + spec.prefill_args + spec.neuron_args("prefill")
+                prefill_args = common + ["--threads", str(spec.worker_threads("prefill"))] + pool + spec.prefill_args + spec.neuron_args("prefill")
                 launched += [self._launch(f"prefill-{i}", "prefill_worker", prefill_args) for i in range(spec.prefill_workers)]
             workers = self._bind_all(launched)
         finally:
@@ -182,7 +195,7 @@ class LocalCluster:
     def add_worker(self, role: str, extra: list[str] = ()) -> Process:
         """Starts one more worker (not known to the running router)."""
         spec = self.spec
-        common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(spec.threads_per_worker or 1), *spec.worker_args, *extra]
+        common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(spec.worker_threads(role)), *spec.worker_args, *extra]
         if role == "decode":
             common += compile_flag(spec.compile)
         if role == "prefill" and "--decode" not in extra:  # the decode workers started so far are its pool

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from disagg.kv_transport.chunk_codec import KvKind, dtype_name
 
-from ..cpu_kernels import native_step, slot_attention
+from ..cpu_kernels import native_step, prefill_attention, slot_attention
 from ..cpu_kernels.packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
 from ..faults import DeviceLost
 from ..model_files import eos_token_ids
@@ -46,7 +46,7 @@ class TorchBackendConfig:
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
     # Linear weights laid out for few-row products (`packed_linear`). None: on CPU.
     prepack: bool | None = None
-    # Eager decode steps and prompts of up to PREFILL_MAX_TOKENS as one call into native_step.c.
+    # Eager decode steps and prefills of up to native_step.prefill_max_rows rows as one call into native_step.c.
     # None: wherever it serves the model (and a start-up step agrees).
     native_step: bool | None = None
 
@@ -137,6 +137,7 @@ class TorchBackend(Backend):
         self.native_model = self._native_model() if config.native_step is not False else None
         if self.native_model is not None:
             self.native_prefill = self._check_native_prefill()
+        self.prefill_attention = self._check_prefill_attention()  # long bf16 prompts' attention in prefill_attention.c
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
 
     def _prepack(self) -> None:
@@ -213,8 +214,11 @@ class TorchBackend(Backend):
         if prefix_kv is not None:
             prefix_kv = self._checked_prefix(prefix_kv, len(token_ids))
             start = prefix_kv[0][0].shape[1]
-        if self.native_prefill is not None and len(token_ids) <= native_step.PREFILL_MAX_TOKENS:
+        if self.native_prefill is not None and len(token_ids) - start <= native_step.prefill_max_rows(self.dtype, torch.get_num_threads()):
             return self.native_prefill.prefill_logits(token_ids, on_layer, prefix_kv)
+        return self._modules_prefill(token_ids, on_layer, prefix_kv, start)
+
+    def _modules_prefill(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv: PrefixKv | None, start: int) -> torch.Tensor:
         input_ids = torch.tensor([token_ids[start:]], dtype=torch.long, device=self.device)  # [1, L - P]
         positions = torch.arange(start, len(token_ids), device=self.device)[None]  # [1, L - P]: P.. L-1
         cache = PrefillCache(self.plans, on_layer, prefix_kv)
@@ -371,7 +375,7 @@ class TorchBackend(Backend):
     def _check_native_prefill(self) -> native_step.NativeModel | None:
         """The native model for prompts, where a one-token prompt and one past a 16-token
         sliding window give transformers' logits and K/V."""
-        for length in (1, min(40, native_step.PREFILL_MAX_TOKENS, self.info.max_seq_len)):
+        for length in (1, min(40, self.info.max_seq_len)):
             prompt = [(7 * i + 1) % self.info.vocab_size for i in range(length)]
             reference_kv, native_kv = [], []  # (keys, values) per layer, in the order handed on
             reference = self.prefill_logits(prompt, lambda layer, k, v: reference_kv.append((layer, k.clone(), v.clone())))
@@ -381,8 +385,39 @@ class TorchBackend(Backend):
             if not same_layers or not all(a.shape == b.shape and agrees(a, b, self.dtype) for a, b in pairs):
                 log.info("prefills run through transformers' modules: the native prefill changes this model's logits or K/V")
                 return None
-        log.info("prompts of up to %d tokens prefill natively (native_step.c)", native_step.PREFILL_MAX_TOKENS)
+        log.info("prefills of up to %d new tokens run natively (native_step.c; %s at %d torch threads)",
+                 native_step.prefill_max_rows(self.dtype, torch.get_num_threads()), self.dtype, torch.get_num_threads())
         return self.native_model
+
+    @torch.inference_mode()
+    def _check_prefill_attention(self) -> bool:
+        """Whether long bf16 prompts' attention runs in prefill_attention.c: where it builds here
+        and a whole prompt and one past a cached prefix give SDPA's logits and K/V."""
+        uses_sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not uses_sdpa or prefill_attention.kernel() is None:
+            return False
+        length = min(2 * prefill_attention.MIN_ROWS + 8, self.info.max_seq_len)
+        prompt = [(5 * i + 3) % self.info.vocab_size for i in range(length)]
+        prefix_len = length - prefill_attention.MIN_ROWS
+        layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._modules_prefill(prompt[:prefix_len], lambda layer, k, v: layers.setdefault(layer, (k.clone(), v.clone())), None, 0)
+        prefix = [layers[i] for i in range(self.info.num_layers)]
+        runs = []
+        prefill_attention.install()
+        for served in (False, True):
+            prefill_attention.serve(self.model.modules(), served)
+            for cached in (None, prefix):
+                kv: list[torch.Tensor] = []
+                start = 0 if cached is None else prefix_len
+                logits = self._modules_prefill(prompt, lambda layer, k, v: kv.extend((k.clone(), v.clone())), cached, start)
+                runs.append([logits, *kv])
+        sdpa, ours = runs[:2], runs[2:]
+        if not all(a.shape == b.shape and agrees(a, b, self.dtype) for theirs, mine in zip(sdpa, ours) for a, b in zip(theirs, mine)):
+            prefill_attention.serve(self.model.modules(), False)
+            log.info("long prompts' attention runs in SDPA: prefill_attention.c changes this model's logits or K/V")
+            return False
+        log.info("bf16 prefills of %d rows or more attend in prefill_attention.c (AVX512_BF16), not SDPA", prefill_attention.MIN_ROWS)
+        return True
 
     @torch.inference_mode()
     def _check_native_step(self, num_slots: int) -> native_step.NativeModel | None:

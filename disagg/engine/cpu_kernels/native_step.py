@@ -8,10 +8,10 @@ the whole step (every layer, the final norm, the LM head) in one call over the
 same prepacked weights, the same slot cache and the same kernels (the products
 shared with small_gemm's helper thread, the attention read in place by
 slot_attention), so what is left besides the products is a few loops per layer.
-A prompt of up to PREFILL_MAX_TOKENS runs the same way (its rows in one slot of
+A prompt of up to `prefill_max_rows` new rows runs the same way (its rows in one slot of
 a K/V buffer of its own, each attending over the rows before it), handing each
 layer's K/V on as soon as it is written; longer prompts keep transformers'
-modules, whose attention (SDPA, blocked) is faster there.
+modules, whose attention (SDPA) and products (oneDNN) are blocked, faster there.
 
 Served: transformers' Llama, Mistral and Qwen2 (the decoder-layer classes of
 `SERVED`: pre-norm RMSNorm, rotary q and k, SiLU-gated MLP, no logit scaling;
@@ -57,11 +57,21 @@ SERVED = {
 }
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
-# Longer prompts go through transformers' modules: the C attention computes each row
-# alone over the rows before it (dots, not blocked products), which costs more than
-# SDPA's blocked attention once the prompt is long. SmolLM-135M's shape, float32:
-# native 1.27x faster at 64 tokens, 1.13x at 512, 0.95x at 1,024 (docs/benchmarks.md, A prompt's prefill).
-PREFILL_MAX_TOKENS = 512
+# A prefill of more rows (past its cached prefix) goes through transformers' modules: the C
+# attention here computes each row alone over the rows before it (dots, not blocked products),
+# and the products, blocks of 64 rows through small_gemm on two cores, lose to oneDNN's blocked
+# products once oneDNN has every core too. SmolLM-135M's shape, native / modules speed
+# (`bench/prefill_step.py`; docs/benchmarks.md, A prompt's prefill): float32 1.44x at 512 rows,
+# 0.94x at 1,024 (on one torch thread or two); bf16 (the modules' attention in
+# prefill_attention.c) on one torch thread 1.30x at 256, 1.05x at 512, 0.86x at 1,024; on two
+# 1.63x at 64, 0.86x at 128, 0.56x at 512.
+PREFILL_MAX_ROWS = 512
+PREFILL_MAX_ROWS_BF16_THREADED = 64
+
+
+def prefill_max_rows(dtype: torch.dtype, threads: int) -> int:
+    """The most rows a native prefill computes for this dtype at this many torch threads."""
+    return PREFILL_MAX_ROWS_BF16_THREADED if dtype == torch.bfloat16 and threads > 1 else PREFILL_MAX_ROWS
 
 
 class _Weights(ctypes.Structure):
