@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
+import os
 
-from disagg.cli.flags import add_model_flags, add_server_flags, run_worker, setup_process, worker_fields
+# OpenMP's threads sleep as soon as a parallel region ends, not spin (libgomp reads this once, as
+# torch loads it: so before any import that may load torch). A prefill worker runs a torch thread
+# per core it is given, and its products split evenly between them: with the cores busy with other
+# processes (a decode worker's steps, the router), a spinning thread holds a core the working one
+# needs, and a 900-token bf16 prefill on two threads took 8.6-9.7 s instead of 1.4-1.8 s (one
+# thread: 1.4-1.9 s); with nothing else running, sleeping costs 0-10% (docs/benchmarks.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .config import PrefillWorkerConfig
+import argparse  # noqa: E402
+
+from disagg.cli.flags import add_model_flags, add_server_flags, run_worker, setup_process, worker_fields  # noqa: E402
+
+from .config import PrefillWorkerConfig  # noqa: E402
 
 
 def parse_config(argv=None) -> PrefillWorkerConfig:

@@ -45,3 +45,16 @@ def test_serve_gives_prefill_workers_the_cores_and_decode_workers_a_share(monkey
     assert ClusterSpec(model="m", threads_per_worker=3).worker_threads("prefill") == 3
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert (ClusterSpec(model="m").worker_threads("prefill"), ClusterSpec(model="m").worker_threads("decode")) == (2, 1)
+
+
+@pytest.mark.parametrize("preset,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_prefill_worker_sets_openmp_threads_to_sleep_before_torch_loads_unless_told(preset, expected):
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    probe = "import prefill_worker.__main__, os, sys; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == expected
