@@ -249,7 +249,9 @@ class Stream(threading.Thread):
             self.decoding.set()
 
 
-LONG = 200  # tokens: a stream that is still running when its worker is frozen
+# Tokens: a stream still running when its worker is frozen, which is once all three are decoding, so
+# the first must outlast the other two's prefills (at 200 one had finished, once, on a busy CI host).
+LONG = 480
 PROMPTS = ["The lighthouse keeper", "A quiet morning in the harbour", "The lighthouse keeper"]
 
 

@@ -146,7 +146,7 @@ def test_a_wheel_in_a_fresh_virtualenv_serves_exact_tokens_with_its_own_kernels(
     text = log.read_text()
     for name, (_, library) in kernels.items():
         assert pathlib.Path(library).exists() and f"built {name}.c: {library}" in text, (name, library)
-    assert "decode steps run natively (native_step.c)" in text and "prefill natively (native_step.c)" in text and "reads scattered slots in place" in text
+    assert "decode steps run natively (native_step.c)" in text and "new tokens run natively (native_step.c" in text and "reads scattered slots in place" in text
     assert "KV transport: gRPC stream" in text  # auto, with no NIXL installed
 
 

@@ -396,9 +396,11 @@ class TorchBackend(Backend):
         uses_sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not uses_sdpa or prefill_attention.kernel() is None:
             return False
-        length = min(2 * prefill_attention.MIN_ROWS + 8, self.info.max_seq_len)
+        length = 2 * prefill_attention.MIN_ROWS + 8  # a whole prompt, and its last MIN_ROWS + 8 rows past a cached prefix
+        if length > self.info.max_seq_len:
+            return False  # no prompt here is long enough to reach the kernel
         prompt = [(5 * i + 3) % self.info.vocab_size for i in range(length)]
-        prefix_len = length - prefill_attention.MIN_ROWS
+        prefix_len = prefill_attention.MIN_ROWS
         layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modules_prefill(prompt[:prefix_len], lambda layer, k, v: layers.setdefault(layer, (k.clone(), v.clone())), None, 0)
         prefix = [layers[i] for i in range(self.info.num_layers)]

@@ -178,9 +178,11 @@ static void task(const struct prefill_job *job, long head, long row0, long rows,
 
 /* The job on `threads` threads of OpenMP's team: first each kv head's keys and values
  * packed (into the job's buffers; keys and values [kv_heads, kv_len, d], each with its
- * strides), then the q_heads * ceil(q_rows / ROWS) tasks dealt out in turn: task t is rows
- * ROWS * (t % tiles).. of head t / tiles (one head's tiles in a row, so its packed keys and
- * values stay in the caches; consecutive tiles, of growing length, to different threads).
+ * strides), then the q_heads * ceil(q_rows / ROWS) tasks, each claimed by whichever thread
+ * is free (a thread that shares its core with another process claims fewer, where an even
+ * split would leave the others waiting for it): task t is rows ROWS * (t % tiles).. of head
+ * t / tiles (one head's tiles in a row, so its packed keys and values stay in the caches).
+ * Each task computes its rows whole, so the output does not depend on who claimed what.
  * Built with -fopenmp, the team is the one torch's own products run on: PyTorch's wheel
  * loads libgomp.so.1, which this library's needs then resolve to, so its threads, still
  * spinning from the last product, take this job rather than competing with other threads
@@ -188,14 +190,15 @@ static void task(const struct prefill_job *job, long head, long row0, long rows,
 void prefill_attention(const struct prefill_job *job, const bf16 *keys, long key_head_stride, long key_row_stride, const bf16 *values,
                        long value_head_stride, long value_row_stride, int threads, float *work) {
     long tiles = (job->q_rows + ROWS - 1) / ROWS, packed = prefill_packed_size(job->kv_len, job->d);
+    long next_head = 0, next_task = 0; /* what the team claims next */
 #pragma omp parallel num_threads(threads)
     {
-        long me = omp_get_thread_num(), team = omp_get_num_threads();
-        for (long h = me; h < job->kv_heads; h += team)
+        long me = omp_get_thread_num(), h, t;
+        while ((h = __atomic_fetch_add(&next_head, 1, __ATOMIC_RELAXED)) < job->kv_heads)
             prefill_pack(keys + h * key_head_stride, key_row_stride, values + h * value_head_stride, value_row_stride, job->kv_len, job->d,
                          (bf16 *)job->packed_keys + h * packed, (bf16 *)job->packed_values + h * packed);
 #pragma omp barrier
-        for (long t = me; t < job->q_heads * tiles; t += team) {
+        while ((t = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED)) < job->q_heads * tiles) {
             long head = t / tiles, row0 = (t % tiles) * ROWS;
             long rows = job->q_rows - row0 < ROWS ? job->q_rows - row0 : ROWS;
             task(job, head, row0, rows, work + me * prefill_attention_work(job->d));

@@ -134,8 +134,10 @@ def _served(query, key, value, attention_mask, dropout, kwargs) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=8)
 def causal_mask(q_rows: int, kv_len: int) -> torch.Tensor:
-    """[q_rows, kv_len] bool: row i (position kv_len - q_rows + i) attends keys up to its position."""
+    """[q_rows, kv_len] bool: row i (position kv_len - q_rows + i) attends keys up to its position.
+    Kept for the next layers' calls (a prompt's every layer asks for the same); never written to."""
     return torch.ones(q_rows, kv_len, dtype=torch.bool).tril(kv_len - q_rows)
 
 
