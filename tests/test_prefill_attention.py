@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import checkpoints_root
+from conftest import checkpoints_root, tiny_model
 
 from disagg.engine.backends import load_backend
 from disagg.engine.cpu_kernels import prefill_attention
@@ -139,6 +139,13 @@ def test_short_prompts_sliding_windows_and_unserved_modules_keep_sdpa(one_torch_
 def test_a_kernel_that_changes_the_logits_is_not_used(one_torch_thread, monkeypatch):
     monkeypatch.setattr(prefill_attention.PrefillAttention, "attend", lambda self, query, key, value, scale: torch.zeros_like(query.transpose(1, 2)))
     backend = bf16_backend()
+    assert not backend.prefill_attention
+    assert not any(getattr(module, prefill_attention.SERVES, False) for module in backend.model.modules())
+
+
+@needs_kernel
+def test_a_model_whose_attention_the_kernel_does_not_serve_keeps_sdpa(one_torch_thread):
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="bfloat16", torch={"native_step": False})  # heads of 16
     assert not backend.prefill_attention
     assert not any(getattr(module, prefill_attention.SERVES, False) for module in backend.model.modules())
 

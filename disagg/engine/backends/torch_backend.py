@@ -405,6 +405,7 @@ class TorchBackend(Backend):
         self._modules_prefill(prompt[:prefix_len], lambda layer, k, v: layers.setdefault(layer, (k.clone(), v.clone())), None, 0)
         prefix = [layers[i] for i in range(self.info.num_layers)]
         runs = []
+        calls = prefill_attention.kernel().calls
         prefill_attention.install()
         for served in (False, True):
             prefill_attention.serve(self.model.modules(), served)
@@ -414,6 +415,10 @@ class TorchBackend(Backend):
                 logits = self._modules_prefill(prompt, lambda layer, k, v: kv.extend((k.clone(), v.clone())), cached, start)
                 runs.append([logits, *kv])
         sdpa, ours = runs[:2], runs[2:]
+        if prefill_attention.kernel().calls == calls:  # no call it serves (heads of another size, eager attention, a window, ...)
+            prefill_attention.serve(self.model.modules(), False)
+            log.info("long prompts' attention runs in SDPA: prefill_attention.c does not serve this model's attention (heads of %d)", self.info.head_dim)
+            return False
         if not all(a.shape == b.shape and agrees(a, b, self.dtype) for theirs, mine in zip(sdpa, ours) for a, b in zip(theirs, mine)):
             prefill_attention.serve(self.model.modules(), False)
             log.info("long prompts' attention runs in SDPA: prefill_attention.c changes this model's logits or K/V")

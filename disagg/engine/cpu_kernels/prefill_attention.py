@@ -62,6 +62,7 @@ class PrefillAttention:
         self._work.argtypes, self._work.restype = [long], long
         self._packed_size = library.prefill_packed_size
         self._packed_size.argtypes, self._packed_size.restype = [long, long], long
+        self.calls = 0  # how many attentions it has computed (the start-up check asks whether any)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """query [1, q_heads, q_rows, d], key and value [1, kv_heads, kv_len, d], bf16, d contiguous
@@ -83,6 +84,7 @@ class PrefillAttention:
         work = torch.empty(threads * self._work(d), dtype=torch.float32)
         job = _Job(query.data_ptr(), query.stride(1), query.stride(2), q_rows, q_heads, packed_keys.data_ptr(), packed_values.data_ptr(),
                    kv_heads, kv_len, d, scale, out.data_ptr(), out.stride(2), out.stride(1))
+        self.calls += 1
         self._attend(
             ctypes.byref(job), key.data_ptr(), key.stride(1), key.stride(2), value.data_ptr(), value.stride(1), value.stride(2), threads, work.data_ptr()
         )
