@@ -130,6 +130,10 @@ def test_short_prompts_sliding_windows_and_unserved_modules_keep_sdpa(one_torch_
         assert attention(module, query, keys, values, None, scaling=0.125, sliding_window=16) == "sdpa"  # a window shorter than the keys
         assert attention(module, query, keys, values, None, scaling=0.125, softcap=30.0) == "sdpa"
         assert attention(torch.nn.Module(), query, keys, values, None, scaling=0.125) == "sdpa"  # not marked served
+        assert attention(module, query, keys, values, None, scaling=0.125, is_causal=False) == "sdpa"  # bidirectional
+        module.is_causal = False
+        assert attention(module, query, keys, values, None, scaling=0.125) == "sdpa"
+        del module.is_causal
         assert not calls
         out, _ = attention(module, query, keys, values, None, scaling=0.125, sliding_window=4096)
         assert calls and out.shape == (1, 40, 2, 64)

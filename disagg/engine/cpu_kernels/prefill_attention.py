@@ -122,15 +122,15 @@ def _kernel() -> PrefillAttention | None:
     return PrefillAttention(library) if library is not None else None
 
 
-def _served(query, key, value, attention_mask, dropout, kwargs) -> bool:
+def _served(query, key, value, attention_mask, dropout, kwargs, causal: bool = True) -> bool:
     if query.shape[2] < MIN_ROWS or dropout or any(kwargs.get(name) is not None for name in UNSERVED) or not served_shapes(query, key, value):
         return False
     window = kwargs.get("sliding_window")
     if window is not None and window < key.shape[2]:
         return False
     q_rows, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None:
-        return q_rows == kv_len  # transformers' sdpa then runs is_causal (top-left: only a whole prompt)
+    if attention_mask is None:  # transformers' sdpa then runs is_causal as given (top-left aligned: only a whole prompt is causal here)
+        return causal and q_rows == kv_len
     return attention_mask.dtype == torch.bool and attention_mask.shape == (1, 1, q_rows, kv_len) and torch.equal(
         attention_mask[0, 0], causal_mask(q_rows, kv_len)
     )
@@ -146,7 +146,9 @@ def causal_mask(q_rows: int, kv_len: int) -> torch.Tensor:
 def _wrap(sdpa):
     @functools.wraps(sdpa)
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-        if getattr(module, SERVES, False) and getattr(key, "disagg_paged", None) is None and _served(query, key, value, attention_mask, dropout, kwargs):
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)  # as transformers' sdpa reads it
+        ours = getattr(module, SERVES, False) and getattr(key, "disagg_paged", None) is None
+        if ours and _served(query, key, value, attention_mask, dropout, kwargs, causal):
             scale = scaling if scaling is not None else query.shape[3] ** -0.5
             return _kernel().attend(query, key, value, scale), None
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
