@@ -36,6 +36,9 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
                              "off on the neuron backend, whose context encoding runs whole prompts)")
     parser.add_argument("--prefix-cache-gib", type=float, default=1.0, help="memory for the prefix cache's blocks, in GiB (0: no prefix cache)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per prefix cache block: prompts share whole blocks")
+    parser.add_argument("--bind-compute-threads", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a CPU, bind torch's compute threads one per CPU where the worker has one per CPU it may run on (default on; "
+                             "as vLLM's CPU build binds its OpenMP threads): a product split evenly never waits on two threads sharing a CPU")
     args = parser.parse_args(argv)
     setup_process(args)
     shared, settings = worker_fields(args)
@@ -49,6 +52,7 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
             prefix_caching=args.prefix_caching,
             prefix_cache_gib=args.prefix_cache_gib,
             block_size=args.block_size,
+            bind_compute_threads=args.bind_compute_threads,
         )
     except ValueError as exc:  # one line naming the flag, not a traceback
         parser.error(str(exc))

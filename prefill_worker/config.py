@@ -24,6 +24,10 @@ class PrefillWorkerConfig(WorkerConfig):
     prefix_caching: bool = True
     prefix_cache_gib: float = 1.0  # 0: off
     block_size: int = 16
+    # On a CPU, torch's compute threads bound one per CPU where the worker has a thread per CPU
+    # (disagg.engine.threads.bind_compute_threads): a product's even split then never waits on
+    # two of them sharing a CPU while another process holds the other.
+    bind_compute_threads: bool = True
 
     @property
     def streams_kv_during_prefill(self) -> bool:

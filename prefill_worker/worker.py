@@ -24,7 +24,7 @@ from disagg.engine.backends import Backend, PrefillResult
 from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, FailureStreak, describe, with_injected_faults
 from disagg.engine.kv_blocks import BlockStats
 from disagg.engine.requests import Sampling, TokenLogprobs, check_prompt_len, check_token_ids
-from disagg.engine.threads import pin_this_thread
+from disagg.engine.threads import start_compute_thread
 from disagg.kv_transport import open_fallible
 from disagg.kv_transport.chunk_codec import KvCommit
 from disagg.kv_transport.grpc_push import GrpcPushSender
@@ -80,7 +80,8 @@ class PrefillWorker:
         self.metrics = metrics
         self.config = config
         self.info = backend.info
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(config.device_cpus,))
+        bind = config.bind_compute_threads and config.device == "cpu"
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=start_compute_thread, initargs=(config.device_cpus, bind))
         self._prefill_step = with_injected_faults(backend.prefill, TEST_FAIL_PREFILL_STEP)  # read once, here; unset: the backend's own
         self._streak = FailureStreak()
         self.failure: str | None = None  # why the device stopped being trusted; the process then exits non-zero

@@ -57,3 +57,18 @@ def test_the_prefill_worker_sets_openmp_threads_to_sleep_before_torch_loads_unle
         env["OMP_WAIT_POLICY"] = preset
     probe = "import prefill_worker.__main__, os; print(os.environ['OMP_WAIT_POLICY'])"
     assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip() == expected
+
+
+def test_serve_lowers_its_decode_workers_priority_only_beside_prefill_workers_on_the_cpu():
+    from disagg.cli.main import DECODE_NICE, build_parser, serve_spec
+
+    def nice(*flags: str) -> dict:
+        return serve_spec(build_parser().parse_args(["serve", "--http-port", "-1", *flags])).nice
+
+    assert nice() == {"decode": DECODE_NICE} and DECODE_NICE > 0
+    assert nice("--decode-nice", "3") == {"decode": 3}
+    assert nice("--decode-nice", "0") == {}
+    assert nice("--colocated") == {}  # the decode workers run the prefills themselves
+    assert nice("--backend", "neuron", "--neuron-cores", "2") == {}  # prefills run on NeuronCores
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--decode-nice", "20"])

@@ -1,0 +1,95 @@
+"""Where compute threads run: a prefill worker's torch threads bound one per CPU
+(disagg/engine/cpu_kernels/omp_team.c), and a launched worker's lowered priority, of its
+threads and of its scheduling group (local_cluster.lower_priority). Each runs in a
+subprocess of its own: binding changes a process's threads for good."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding one thread per CPU needs two CPUs")
+
+
+def run_python(script: str, **popen) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120, **popen)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+@TWO_CPUS
+def test_torch_products_run_on_the_threads_bound_one_per_cpu():
+    # A thread binds its team to two CPUs; torch's product from the same thread then runs on
+    # exactly those threads: no new thread appears, and the bound second one does the work.
+    out = run_python("""
+        import os, threading, torch
+        torch.set_num_threads(2)
+        from disagg.engine.cpu_kernels import omp_team
+
+        def cpu_ticks(tid):
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+
+        def device_thread():
+            cpus = sorted(os.sched_getaffinity(0))[:2]
+            assert omp_team.bind(cpus)
+            members = omp_team.members(2)
+            assert [cpu for _, cpu in members] == cpus, members
+            helper = members[1][0]
+            threads, before = set(os.listdir("/proc/self/task")), cpu_ticks(helper)
+            a = torch.randn(1024, 1024)
+            for _ in range(40):
+                a @ a
+            assert set(os.listdir("/proc/self/task")) == threads, "torch started threads of its own"
+            assert omp_team.members(2) == members
+            print("helper ticks", cpu_ticks(helper) - before)
+
+        thread = threading.Thread(target=device_thread)
+        thread.start()
+        thread.join()
+    """)
+    assert out.startswith("helper ticks ") and int(out.split()[-1]) > 0, out
+
+
+@TWO_CPUS
+def test_the_prefill_workers_compute_threads_are_bound_only_with_a_thread_per_cpu():
+    out = run_python("""
+        import os, threading, torch
+        from disagg.engine.threads import start_compute_thread
+        from disagg.engine.cpu_kernels import omp_team
+
+        def on_a_thread(threads, cpus, bind):
+            torch.set_num_threads(threads)
+            seen = []
+            def run():
+                start_compute_thread(cpus, bind)
+                seen.append([cpu for _, cpu in omp_team.members(threads)])
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+            return seen[0]
+
+        two = frozenset(sorted(os.sched_getaffinity(0))[:2])
+        print(on_a_thread(2, two, True), on_a_thread(3, two, True), on_a_thread(2, two, False), on_a_thread(2, frozenset([min(two)]), True), sep="|")
+    """)
+    bound, too_many, off, pinned_to_one = out.split("|")
+    low, high = sorted(os.sched_getaffinity(0))[:2]
+    assert bound == f"[{low}, {high}]"
+    assert too_many == "[-1, -1, -1]"  # more threads than CPUs: none bound
+    assert off == "[-1, -1]"  # --no-bind-compute-threads
+    assert pinned_to_one == f"[{low}, {low}]"  # --device-cpus one CPU: pinned there, as before, not bound one per CPU
+
+
+def test_a_lowered_priority_covers_the_threads_and_the_scheduling_group():
+    from disagg.tools.local_cluster import AUTOGROUP, lower_priority
+
+    group = f"open({AUTOGROUP!r}).read().strip() if os.path.exists({AUTOGROUP!r}) else 'no autogroup'"
+    probe = f"import os; print(os.getpriority(os.PRIO_PROCESS, 0)); print({group})"
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    niceness, group = run_python(probe, start_new_session=True, preexec_fn=lambda: lower_priority(7)).splitlines()
+    assert int(niceness) == min(19, before + 7)
+    if group != "no autogroup":  # Linux without CONFIG_SCHED_AUTOGROUP: the threads' niceness alone
+        assert group.endswith(" nice 7"), group
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # only the child
