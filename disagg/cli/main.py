@@ -12,9 +12,10 @@ from disagg.kv_transport import CHOICES as KV_CHOICES
 from disagg.kv_transport import DEFAULT as KV_DEFAULT
 
 # disagg serve's decode workers yield the cores to a prefill beside them (--decode-nice): with
-# 4 streams running and a 900-token prompt every 3 s (bench/long_prompts.py, two cores), the
-# long prompts' TTFT p50 went from 1,450-1,550 ms to 0.9-1.0 s, and the streams' ITL p99 from
-# about 65 to 75-90 ms (p50 unchanged); at 15, TTFT 0.8-1.0 s and ITL p99 105-130 ms.
+# 4 streams running and a 900-token prompt every 3 s (bench/long_prompts.py, two cores, the
+# prefill's threads bound one per CPU), the long prompts' TTFT p50 was 0.9-1.0 s at 10 against
+# 1.2 s at 5 and 1.8 s at 0; at 15, 0.8-1.0 s but the streams' ITL p99 104-130 ms against
+# 83-85 at 10 (p50 unchanged). docs/benchmarks.md has the runs.
 DECODE_NICE = 10
 
 
