@@ -37,7 +37,7 @@ import urllib.request
 from disagg.clients.grpc_client import AsyncClient
 from disagg.clients.openai_client import OpenAIClient
 from disagg.tools.loadgen import RequestSpec, closed_loop, summarize
-from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster, decode_nice
 from disagg.tools.tinymodel import BENCH_SHAPES, ensure_tiny_model
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -86,9 +86,9 @@ async def measure(client, args, out: dict, checkpoint) -> None:
 
 # -- ours ----------------------------------------------------------------------------------------
 def run_disagg(model: str, args, out: dict, checkpoint) -> None:
-    # The defaults `disagg serve` starts with (1 prefill + 1 decode worker, its batch size and dtype).
-    # batch_size 0: the slots sized from the KV budget, as `disagg serve` does.
-    spec = ClusterSpec(model=model, dtype=args.disagg_dtype, batch_size=0, log_dir=args.log_dir + "/disagg")
+    # The defaults `disagg serve` starts with (1 prefill + 1 decode worker, its batch size, dtype and
+    # decode workers' niceness). batch_size 0: the slots sized from the KV budget, as `disagg serve` does.
+    spec = ClusterSpec(model=model, dtype=args.disagg_dtype, batch_size=0, log_dir=args.log_dir + "/disagg", nice=decode_nice())
 
     async def run(address: str) -> None:
         async with AsyncClient(address, timeout=900) as client:

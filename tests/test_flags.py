@@ -60,7 +60,8 @@ def test_the_prefill_worker_sets_openmp_threads_to_sleep_before_torch_loads_unle
 
 
 def test_serve_lowers_its_decode_workers_priority_only_beside_prefill_workers_on_the_cpu():
-    from disagg.cli.main import DECODE_NICE, build_parser, serve_spec
+    from disagg.cli.main import build_parser, serve_spec
+    from disagg.tools.local_cluster import DECODE_NICE
 
     def nice(*flags: str) -> dict:
         return serve_spec(build_parser().parse_args(["serve", "--http-port", "-1", *flags])).nice

@@ -11,13 +11,6 @@ import time
 from disagg.kv_transport import CHOICES as KV_CHOICES
 from disagg.kv_transport import DEFAULT as KV_DEFAULT
 
-# disagg serve's decode workers yield the cores to a prefill beside them (--decode-nice): with
-# 4 streams running and a 900-token prompt every 3 s (bench/long_prompts.py, two cores, the
-# prefill's threads bound one per CPU), the long prompts' TTFT p50 was 0.9-1.0 s at 10 against
-# 1.2 s at 5 and 1.8 s at 0; at 15, 0.8-1.0 s but the streams' ITL p99 104-130 ms against
-# 83-85 at 10 (p50 unchanged). docs/benchmarks.md has the runs.
-DECODE_NICE = 10
-
 
 def free_or_any(port: int) -> int:
     """port if it can be bound on 127.0.0.1, else 0 (any free port): a taken
@@ -87,15 +80,14 @@ def print_banner(cluster, model: str) -> None:
 def serve_spec(args):
     """The local cluster `disagg serve` starts. Its decode workers get --decode-nice where a
     prefill worker's products share their CPU cores (not colocated, not on NeuronCores)."""
-    from disagg.tools.local_cluster import ClusterSpec
+    from disagg.tools.local_cluster import ClusterSpec, decode_nice
 
     http_port = None if args.http_port < 0 else free_or_any(args.http_port) if args.http_port else 0
     neuron = neuron_placement(args)
-    yields_to_prefill = args.decode_nice and not args.colocated and neuron is None
     return ClusterSpec(model=args.model or "", prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port,
                        http_port=http_port, dtype=args.dtype, batch_size=args.batch_size, colocated=args.colocated, neuron=neuron,
                        worker_args=serve_worker_args(args), router_args=serve_router_args(args), threads_per_worker=args.threads,
-                       nice={"decode": args.decode_nice} if yields_to_prefill else {})
+                       nice=decode_nice(args.decode_nice, args.colocated or neuron is not None))
 
 
 def cmd_serve(args) -> int:
@@ -244,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_parser(sub) -> None:
+    from disagg.tools.local_cluster import DECODE_NICE
+
     serve = sub.add_parser("serve", help="start a router, a prefill worker and a decode worker locally")
     serve.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the built-in tiny model)")
     serve.add_argument("--port", type=int, default=int(os.environ.get("DISAGG_PORT", 50050)), help="router port")

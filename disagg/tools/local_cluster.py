@@ -112,6 +112,20 @@ def reserve_port() -> socket.socket:
     return sock
 
 
+# `disagg serve`'s decode workers yield the cores to a prefill beside them (--decode-nice): with
+# 4 streams running and a 900-token prompt every 3 s (bench/long_prompts.py, two cores, the
+# prefill's threads bound one per CPU), the long prompts' TTFT p50 was 0.9-1.0 s at 10 against
+# 1.2 s at 5 and 1.8 s at 0; at 15, 0.8-1.0 s but the streams' ITL p99 104-130 ms against
+# 83-85 at 10 (p50 unchanged). docs/benchmarks.md has the runs.
+DECODE_NICE = 10
+
+
+def decode_nice(niceness: int = DECODE_NICE, no_prefill_beside: bool = False) -> dict:
+    """ClusterSpec.nice for `disagg serve`'s decode workers: none where no prefill worker shares
+    their CPU cores (colocated: they prefill themselves; on NeuronCores: prefills run there)."""
+    return {"decode": niceness} if niceness and not no_prefill_beside else {}
+
+
 AUTOGROUP = "/proc/self/autogroup"
 
 
