@@ -22,7 +22,7 @@ def run_python(script: str, **popen) -> str:
 @TWO_CPUS
 def test_torch_products_run_on_the_threads_bound_one_per_cpu():
     # A thread binds its team to two CPUs; torch's product from the same thread then runs on
-    # exactly those threads: no new thread appears, and the bound second one does the work.
+    # exactly that team: no new thread appears, and the bound second one does the work.
     out = run_python("""
         import os, threading, torch
         torch.set_num_threads(2)
@@ -34,9 +34,10 @@ def test_torch_products_run_on_the_threads_bound_one_per_cpu():
 
         def device_thread():
             cpus = sorted(os.sched_getaffinity(0))[:2]
+            os.sched_setaffinity(0, cpus)  # this thread, as --device-cpus would
             assert omp_team.bind(cpus)
             members = omp_team.members(2)
-            assert [cpu for _, cpu in members] == cpus, members
+            assert [cpu for _, cpu in members] == [-1, cpus[1]], members  # the caller stays free
             helper = members[1][0]
             threads, before = set(os.listdir("/proc/self/task")), cpu_ticks(helper)
             a = torch.randn(1024, 1024)
@@ -57,7 +58,7 @@ def test_torch_products_run_on_the_threads_bound_one_per_cpu():
 def test_the_prefill_workers_compute_threads_are_bound_only_with_a_thread_per_cpu():
     out = run_python("""
         import os, threading, torch
-        from disagg.engine.threads import start_compute_thread
+        from disagg.engine.threads import on_the_teams_cpu, start_compute_thread
         from disagg.engine.cpu_kernels import omp_team
 
         def on_a_thread(threads, cpus, bind):
@@ -65,7 +66,11 @@ def test_the_prefill_workers_compute_threads_are_bound_only_with_a_thread_per_cp
             seen = []
             def run():
                 start_compute_thread(cpus, bind)
-                seen.append([cpu for _, cpu in omp_team.members(threads)])
+                free = os.sched_getaffinity(0)
+                with on_the_teams_cpu():  # around oneDNN's products: the caller on the CPU its team leaves
+                    inside = os.sched_getaffinity(0)
+                assert os.sched_getaffinity(0) == free
+                seen.append([min(inside) if len(inside) == 1 and inside != free else -1] + [cpu for _, cpu in omp_team.members(threads)][1:])
             thread = threading.Thread(target=run)
             thread.start()
             thread.join()
@@ -76,10 +81,10 @@ def test_the_prefill_workers_compute_threads_are_bound_only_with_a_thread_per_cp
     """)
     bound, too_many, off, pinned_to_one = out.split("|")
     low, high = sorted(os.sched_getaffinity(0))[:2]
-    assert bound == f"[{low}, {high}]"
-    assert too_many == "[-1, -1, -1]"  # more threads than CPUs: none bound
+    assert bound == f"[{low}, {high}]"  # the team's thread on the second CPU, the caller on the first around oneDNN's products
+    assert too_many == "[-1, -1, -1]"  # more threads than CPUs: none bound, the caller left as it was
     assert off == "[-1, -1]"  # --no-bind-compute-threads
-    assert pinned_to_one == f"[{low}, {low}]"  # --device-cpus one CPU: pinned there, as before, not bound one per CPU
+    assert pinned_to_one == f"[-1, {low}]"  # --device-cpus one CPU: pinned there, as before, not bound one per CPU
 
 
 def test_a_lowered_priority_covers_the_threads_and_the_scheduling_group():

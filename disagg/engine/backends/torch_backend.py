@@ -22,6 +22,7 @@ from ..faults import DeviceLost
 from ..model_files import eos_token_ids
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
+from ..threads import on_the_teams_cpu
 from . import architectures, row_masks
 from .base import Backend, ModelInfo, PrefillResult, PrefixKv, StepInputs
 from .compiled import CompiledDecode
@@ -216,7 +217,8 @@ class TorchBackend(Backend):
             start = prefix_kv[0][0].shape[1]
         if self.native_prefill is not None and len(token_ids) - start <= native_step.prefill_max_rows(self.dtype, torch.get_num_threads()):
             return self.native_prefill.prefill_logits(token_ids, on_layer, prefix_kv)
-        return self._modules_prefill(token_ids, on_layer, prefix_kv, start)
+        with on_the_teams_cpu():  # oneDNN's even split: the caller too on a CPU of its own
+            return self._modules_prefill(token_ids, on_layer, prefix_kv, start)
 
     def _modules_prefill(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv: PrefixKv | None, start: int) -> torch.Tensor:
         input_ids = torch.tensor([token_ids[start:]], dtype=torch.long, device=self.device)  # [1, L - P]

@@ -16,19 +16,26 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-/* Team member i (the caller is member 0) bound to cpus[i]. Returns how many members
- * were bound, or -1 where the team did not get n threads (OMP_DYNAMIC, a thread limit):
- * then some of torch's threads would stay unbound. */
+/* Team member i bound to cpus[i], for i from 1: the caller (member 0) is not, as it also
+ * runs the few-row kernel, whose products split with a helper thread the scheduler wakes on
+ * the caller's CPU; kept there for good, the caller made a 64-token bf16 prefill 1.5x slower
+ * (61 -> 93 ms). It takes cpus[0] around oneDNN's products only (disagg.engine.threads,
+ * on_the_teams_cpu). Returns how many members were bound (n - 1),
+ * or -1 where the team did not get n threads (OMP_DYNAMIC, a thread limit): then some of
+ * torch's threads would stay unbound. */
 int omp_team_bind(const int *cpus, int n) {
     int bound = 0, size = 0;
 #pragma omp parallel num_threads(n) reduction(+ : bound)
     {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(cpus[omp_get_thread_num()], &set);
-        bound += sched_setaffinity(0, sizeof set, &set) == 0; /* pid 0: this thread */
-        if (omp_get_thread_num() == 0)
+        int me = omp_get_thread_num();
+        if (me == 0) {
             size = omp_get_num_threads();
+        } else {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpus[me], &set);
+            bound += sched_setaffinity(0, sizeof set, &set) == 0; /* pid 0: this thread */
+        }
     }
     return size == n ? bound : -1;
 }

@@ -30,13 +30,14 @@ def library() -> ctypes.CDLL | None:
 
 
 def bind(cpus: list[int]) -> bool:
-    """The calling thread's team of len(cpus) threads, member i on cpus[i] (the caller on cpus[0]).
-    False, with the reason logged, where that could not be done."""
+    """The calling thread's team of len(cpus) threads, member i on cpus[i] from member 1 on (the
+    caller, member 0, stays free: omp_team.c says why). False, with the reason logged, where
+    that could not be done."""
     built = library()
     if built is None:
         return False
     bound = built.omp_team_bind((ctypes.c_int * len(cpus))(*cpus), len(cpus))
-    if bound != len(cpus):
+    if bound != len(cpus) - 1:
         log.warning("torch's compute threads not bound to CPUs %s: %s", cpus,
                     "OpenMP gave the team fewer threads" if bound < 0 else f"only {bound} could be bound")
         return False
