@@ -114,9 +114,9 @@ def reserve_port() -> socket.socket:
 
 # `disagg serve`'s decode workers yield the cores to a prefill beside them (--decode-nice): with
 # 4 streams running and a 900-token prompt every 3 s (bench/long_prompts.py, two cores, the
-# prefill's threads bound one per CPU), the long prompts' TTFT p50 was 0.9-1.0 s at 10 against
-# 1.2 s at 5 and 1.8 s at 0; at 15, 0.8-1.0 s but the streams' ITL p99 104-130 ms against
-# 83-85 at 10 (p50 unchanged). docs/benchmarks.md has the runs.
+# prefill's threads bound one per CPU, its model thread for good), the long prompts' TTFT p50
+# was 0.9-1.0 s at 10 against 1.2 s at 5 and 1.8 s at 0; at 15, 0.8-1.0 s but the streams'
+# ITL p99 104-130 ms against 76-87 at 10 (p50 unchanged). docs/benchmarks.md has the runs.
 DECODE_NICE = 10
 
 
