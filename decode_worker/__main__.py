@@ -9,7 +9,8 @@ from disagg.cli.flags import add_model_flags, add_server_flags, run_worker, setu
 from .config import DecodeWorkerConfig
 
 
-def parse_config(argv=None) -> DecodeWorkerConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of `python -m decode_worker`, without parsing anything (docs/configuration.md is made from it)."""
     parser = argparse.ArgumentParser(prog="decode_worker", description=__doc__)
     add_server_flags(parser, default_port=50061, default_metrics_port=9402)
     add_model_flags(parser)
@@ -30,6 +31,11 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
         "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="keep full KV blocks of earlier prompts and reuse them for prompts that share the prefix (default on)",
     )
+    return parser
+
+
+def parse_config(argv=None) -> DecodeWorkerConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     setup_process(args)
     shared, settings = worker_fields(args)

@@ -19,7 +19,8 @@ from disagg.cli.flags import add_model_flags, add_server_flags, run_worker, setu
 from .config import PrefillWorkerConfig  # noqa: E402
 
 
-def parse_config(argv=None) -> PrefillWorkerConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of `python -m prefill_worker`, without parsing anything (docs/configuration.md is made from it)."""
     parser = argparse.ArgumentParser(prog="prefill_worker", description=__doc__)
     add_server_flags(parser, default_port=50051, default_metrics_port=9401)
     add_model_flags(parser)
@@ -39,6 +40,11 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
     parser.add_argument("--bind-compute-threads", action=argparse.BooleanOptionalAction, default=True,
                         help="on a CPU, bind torch's compute threads one per CPU where the worker has one per CPU it may run on (default on; "
                              "as vLLM's CPU build binds its OpenMP threads): a product split evenly never waits on two threads sharing a CPU")
+    return parser
+
+
+def parse_config(argv=None) -> PrefillWorkerConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     setup_process(args)
     shared, settings = worker_fields(args)

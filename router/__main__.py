@@ -12,7 +12,8 @@ from disagg.rpc.security import tls_from_flags
 from .config import Limits, RouterConfig
 
 
-def parse_config(argv=None) -> RouterConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of `python -m router`, without parsing anything (docs/configuration.md is made from it)."""
     parser = argparse.ArgumentParser(prog="router", description=__doc__)
     add_server_flags(parser, default_port=50050, default_metrics_port=9400)
     parser.add_argument("--model", default=None, help="checkpoint whose tokenizer and EOS ids to use (default: the built-in tiny model)")
@@ -50,6 +51,11 @@ def parse_config(argv=None) -> RouterConfig:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=RouterConfig.prefix_caching,
                         help="cache-aware routing: send a prompt to the prefill and decode workers it sent the same prefix to before,"
                         " unless they are saturated (default on; --no-prefix-caching: by load alone)")
+    return parser
+
+
+def parse_config(argv=None) -> RouterConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     setup_process(args)
     try:

@@ -70,7 +70,8 @@ def add_torch_backend_flags(compiled: argparse._ArgumentGroup) -> None:
         default=None,
         help="run the decode step as one compiled graph over buckets (torch.compile, and a CUDA "
              "graph per bucket on CUDA), compiled at start-up and cached on disk; "
-        "--no-compile runs it eagerly (default: compiled on CUDA; eager on CPU, where compiling every bucket takes many minutes: docs/benchmarks-history.md)",
+        "--no-compile runs it eagerly (default: compiled on CUDA; eager on CPU, where compiling every bucket takes many minutes: "
+        "docs/benchmarks.md, other figures)",
     )
     compiled.add_argument(
         "--prepack",
