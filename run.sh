@@ -3,7 +3,8 @@
 #   ./run.sh serve [disagg serve flags]   start router + prefill worker + decode worker on the default model
 #   ./run.sh test  [pytest args]          run the test suite (with no pytest paths: then the neuron suite
 #                                         again under NxDI's transformers release, in a second virtualenv)
-# Anything else is passed to the `disagg` CLI inside the project's virtualenv: ./run.sh generate "Hello"
+# Anything else is passed to the `disagg` CLI inside the project's virtualenv (the base package only,
+# as for serve): ./run.sh generate "Hello"
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,6 +19,20 @@ PY="${PYTHON:-python3}"
 # a CPU machine installs first so that the range is met without a CUDA download.
 TORCH_VERSION="${DISAGG_TORCH_VERSION:-2.13.0}"
 
+# installed VENV EXTRAS: the project is installed there with these extras (or with the test extra,
+# which holds the base package), since pyproject.toml last changed.
+installed() {
+  local venv="$1" extras="$2" stamp
+  local stamps=("$venv/.installed-${extras:-base}")
+  [ -n "$extras" ] || stamps+=("$venv/.installed-test")
+  for stamp in "${stamps[@]}"; do
+    if [ -f "$stamp" ] && [ ! pyproject.toml -nt "$stamp" ]; then
+      return 0
+    fi
+  done
+  return 1
+}
+
 # ensure_env VENV EXTRAS [PIP REQUIREMENTS...]: the virtualenv with torch first, then the project.
 ensure_env() {
   local venv="$1" extras="$2"
@@ -27,7 +42,7 @@ ensure_env() {
     echo "==> creating $venv" >&2
     "$PY" -m venv "$venv"
   fi
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if ! installed "$venv" "$extras"; then
     echo "==> installing torch==$TORCH_VERSION and disagg${extras:+[$extras]} $* into $venv (first run only)" >&2
     "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==$TORCH_VERSION"
     "$venv/bin/pip" install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}" "$@"
@@ -62,7 +77,7 @@ case "$command" in
     exec "$NXDI_VENV/bin/python" -m pytest "$@" "${NXDI_TESTS[@]}"
     ;;
   *)
-    ensure_env "$VENV" "test"
+    ensure_env "$VENV" ""  # the CLI needs the base package only; the test extra is for `test`
     exec "$VENV/bin/disagg" "$command" "$@"
     ;;
 esac
