@@ -59,7 +59,7 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
 
 def default_batch_buckets(num_slots: int, device: torch.device) -> tuple[int, ...]:
     """Powers of two up to the slot count. From 1 on CPU, where one row takes the
-    prepacked linears' fast path (a second row costs 1.7x with MKL, docs/benchmarks-history.md,
+    prepacked linears' fast path (a second row costs 1.7x with MKL, bench/results/HISTORY.md,
     The compiled, bucketed decode step); from 2
     on CUDA, where a batch of 1 would be a graph of its own (dynamic sizes specialize
     1) and a padding row costs little."""

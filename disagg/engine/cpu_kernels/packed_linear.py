@@ -3,7 +3,7 @@
 A decode step multiplies a few rows by every weight, so it is bound by reading
 the weights; how fast depends on the library and the layout, not the FLOPs.
 Measured on the project's 2-core AMD EPYC host (1 thread, float32, 30
-SmolLM-135M layers whose weights do not fit in the caches; docs/benchmarks-history.md, The compiled,
+SmolLM-135M layers whose weights do not fit in the caches; bench/results/HISTORY.md, The compiled,
 bucketed decode step):
 
 - PyTorch's `F.linear` goes to MKL, which on this CPU takes 1.7x as long for 2
@@ -132,7 +132,7 @@ def prefill_blocks(rows: torch.Tensor, panels: torch.Tensor, out_features: int, 
     with the helper. Why blocks: the kernel reads a block's rows again for every 24
     output columns, so a block must stay in the caches; and blocks of 64 rows on two
     cores compute 1.6-1.7x as fast as oneDNN on one, or 0.97x when the helper gets
-    no core (SmolLM's layers, 1,024 rows; docs/benchmarks-history.md, both cores shared)."""
+    no core (SmolLM's layers, 1,024 rows; bench/results/HISTORY.md, both cores shared)."""
     kernel = small_gemm.kernel(panels.dtype)
     out = rows.new_empty(rows.shape[0], out_features)
     for start in range(0, rows.shape[0], SMALL_ROWS):

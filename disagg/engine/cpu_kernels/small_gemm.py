@@ -62,7 +62,7 @@ SPLIT_MIN_BYTES = 1 << 20
 # worker's core while it has no prompt, and the prefill worker's prompts the
 # decode worker's core while it has no step. (When the helper ran at normal
 # priority, sharing 2-64 rows cost tokens/s at 32 and 64 streams, where the
-# prefill worker needs its core: docs/benchmarks-history.md, 2026-11-24, both cores shared at the
+# prefill worker needs its core: bench/results/HISTORY.md, 2026-11-24, both cores shared at the
 # lowest priority.)
 SPLIT_MAX_ROWS = 64
 
