@@ -175,7 +175,8 @@ def values(action: argparse.Action) -> str:
         return " | ".join(str(c) for c in choices)
     if action.metavar:
         return str(action.metavar)
-    return TYPE_NAMES.get(getattr(action.type, "__name__", ""), "text")
+    name = getattr(action.type, "__name__", "")
+    return TYPE_NAMES.get(name) or TYPE_NAMES.get(name.rsplit("_", 1)[-1], "text")  # positive_int reads as int
 
 
 def default(action: argparse.Action) -> str:
