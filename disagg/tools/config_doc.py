@@ -97,7 +97,7 @@ kind on one machine; it passes `--dtype`, `--batch-size`, `--threads`, `--kv-tra
 `python -m router` (`disagg-router`), **prefill** is `python -m prefill_worker`
 (`disagg-prefill-worker`), **decode** is `python -m decode_worker` (`disagg-decode-worker`).
 A worker flag that `disagg serve` lacks is set by running the parts yourself
-([README](../README.md#running-the-parts-separately-one-per-machine)).
+([README](../README.md#running-the-parts-on-separate-machines)).
 """
 # (what a user wants to set, the flag): the page's index; each flag must exist.
 QUICK = (
