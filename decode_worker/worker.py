@@ -250,10 +250,17 @@ class DecodeWorker:
                 self.nixl.read_into, list(reservation.table), pull.agent_name, pull.agent_metadata, pull.address,
                 pull.token_start, pull.prompt_len, pull.generation, deadline,
             )
+            reading = self._loop.run_in_executor(self._kv_writer, read)
             try:
-                received = await asyncio.shield(self._loop.run_in_executor(self._kv_writer, read))
+                received = await asyncio.shield(reading)
             except NixlTransferError as exc:
                 raise RequestError(str(exc), grpc.StatusCode.ABORTED) from exc
+            except asyncio.CancelledError:
+                # The call ended (deadline, cancel) while the read goes on, as it must: see above.
+                # Its end is still observed: a failure is logged once here; the transfer is counted
+                # failed below, and the router resumes the request from another prefill.
+                reading.add_done_callback(functools.partial(log_orphaned_read, pull.reservation_id, pull.agent_name))
+                raise
             log.debug("pulled %d bytes for %s from %s", received, pull.reservation_id, pull.agent_name)
             self._commit(stream, [], KvCommit(pull.first_token, pull.prompt_len, pull.num_layers))
             self._count_received("nixl", received, started)
@@ -406,6 +413,12 @@ class DecodeWorker:
             "active": self.decode_loop.active_count,
             "inflight_transfers": sum(1 for s in self._streams.values() if s.transferring),
         }
+
+
+def log_orphaned_read(reservation_id: str, agent_name: str, reading: asyncio.Future) -> None:
+    """The end of a NIXL read whose PullKv call had already ended."""
+    if not reading.cancelled() and reading.exception() is not None:
+        log.warning("KV read for %s from %s, left running when its call ended, failed: %s", reservation_id, agent_name, reading.exception())
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from .core import Router, model_facts
 from .grpc_edge import SERVICE, GenerationServicer
 from .http import start_http_front
 from .prefix_index import PrefixIndex
-from .workers import WorkerPool
+from .workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,36 @@ async def serve(config: RouterConfig) -> None:
         config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls, config.resolve_seconds, config.grace_seconds,
         prefix=prefix,
     )
+    pool.observe_health = lambda worker: count_health(pool, worker, metrics)
     await pool.start()
     await pool.wait_ready()
     servicer.router = Router(config, tokenizer, model_facts(config, pool), pool, metrics)
     await server.set_serving(True)
     log.info("router serving on port %d", server.port)
+    health = asyncio.create_task(follow_workers(server, pool))
     await serve_until_signal(server, config.grace_seconds, busy=lambda: bool(servicer.router.in_flight))
+    health.cancel()
     if http:
         await http.stop()
     await pool.close()
+
+
+def count_health(pool: WorkerPool, worker: Worker, metrics: RouterMetrics) -> None:
+    role = pool.prefill if worker.role == "prefill" else pool.decode
+    metrics.workers_available.labels(worker.role).set(sum(w.healthy for w in role))
+    if worker.healthy and worker.times_ready > 1:
+        metrics.worker_returns.labels(worker.role).inc()
+
+
+async def follow_workers(server, pool: WorkerPool) -> None:
+    """The router's health follows its workers: NOT_SERVING while no prefill or no decode worker is up
+    (a load balancer or probe then sends clients elsewhere), SERVING again once one of each is. The
+    calls that arrive meanwhile are answered UNAVAILABLE by the router itself, as before."""
+    serving = True
+    while not server.drain.draining:
+        await pool.wait_changed()
+        ready = pool.ready()
+        if ready != serving and not server.drain.draining:
+            serving = ready
+            await server.set_serving(ready)
+            log.log(logging.INFO if ready else logging.WARNING, "router %s", "serving again" if ready else "NOT_SERVING: no prefill or no decode worker is up")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -48,6 +48,7 @@ class Worker:
     health: health_pb2_grpc.HealthStub
     healthy: bool = False
     missed_polls: int = 0  # consecutive polls without an answer
+    times_ready: int = 0  # how often its health turned SERVING: past 1, it came back (a restart, a healed network)
     load: wpb.WorkerLoad | None = None
     outstanding: int = 0  # this router's requests on it now
     closing: asyncio.Task | None = None  # retired: the channel is closing
@@ -89,6 +90,8 @@ class WorkerPool:
     tls: TlsFiles | None = None
     resolver: Resolver = resolve
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(enabled=False))  # where prompts were sent (off: load alone)
+    # Called with the worker whenever its health changes (the router's metrics and its own health follow it).
+    observe_health: Callable[[Worker], None] | None = None
     retired: list[Worker] = field(default_factory=list)  # gone from DNS, finishing their calls
     _answers: dict[Target, frozenset[str]] = field(default_factory=dict)  # last good answer per DNS target
     _waiters: collections.deque = field(default_factory=collections.deque)
@@ -134,11 +137,18 @@ class WorkerPool:
         for worker in self.workers + self.retired:
             await worker.channel.close()
 
+    def ready(self) -> bool:
+        """Whether at least one prefill and one decode worker have their model loaded and answer."""
+        return any(w.healthy for w in self.prefill) and any(w.healthy for w in self.decode)
+
     async def wait_ready(self) -> None:
-        """Until at least one prefill and one decode worker have their model loaded."""
-        while not (any(w.healthy for w in self.prefill) and any(w.healthy for w in self.decode)):
-            self._changed.clear()
-            await self._changed.wait()
+        while not self.ready():
+            await self.wait_changed()
+
+    async def wait_changed(self) -> None:
+        """Until the next poll or membership change."""
+        self._changed.clear()
+        await self._changed.wait()
 
     # -- membership -----------------------------------------------------------
     async def _discover_forever(self) -> None:
@@ -233,13 +243,21 @@ class WorkerPool:
             )
         if not serving:
             self.prefix.forget(worker)  # down, draining or restarting: its cache will not be there when it is back
+        self._set_healthy(worker, serving)
+
+    def _set_healthy(self, worker: Worker, serving: bool) -> None:
+        if serving == worker.healthy:
+            return
         worker.healthy = serving
+        worker.times_ready += serving
+        if self.observe_health is not None:
+            self.observe_health(worker)
 
     def mark_unavailable(self, worker: Worker) -> None:
         """A call found the worker gone; the poller brings it back when it answers again."""
         if worker.healthy:
             log.warning("%s worker %s stopped answering", worker.role, worker.address)
-        worker.healthy = False
+        self._set_healthy(worker, False)
         self.prefix.forget(worker)
         self._fail_waiters_if_no_decode()
 

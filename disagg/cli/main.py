@@ -87,15 +87,22 @@ def serve_spec(args):
     return ClusterSpec(model=args.model or "", prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port,
                        http_port=http_port, dtype=args.dtype, batch_size=args.batch_size, colocated=args.colocated, neuron=neuron,
                        worker_args=serve_worker_args(args), router_args=serve_router_args(args), threads_per_worker=args.threads,
-                       nice=decode_nice(args.decode_nice, args.colocated or neuron is not None))
+                       nice=decode_nice(args.decode_nice, args.colocated or neuron is not None), silence=args.start_silence)
+
+
+def restart_policy(args):
+    from disagg.tools.supervisor import RestartPolicy
+
+    return RestartPolicy(limit=args.restart_limit, window=args.restart_window, silence=args.start_silence)
 
 
 def cmd_serve(args) -> int:
     from disagg.tools.local_cluster import LocalCluster
     from disagg.tools.neuron_cores import NotEnoughCores
+    from disagg.tools.supervisor import Supervisor
     from disagg.tools.tinymodel import ensure_tiny_model
 
-    spec = serve_spec(args)
+    spec, policy = serve_spec(args), restart_policy(args)
     try:
         cores = spec.neuron_cores()  # the one-line refusal comes before anything starts
     except NotEnoughCores as exc:
@@ -123,12 +130,14 @@ def cmd_serve(args) -> int:
         cluster.start()
         stop["started"] = True
         print_banner(cluster, model)
+        # From here a part that exits is restarted and the others serve meanwhile (disagg/tools/supervisor.py).
+        supervisor = Supervisor(cluster, policy, say=lambda line: print(line, flush=True))
         while not stop["now"]:
-            time.sleep(0.5)
-            cluster.check_alive()
+            time.sleep(0.2)
+            supervisor.poll()
     except KeyboardInterrupt:
         pass
-    except (RuntimeError, TimeoutError) as exc:  # a part exited, or a worker is stuck: its own log says why
+    except (RuntimeError, TimeoutError) as exc:  # a part failed its start, or a worker is stuck: its own log says why
         print(f"disagg serve: {exc}", file=sys.stderr, flush=True)
         status = 1
     finally:
@@ -266,8 +275,37 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block, the unit of prefix caching (default 16)")
     serve.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="cache-aware routing: a prompt goes to the workers its prefix was sent to before, unless they are saturated (default on)")
+    add_supervision_arguments(serve)
     add_neuron_arguments(serve)
     serve.set_defaults(run=cmd_serve)
+
+
+def add_supervision_arguments(serve) -> None:
+    from disagg.tools.supervisor import RestartPolicy
+
+    default = RestartPolicy()
+    group = serve.add_argument_group("supervision: a part that exits is restarted on its ports (docs/reliability.md)")
+    group.add_argument("--restart-limit", type=positive_int, default=default.limit,
+                       help=f"a part that exits more than this many times in --restart-window is left down while others of its role serve "
+                            f"(the last of its role is tried again every {default.max_delay:.0f} s instead; default {default.limit})")
+    group.add_argument("--restart-window", type=positive_float, default=default.window, help=f"seconds (default {default.window:.0f})")
+    group.add_argument("--start-silence", type=positive_float, default=default.silence,
+                       help="a starting part may take as long as it makes progress (CPU time, a new start-up phase); one silent for "
+                            f"this many seconds has failed its start (default {default.silence:.0f})")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def add_neuron_arguments(serve) -> None:

@@ -23,6 +23,11 @@ class RouterMetrics:
         self.tokens = Counter("disagg_router_generated_tokens", "Tokens streamed to clients", registry=registry)
         self.failovers = Counter("disagg_router_worker_failovers", "Requests moved off a failed worker", ["role"], registry=registry)
         self.queued = Gauge("disagg_router_queued_requests", "Requests waiting for a decode slot", registry=registry)
+        self.workers_available = Gauge("disagg_router_workers_available", "Workers whose health says SERVING, by role", ["role"], registry=registry)
+        self.worker_returns = Counter(
+            "disagg_router_worker_returns", "Workers serving again after being unavailable (restarted, or a network healed), by role",
+            ["role"], registry=registry,
+        )
         self.in_flight = Gauge("disagg_router_in_flight_requests", "Generate calls in progress", registry=registry)
         # Cache-aware routing (router/prefix_index.py): their ratio is the router's estimate of the workers' prefix-cache hit rate.
         self.routed_prompt_tokens = Counter(

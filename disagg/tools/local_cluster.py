@@ -4,17 +4,22 @@
 to start real clusters. Each part is the same `python -m <part>` a user would
 run on its own machine.
 
-Start-up waits for every worker's health to say SERVING. A worker publishes its
-start-up phase (disagg/rpc/startup.py, `--status-file`); the start timeout counts
-only the time a worker is not compiling, so a first Neuron compile of tens of
-minutes is waited for, while a worker whose heartbeat stops (stuck) or that
-exits (dead) still fails the start. With `ClusterSpec.neuron`, each worker gets
+Start-up waits for every worker's health to say SERVING, for as long as the
+worker makes progress, not for a fixed time: a start on a loaded machine (a
+compile beside it, a fresh kernel cache) is slow but gets somewhere. Progress is
+CPU time spent by the process or its children (importing, loading, building
+kernels) or a new start-up phase; a worker silent for `silence` seconds, or one
+that exits, fails the start with its last log lines. A worker publishes its
+phase (disagg/rpc/startup.py, `--status-file`); while it compiles, its
+heartbeat must stay fresh (`stall_seconds`), so a first Neuron compile of tens
+of minutes is waited for while a stopped one is not. With `ClusterSpec.neuron`, each worker gets
 its own NeuronCores (`NEURON_RT_VISIBLE_CORES`, disagg/tools/neuron_cores.py), and a
 split that does not fit is refused before any process starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.rpc import startup
 from disagg.tools.neuron_cores import CorePool, WorkerCores, split
+from disagg.tools.process_progress import ProgressWatch
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
@@ -70,6 +76,7 @@ class ClusterSpec:
     nice: dict = field(default_factory=dict)  # role -> niceness increment, of its threads and its scheduling group (lower_priority)
     neuron: NeuronPlacement | None = None  # the workers run --backend neuron, each on its own NeuronCores
     stall_seconds: float = 60.0  # a compiling worker whose heartbeat is older than this is stuck
+    silence: float = 120.0  # a starting part with no progress (CPU time, a new phase) for this long has failed its start
     compile_timeout: float | None = None  # at most this long compiling (None: as long as it makes progress)
 
     def worker_threads(self, role: str) -> int:
@@ -180,9 +187,10 @@ class LocalCluster:
         self._port_dir = tempfile.mkdtemp(prefix="disagg-ports-")
 
     # -- start ----------------------------------------------------------------
-    def start(self, timeout: float = 180.0) -> "LocalCluster":
-        """timeout: for each worker, its start-up seconds outside a compile; then for the router."""
+    def start(self, timeout: float | None = None) -> "LocalCluster":
+        """timeout: how long a starting part may go without progress (default spec.silence)."""
         spec = self.spec
+        silence = spec.silence if timeout is None else timeout
         self._env = {name: {"NEURON_RT_VISIBLE_CORES": cores} for name, cores in spec.neuron_cores().items()}  # refused before anything starts
         common = ["--model", spec.model, "--dtype", spec.dtype, *spec.worker_args]
         decode_args = [*common, "--threads", str(spec.worker_threads("decode")), "--batch-size", str(spec.batch_size), *compile_flag(spec.compile)]
@@ -202,7 +210,7 @@ class LocalCluster:
                 pool = [a for r in reserved for a in ("--decode", f"127.0.0.1:{r.getsockname()[1]}")]
                 prefill_args = common + ["--threads", str(spec.worker_threads("prefill"))] + pool + spec.prefill_args + spec.neuron_args("prefill")
                 launched += [self._launch(f"prefill-{i}", "prefill_worker", prefill_args) for i in range(spec.prefill_workers)]
-            workers = self._bind_all(launched)
+            workers = self._bind_all(launched, silence)
         finally:
             for sock in reserved:
                 sock.close()
@@ -213,7 +221,7 @@ class LocalCluster:
             router_args += ["--http-port", str(spec.http_port)]
         router_args += [a for p in prefill for a in ("--prefill", p.address)]
         router_args += [a for d in decode for a in ("--decode", d.address)]
-        router = self._spawn("router", "router", router_args, port=spec.router_port)
+        router = self._bound(self._launch("router", "router", router_args, port=spec.router_port), silence)
         self.router_address = router.address
         if router.http_port is not None:
             self.http_url = f"{'https' if spec.public_tls_ca else 'http'}://127.0.0.1:{router.http_port}"
@@ -221,8 +229,8 @@ class LocalCluster:
         # still compiling its buckets would otherwise join mid-test.
         # (Workers on mutual TLS are not asked: this health check has no client certificate.)
         plain_workers = [] if "--tls-cert" in spec.worker_args else list({id(p): p for p in (*decode, *prefill)}.values())
-        self._wait_workers(plain_workers, timeout)
-        self._wait_serving(self.router_address, timeout, watch=None)  # any part dying now fails the start
+        self._wait_workers(plain_workers, silence)
+        self._wait_serving(self.router_address, silence, watch=None)  # any part dying now fails the start
         return self
 
     def add_worker(self, role: str, extra: list[str] = ()) -> Process:
@@ -240,18 +248,37 @@ class LocalCluster:
         it to announce its bound ports, so no two processes race for one port."""
         return self._bound(self._launch(name, module, args, port))
 
+    def log_path(self, name: str) -> str | None:
+        return os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
+
+    def last_lines(self, name: str, count: int = 10) -> str:
+        """The end of a part's log, to quote when it fails (its own output says why)."""
+        path = self.log_path(name)
+        if path is None:
+            return " (its output is above)"
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 16384))
+                lines = f.read().decode(errors="replace").splitlines()[-count:]
+        except OSError:
+            return ""
+        return f"; the end of {path}:\n" + "\n".join(f"  | {line}" for line in lines)
+
+    def port_file(self, name: str) -> str:
+        return os.path.join(self._port_dir, f"{name}.json")
+
     def _launch(self, name: str, module: str, args: list[str], port: int = 0) -> _Launched:
-        port_file = os.path.join(self._port_dir, f"{name}.json")
+        port_file = self.port_file(name)
         command = [sys.executable, "-m", module, "--port", str(port), "--metrics-port", "-1", "--port-file", port_file, *args]
         if module.endswith("_worker"):
             command += ["--status-file", self.status_file(name)]
         return _Launched(name, port_file, command, self._popen(name, command))
 
-    def _bind_all(self, launched: list[_Launched]) -> list[Process]:
+    def _bind_all(self, launched: list[_Launched], silence: float) -> list[Process]:
         """Each launched part once bound; if one fails, the others not yet bound are
         killed (stop() knows only the bound ones)."""
         try:
-            return [self._bound(part) for part in launched]
+            return [self._bound(part, silence) for part in launched]
         except BaseException:
             bound = {id(p.popen) for p in self.processes}
             for part in launched:
@@ -260,15 +287,16 @@ class LocalCluster:
                     part.popen.wait()
             raise
 
-    def _bound(self, launched: _Launched, timeout: float = 60.0) -> Process:
-        """The launched part once it has written the ports it bound."""
+    def _bound(self, launched: _Launched, silence: float | None = None) -> Process:
+        """The launched part once it has written the ports it bound (it may take as long as it makes progress)."""
         name, port_file, command, popen = launched
-        deadline = time.monotonic() + timeout
+        watch = ProgressWatch(popen.pid)
+        silence = self.spec.silence if silence is None else silence
         while not os.path.exists(port_file):
             if popen.poll() is not None:
-                raise RuntimeError(f"{name} exited with {popen.returncode} before binding its port")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not bind a port within {timeout}s")
+                raise RuntimeError(f"{name} exited with {popen.returncode} before binding its port{self.last_lines(name)}")
+            if watch.silent_for() > silence:
+                raise TimeoutError(f"{name} made no progress for {silence:.0f} s before binding its port{self.last_lines(name)}")
             time.sleep(0.02)
         with open(port_file) as f:
             ports = json.load(f)
@@ -285,7 +313,7 @@ class LocalCluster:
         log = None
         if self.spec.log_dir:
             os.makedirs(self.spec.log_dir, exist_ok=True)
-            log = open(os.path.join(self.spec.log_dir, f"{name}.log"), "a")
+            log = open(self.log_path(name), "a")
         role = name.split("-")[0]
         cpus, nice = self.spec.cpus.get(role), self.spec.nice.get(role, 0)
 
@@ -300,9 +328,12 @@ class LocalCluster:
                                 preexec_fn=place if cpus or nice else None)
 
     def restart(self, name: str) -> Process:
-        """Starts a process that has exited again, with the same command and ports."""
+        """Starts a process that has exited again, with the same command and ports
+        (its port file is written anew once it has bound them)."""
         process = self.process(name)
         if process.popen.poll() is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.port_file(name))
             process.popen = self._popen(name, process.command)
             return process
         raise RuntimeError(f"{name} is still running")
@@ -318,26 +349,23 @@ class LocalCluster:
         status = startup.read_status(self.status_file(process.name))
         return status if status is not None and status.pid == process.popen.pid else None
 
-    def _wait_workers(self, workers: list[Process], timeout: float) -> None:
-        """Until every worker reports SERVING. Each has `timeout` seconds outside compile phases;
-        while compiling it has as long as its heartbeat is fresh (and compile_timeout, if set).
-        Any process exiting fails the start."""
+    def _wait_workers(self, workers: list[Process], silence: float) -> None:
+        """Until every worker reports SERVING. Each may take as long as it makes progress (CPU
+        time, a new phase) and fails once silent for `silence` s; while compiling it has as long
+        as its heartbeat is fresh (and compile_timeout, if set). Any process exiting fails the start."""
         channels = {p.name: grpc.insecure_channel(p.address) for p in workers}
         try:
-            self._poll_workers(workers, {name: health_pb2_grpc.HealthStub(c) for name, c in channels.items()}, timeout)
+            self._poll_workers(workers, {name: health_pb2_grpc.HealthStub(c) for name, c in channels.items()}, silence)
         finally:
             for channel in channels.values():
                 channel.close()
 
-    def _poll_workers(self, workers: list[Process], stubs: dict, timeout: float) -> None:
+    def _poll_workers(self, workers: list[Process], stubs: dict, silence: float) -> None:
         pending = {p.name: p for p in workers}
-        counted = dict.fromkeys(pending, 0.0)  # seconds of start-up outside a compile
+        watches = {p.name: ProgressWatch(p.popen.pid) for p in workers}
         told: dict[str, tuple] = {}  # name -> (phase, monotonic time) last reported
-        last = time.monotonic()
         while pending:
-            self.check_alive()
-            now = time.monotonic()
-            elapsed, last = now - last, now
+            self._check_alive_at_start()
             for name, process in list(pending.items()):
                 if self._serving(stubs[name]):
                     del pending[name]
@@ -346,11 +374,16 @@ class LocalCluster:
                 if status is not None and status.phase in startup.COMPILE_PHASES:
                     self._check_compile_progress(name, status)
                     self._tell(name, status, told)
-                else:
-                    counted[name] += elapsed
-                    if counted[name] > timeout:
-                        raise TimeoutError(f"{name} did not report SERVING within {timeout}s" + (f" ({status.describe()})" if status else ""))
+                elif watches[name].silent_for(status.phase if status else None) > silence:
+                    doing = f" ({status.describe()})" if status else ""
+                    raise TimeoutError(f"{name} made no progress for {silence:.0f} s and is not serving{doing}{self.last_lines(name)}")
             time.sleep(0.2)
+
+    def _check_alive_at_start(self) -> None:
+        """check_alive, quoting the dead part's last log lines."""
+        dead = [p for p in self.processes if p.popen.poll() is not None]
+        if dead:
+            raise RuntimeError("; ".join(f"{p.name} exited with {p.popen.returncode} while starting{self.last_lines(p.name)}" for p in dead))
 
     def _check_compile_progress(self, name: str, status: startup.StartupStatus) -> None:
         silent = time.time() - status.updated
@@ -379,8 +412,10 @@ class LocalCluster:
         self._wait_serving(address, timeout, watch=address)
 
     def _wait_serving(self, address: str, timeout: float, watch: str | None) -> None:
-        """watch: the address whose process must stay alive meanwhile (None: all of them)."""
+        """watch: the address whose process must stay alive meanwhile (None: all of them, at start:
+        then `timeout` counts only the time the process at the address makes no progress)."""
         deadline = time.monotonic() + timeout
+        starting = next((ProgressWatch(p.popen.pid) for p in self.processes if p.address == address), None) if watch is None else None
         if address == self.router_address and self.spec.public_tls_ca:
             with open(self.spec.public_tls_ca, "rb") as ca:
                 channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca.read()))
@@ -388,8 +423,11 @@ class LocalCluster:
             channel = grpc.insecure_channel(address)
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                self.check_alive(watch)
+            while time.monotonic() < deadline or (starting is not None and starting.silent_for() < timeout):
+                if watch is None:
+                    self._check_alive_at_start()
+                else:
+                    self.check_alive(watch)
                 try:
                     if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                         return
