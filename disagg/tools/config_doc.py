@@ -88,8 +88,8 @@ What this answers: every flag of `disagg serve`, the router and both workers, gr
 what it is for, with its default and the programs that take it.
 
 Generated from the argparse definitions by `{COMMAND}`; do not edit it by
-hand (`tests/test_config_doc.py` fails when the two differ). `--help` on each program
-prints the same text.
+hand (`tests/test_config_doc.py` fails when the two differ). The descriptions are the
+programs' own `--help` texts; the few flags without one get a line from the generator.
 
 Programs: **serve** is `disagg serve` (`./run.sh serve`: the router and one worker of each
 kind on one machine; it passes `--dtype`, `--batch-size`, `--threads`, `--kv-transport`,
