@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-max-new-tokens", type=int, default=Limits.default_max_new_tokens)
     parser.add_argument("--max-new-tokens-cap", type=int, default=Limits.max_new_tokens_cap)
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a decode slot")
+    parser.add_argument("--worker-wait-seconds", type=float, default=RouterConfig.worker_wait_seconds,
+                        help="with no prefill (or no decode) worker up, a request waits this long for one to come back (a restart)"
+                        f" before it is answered UNAVAILABLE (default {RouterConfig.worker_wait_seconds:.0f}; 0: at once)")
     parser.add_argument("--public-tls-cert", help="TLS certificate (PEM) for the public port")
     parser.add_argument("--public-tls-key", help="its private key (PEM)")
     parser.add_argument(
@@ -72,6 +75,7 @@ def _config(args) -> RouterConfig:
         address=address(args),
         limits=Limits(default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_cap=args.max_new_tokens_cap),
         max_queue=args.max_queue,
+        worker_wait_seconds=args.worker_wait_seconds,
         resolve_seconds=args.resolve_seconds,
         grace_seconds=args.grace_seconds,
         metrics_port=args.metrics_port,

@@ -31,6 +31,9 @@ class RouterConfig:
     address: str = "127.0.0.1:50050"
     limits: Limits = Limits()
     max_queue: int = 256  # requests waiting for a decode slot before RESOURCE_EXHAUSTED
+    # With no prefill (or no decode) worker up, a request waits this long for one before UNAVAILABLE:
+    # a worker being restarted (disagg serve's supervisor, a Deployment) is back within seconds.
+    worker_wait_seconds: float = 15.0
     load_poll_seconds: float = 1.0
     resolve_seconds: float = 5.0  # how often DNS targets are resolved again
     grace_seconds: float = 30.0

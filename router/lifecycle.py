@@ -37,7 +37,7 @@ from disagg.v1 import worker_pb2 as wpb
 from .detokenizer import IncrementalDetokenizer, StopSequenceMatcher
 from .prefix_index import RoutedPrompt
 from .validation import GenerationRequest, ModelFacts
-from .workers import Worker, WorkerPool
+from .workers import NoWorkerAvailable, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +343,18 @@ class Lifecycle:
     ) -> tuple[int, TokenLogprobs | None, PrefillCall]:
         """The first token, from the first prefill worker that lives to give it."""
         exclude = set() if exclude is None else exclude
+        waited = False
         while True:
-            prefill = self._start_prefill(plan, lease, deadline, exclude)
+            try:
+                prefill = self._start_prefill(plan, lease, deadline, exclude)
+            except NoWorkerAvailable:
+                # None up, or none left that has not failed this request: wait once for one to come
+                # back (a restarted worker, which is worth another try even if it failed this request).
+                if waited or not await self.pool.wait_for_worker("prefill"):
+                    raise
+                waited = True
+                exclude.clear()
+                continue
             calls.callback(prefill.cancel)
             prefill.worker.outstanding += 1
             try:

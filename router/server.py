@@ -35,7 +35,7 @@ async def serve(config: RouterConfig) -> None:
     prefix = PrefixIndex(config.block_size, config.prefix_caching, config.prefix_index_tokens, observe=metrics.observe_routed)
     pool = WorkerPool.connect(
         config.prefill_workers, config.decode_workers, config.max_queue, config.load_poll_seconds, config.tls, config.resolve_seconds, config.grace_seconds,
-        prefix=prefix,
+        prefix=prefix, worker_wait_seconds=config.worker_wait_seconds,
     )
     pool.observe_health = lambda worker: count_health(pool, worker, metrics)
     await pool.start()

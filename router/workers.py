@@ -39,6 +39,13 @@ from .prefix_index import PREFILL_QUEUE_SLACK, PrefixIndex, RoutedPrompt, choose
 log = logging.getLogger(__name__)
 
 
+class NoWorkerAvailable(RequestError):
+    """No worker of a role is up (or none left that has not failed this request)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, grpc.StatusCode.UNAVAILABLE)
+
+
 @dataclass
 class Worker:
     address: str
@@ -90,6 +97,7 @@ class WorkerPool:
     tls: TlsFiles | None = None
     resolver: Resolver = resolve
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(enabled=False))  # where prompts were sent (off: load alone)
+    worker_wait_seconds: float = 0.0  # with no worker of a role up, how long a request waits for one (wait_for_worker)
     # Called with the worker whenever its health changes (the router's metrics and its own health follow it).
     observe_health: Callable[[Worker], None] | None = None
     retired: list[Worker] = field(default_factory=list)  # gone from DNS, finishing their calls
@@ -110,10 +118,13 @@ class WorkerPool:
         drain_seconds: float = 30.0,
         resolver: Resolver = resolve,
         prefix: PrefixIndex | None = None,
+        worker_wait_seconds: float = 0.0,
     ) -> WorkerPool:
         """A pool over targets (HOST:PORT or dns:...); start() resolves the DNS ones. prefix: cache-aware routing (None: off)."""
         targets = {"prefill": tuple(parse_target(t, "--prefill") for t in prefill), "decode": tuple(parse_target(t, "--decode") for t in decode)}
-        pool = cls([], [], max_queue, poll_seconds, targets, resolve_seconds, drain_seconds, tls, resolver, prefix or PrefixIndex(enabled=False))
+        pool = cls(
+            [], [], max_queue, poll_seconds, targets, resolve_seconds, drain_seconds, tls, resolver, prefix or PrefixIndex(enabled=False), worker_wait_seconds
+        )
         for role, role_targets in targets.items():
             pool._apply(role, [t.address for t in role_targets if not t.dns])
         return pool
@@ -149,6 +160,21 @@ class WorkerPool:
         """Until the next poll or membership change."""
         self._changed.clear()
         await self._changed.wait()
+
+    async def wait_for_worker(self, role: str, avoid: Iterable[str] = ()) -> bool:
+        """Whether a worker of the role (not in avoid) is up within worker_wait_seconds. Why wait: a worker
+        that died is restarted within seconds, and the router sees the one left or the one back only at its
+        next poll; a request that arrives meanwhile is served late rather than refused."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.worker_wait_seconds
+        while not any(w.healthy and w.address not in avoid for w in self._role(role)):
+            if loop.time() >= until:
+                return False
+            try:
+                await asyncio.wait_for(self.wait_changed(), until - loop.time())
+            except TimeoutError:
+                return False
+        return True
 
     # -- membership -----------------------------------------------------------
     async def _discover_forever(self) -> None:
@@ -265,7 +291,7 @@ class WorkerPool:
         for waiter in [w for w in self._waiters if not self.has_decode(w.avoid)]:
             self._waiters.remove(waiter)
             if not waiter.future.done():
-                waiter.future.set_exception(RequestError("no decode worker is available", grpc.StatusCode.UNAVAILABLE))
+                waiter.future.set_exception(NoWorkerAvailable("no decode worker is available"))
 
     def has_decode(self, avoid: Iterable[str] = ()) -> bool:
         """Whether a healthy decode worker is left outside avoid."""
@@ -279,7 +305,7 @@ class WorkerPool:
         untried = [w for w in self.prefill if w.address not in exclude]
         candidates = [w for w in untried if w.healthy] or (untried if exclude else [])
         if not candidates:
-            raise RequestError("no prefill worker is available" + (" (the others failed this request)" if exclude else ""), grpc.StatusCode.UNAVAILABLE)
+            raise NoWorkerAvailable("no prefill worker is available" + (" (the others failed this request)" if exclude else ""))
         worker = choose_by_overlap(
             candidates, lambda w: w.prefill_load, lambda w: self.prefix.overlap(w, prompt), self.prefix.block_size, PREFILL_QUEUE_SLACK
         ) or min(candidates, key=lambda w: (not w.healthy, w.prefill_load))
@@ -304,9 +330,18 @@ class WorkerPool:
 
     async def acquire_decode(self, avoid: frozenset[str] = frozenset(), prompt: RoutedPrompt = RoutedPrompt()) -> Worker:
         """A decode worker (not in avoid: those failed this request) with a slot counted for this request,
-        chosen for the prompt's prefix as well as load (recorded in the prefix index); waits in FIFO order."""
+        chosen for the prompt's prefix as well as load (recorded in the prefix index); waits in FIFO order.
+        With no decode worker up, waits for one (wait_for_worker), once, then refuses."""
+        try:
+            return await self._acquire_decode(avoid, prompt)
+        except NoWorkerAvailable:
+            if not await self.wait_for_worker("decode", avoid):
+                raise
+            return await self._acquire_decode(avoid, prompt)
+
+    async def _acquire_decode(self, avoid: frozenset[str], prompt: RoutedPrompt) -> Worker:
         if not self.has_decode(avoid):
-            raise RequestError("no decode worker is available", grpc.StatusCode.UNAVAILABLE)
+            raise NoWorkerAvailable("no decode worker is available")
         if not self._waiters:
             worker = self._best_decode(avoid, prompt)
             if worker is not None:

@@ -25,7 +25,9 @@ SHARED_PROMPT = LONG_PROMPT + " on a cold night far from the harbour, counting t
 
 @pytest.fixture
 def cluster(cluster_logs, request):
-    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4, http_port=0)
+    # With every worker of a role gone a request waits --worker-wait-seconds for one before UNAVAILABLE: short here.
+    wait = ["--worker-wait-seconds", "1"]
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4, http_port=0, router_args=wait)
     yield cluster
     cluster.stop()
 

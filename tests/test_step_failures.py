@@ -21,16 +21,20 @@ PROMPT = "The ship's captain looked at the stars"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+# With every worker of a role gone a request waits --worker-wait-seconds for one before UNAVAILABLE: short here.
+WAIT_ONE_SECOND = ["--worker-wait-seconds", "1"]
+
+
 @pytest.fixture
 def one_decode(cluster_logs, request):
-    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, batch_size=2)
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, batch_size=2, router_args=WAIT_ONE_SECOND)
     yield cluster
     cluster.stop()
 
 
 @pytest.fixture
 def two_decode(cluster_logs, request):
-    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=2, batch_size=2)
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=2, batch_size=2, router_args=WAIT_ONE_SECOND)
     yield cluster
     cluster.stop()
 
