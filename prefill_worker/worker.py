@@ -21,7 +21,7 @@ from typing import AsyncIterator
 import grpc
 
 from disagg.engine.backends import Backend, PrefillResult
-from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, FailureStreak, describe, with_injected_faults
+from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, TEST_HOLD_KV_SEND, FailureStreak, describe, injected_hold, with_injected_faults
 from disagg.engine.kv_blocks import BlockStats
 from disagg.engine.requests import Sampling, TokenLogprobs, check_prompt_len, check_token_ids
 from disagg.engine.threads import start_compute_thread
@@ -94,7 +94,7 @@ class PrefillWorker:
         self.pending_tokens = 0  # their prompt tokens
         self.inflight_transfers = 0
         # How KV moves (disagg.kv_transport): pushed as a gRPC stream, or staged for the decode worker to pull through NIXL.
-        self.push = GrpcPushSender(self._channel, metrics, config.kv_send_timeout)
+        self.push = GrpcPushSender(self._channel, metrics, config.kv_send_timeout, injected_hold(TEST_HOLD_KV_SEND))
         self.pull = None
         if config.kv_transport == "nixl":
             self.pull = open_fallible(lambda: NixlPullSender.open(

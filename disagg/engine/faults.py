@@ -10,12 +10,15 @@ DISAGG_TEST_FAIL_DECODE_STEP / DISAGG_TEST_FAIL_PREFILL_STEP ("after=3,count=1",
 optionally ",fatal=1") make steps after..after+count of a worker raise, for the
 tests that prove the above through real processes; DISAGG_TEST_FAIL_KV_WRITE does
 the same to the decode worker's copies of received KV into its cache (write_kv).
+DISAGG_TEST_HOLD_KV_SEND=PATH makes a prefill worker's gRPC KV send stop after its
+first piece until PATH exists, so a test can kill it mid-transfer.
 They are read once when the worker starts; unset, the step is the backend's own
 function, untouched.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ FAILURES_BEFORE_EXIT = 3  # consecutive failing steps that end the worker
 TEST_FAIL_DECODE_STEP = "DISAGG_TEST_FAIL_DECODE_STEP"
 TEST_FAIL_PREFILL_STEP = "DISAGG_TEST_FAIL_PREFILL_STEP"
 TEST_FAIL_KV_WRITE = "DISAGG_TEST_FAIL_KV_WRITE"
+TEST_HOLD_KV_SEND = "DISAGG_TEST_HOLD_KV_SEND"
 
 
 class DeviceLost(RuntimeError):
@@ -103,3 +107,16 @@ def with_injected_faults(step, variable: str, environ=os.environ):
         return step(*args, **kwargs)
 
     return faulty_step
+
+
+def injected_hold(variable: str, environ=os.environ):
+    """Test-only: None unless the variable names a path; then an async wait until that path exists."""
+    path = environ.get(variable)
+    if not path:
+        return None
+
+    async def hold() -> None:
+        while not os.path.exists(path):
+            await asyncio.sleep(0.01)
+
+    return hold

@@ -26,10 +26,11 @@ PULL_KV = f"/{_SERVICE}/PullKv"
 class GrpcPushSender:
     """Prefill side: sends one prompt's pieces, from an outbox filled layer by layer, then the commit."""
 
-    def __init__(self, channel_for, metrics, send_timeout: float):
+    def __init__(self, channel_for, metrics, send_timeout: float, hold_after_first_piece=None):
         self._channel_for = channel_for  # address -> grpc.aio.Channel
         self.metrics = metrics
         self.send_timeout = send_timeout
+        self._hold = hold_after_first_piece  # test-only (faults.TEST_HOLD_KV_SEND): an async wait
 
     async def send(self, address: str, reservation_id: str, outbox: asyncio.Queue, timeout: float | None) -> int:
         """Bytes the decode worker acknowledged. The outbox holds lists of pieces, then one KvCommit."""
@@ -44,6 +45,8 @@ class GrpcPushSender:
                     return
                 for piece in item:
                     yield piece_bytes(piece, reservation_id if first else "")
+                    if first and self._hold is not None:
+                        await self._hold()
                     first = False
 
         limit = self.send_timeout if timeout is None else min(timeout, self.send_timeout)

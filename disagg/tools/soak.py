@@ -1,11 +1,17 @@
-"""Soak run: requests with random cancels and deadlines while workers are killed
-and restarted; then every greedy request that finished must equal generate(),
-and every worker must hold nothing.
+"""Soak run: closed-loop load with random cancels and deadlines, and with --chaos a
+worker killed (SIGKILL) every 10-30 s while `disagg serve`'s supervisor
+(disagg/tools/supervisor.py) restarts it. Afterwards every finished greedy
+request must equal transformers' generate(), every finished seeded request must
+equal the same request sent again to the undisturbed service, and no worker may
+hold anything.
 
-    python -m disagg.tools.soak --requests 400 --concurrency 24 --kills 4
+    python -m disagg.tools.soak --chaos --seconds 600
 
-Loopback only, bounded in count and time. Exits 1 if a finished request was
-wrong or anything is still held at the end.
+Two prefill and two decode workers, and a kill only while all four serve, so
+one of each role is always up; each KV transport in turn (--transports). A
+request is lost if it ends other than OK, cancelled by its own client, or
+DEADLINE_EXCEEDED past its own client's deadline. Loopback only, bounded in
+time. Exits 1 if anything was lost, wrong or held.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import argparse
 import asyncio
 import collections
 import json
+import pathlib
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -23,32 +31,86 @@ import grpc
 
 from disagg.clients.grpc_client import AsyncClient
 from disagg.tools.local_cluster import ClusterSpec, LocalCluster
+from disagg.tools.supervisor import PartState, RestartPolicy, Supervisor
 from disagg.tools.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs
+
+PLAIN_TIMEOUT = 120.0  # a request with no deadline of its own still ends: past this it counts as lost
+SEEDED = {"temperature": 0.8, "top_p": 0.95}
+
+
+@dataclass
+class Sent:
+    """One request: what was asked, and what came back when."""
+
+    prompt: str
+    max_new_tokens: int
+    fate: str  # greedy, seeded, cancel, deadline
+    seed: int | None = None
+    outcome: str = ""
+    details: str = ""  # the error's message, where it ended in one
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # monotonic, one per token
+
+    @property
+    def lost(self) -> bool:
+        allowed = {"OK", "CANCELLED (by client)"} | ({"DEADLINE_EXCEEDED"} if self.fate == "deadline" else set())
+        return self.outcome not in allowed
 
 
 @dataclass
 class Report:
-    requests: int = 0
-    sent: int = 0  # requests started so far: the kills are spread over them
-    outcomes: collections.Counter = field(default_factory=collections.Counter)
-    planned: collections.Counter = field(default_factory=collections.Counter)  # requests by fate: plain, cancel, deadline
-    finished: list = field(default_factory=list)  # (prompt, n, token ids), checked after the run
-    wrong: list = field(default_factory=list)
-    kills: list = field(default_factory=list)
-    held_at_end: dict = field(default_factory=dict)
-    rss_mib: dict = field(default_factory=dict)
+    transport: str
     seconds: float = 0.0
+    sent: list[Sent] = field(default_factory=list)
+    kills: list[tuple[float, str]] = field(default_factory=list)  # (seconds into the run, name)
+    restarts: int = 0
+    supervisor_lines: list[str] = field(default_factory=list)
+    wrong: list[dict] = field(default_factory=list)
+    held_at_end: dict = field(default_factory=dict)
+    down_at_end: list[str] = field(default_factory=list)
+    availability: float = 0.0  # share of 1-second windows in which some request completed
+    migration_gaps: list[float] = field(default_factory=list)  # seconds between tokens across a decode worker's kill
+    unobserved: list[str] = field(default_factory=list)  # log lines of background failures nothing retrieved
+    started: float = 0.0  # monotonic
+
+    @property
+    def lost(self) -> list[Sent]:
+        return [s for s in self.sent if s.lost]
 
     @property
     def clean(self) -> bool:
-        return not self.wrong and all(v == [0, 0, 0, 0, 0] for v in self.held_at_end.values())
+        held = any(any(v) for v in self.held_at_end.values())
+        return not self.wrong and not self.lost and not held and not self.down_at_end and bool(self.held_at_end) and not self.unobserved
+
+    def summary(self) -> dict:
+        outcomes = collections.Counter(s.outcome for s in self.sent)
+        planned = collections.Counter(s.fate for s in self.sent)
+        gaps = sorted(self.migration_gaps)
+        return {
+            "transport": self.transport,
+            "seconds": round(self.seconds, 1),
+            "requests": len(self.sent),
+            "planned": dict(planned),
+            "outcomes": dict(outcomes),
+            "lost": len(self.lost),
+            "lost_examples": [(s.fate, s.outcome, s.details, len(s.token_ids)) for s in self.lost[:5]],
+            "checked_greedy": sum(s.fate == "greedy" and s.outcome == "OK" for s in self.sent),
+            "checked_seeded": sum(s.fate == "seeded" and s.outcome == "OK" for s in self.sent),
+            "wrong": len(self.wrong),
+            "kills": [f"{at:.0f}s {name}" for at, name in self.kills],
+            "restarts": self.restarts,
+            "held_at_end": self.held_at_end,
+            "down_at_end": self.down_at_end,
+            "unobserved_failures": len(self.unobserved),
+            "availability": round(self.availability, 4),
+            "migration_gaps": len(gaps),
+            "migration_gap_p99_s": round(percentile(gaps, 0.99), 3) if gaps else None,
+            "migration_gap_max_s": round(gaps[-1], 3) if gaps else None,
+        }
 
 
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 class Reference:
@@ -69,136 +131,231 @@ class Reference:
         return self._cache[prompt][:n]
 
 
-async def chaos(cluster: LocalCluster, kills: int, rng: random.Random, report: Report, stop: asyncio.Event) -> None:
-    """Kills a random worker, restarts it on its address, repeats; one of each role always lives.
-
-    Kill i comes when i/(kills+1) of the requests have been sent, so every kill
-    lands mid-workload however fast the machine is."""
-    for i in range(1, kills + 1):
-        while report.sent < report.requests * i // (kills + 1):
-            if stop.is_set():
-                return
-            await asyncio.sleep(0.005)
-        role = rng.choice(["prefill", "decode"])
-        victim = rng.choice([p for p in cluster.processes if p.name.startswith(role)])
-        victim.popen.send_signal(signal.SIGKILL)
-        await asyncio.get_running_loop().run_in_executor(None, victim.popen.wait)
-        report.kills.append(victim.name)
-        cluster.restart(victim.name)
-        await asyncio.get_running_loop().run_in_executor(None, cluster.wait_serving, 120.0, victim.address)
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
-def check_outputs(ref: Reference, report: Report, longest: int) -> None:
-    # After the run, so generate() never stalls the client's event loop.
-    for prompt, n, got in report.finished:
-        expected = ref.greedy(prompt, n, longest)
-        if got != expected:
-            report.wrong.append({"prompt": prompt, "n": n, "got": got, "expected": expected})
-
-
+# -- the load ----------------------------------------------------------------------
 # A cancelled request asks for this many tokens (past EOS too) and leaves after at most
-# --max-new-tokens of them: its end is hundreds of steps away whatever the host's speed,
-# even where the router merges a lagging client's chunks, so every planned cancel happens.
+# --max-new-tokens of them: its end is hundreds of steps away whatever the host's speed.
 CANCELLED_LENGTH = 360
 
 
-async def cancelled_after(client: AsyncClient, prompt: str, k: int) -> str:
-    """A request cancelled after its k-th token (0: as soon as it is sent)."""
-    n = CANCELLED_LENGTH
-    if k == 0:
-        task = asyncio.ensure_future(client.complete(prompt, max_new_tokens=n, ignore_eos=True))
-        await asyncio.sleep(0)  # lets the call start: the cancel then reaches the router's queue or a prefill
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            return "CANCELLED (by client)"
-        raise AssertionError("a request cancelled as it was sent finished")
-    received = 0
-    async for chunk in client.generate(prompt, max_new_tokens=n, ignore_eos=True):
-        assert chunk.finish_reason is None, f"a stream of {n} tokens ended at {received + len(chunk.token_ids)}, before its cancel at {k}"
-        received += len(chunk.token_ids)
-        if received >= k:
-            break  # leaving the stream cancels the call
-    return "CANCELLED (by client)"
+def plan_request(rng: random.Random, texts: list[str], args) -> Sent:
+    words = rng.choice(texts).split()
+    prompt = " ".join(words[: rng.randint(2, min(30, len(words)))])
+    n, draw = rng.randint(1, args.max_new_tokens), rng.random()
+    shares = [("deadline", args.deadline_share), ("cancel", args.cancel_share), ("seeded", args.seeded_share)]
+    for fate, share in shares:
+        if draw < share:
+            break
+        draw -= share
+    else:
+        fate = "greedy"
+    return Sent(prompt, n, fate, seed=rng.randrange(2**31) if fate == "seeded" else None)
 
 
-async def workload(cluster: LocalCluster, args, rng: random.Random, report: Report) -> None:
+async def send(client: AsyncClient, hurried: AsyncClient, sent: Sent, cancel_after: int) -> None:
+    """Streams one request, recording its tokens' arrival; a cancel leaves the stream after cancel_after tokens."""
+    params = {"max_new_tokens": sent.max_new_tokens}
+    if sent.fate == "seeded":
+        params.update(SEEDED, seed=sent.seed)
+    if sent.fate == "cancel":
+        params.update(max_new_tokens=CANCELLED_LENGTH, ignore_eos=True)
+    try:
+        async for chunk in (hurried if sent.fate == "deadline" else client).generate(sent.prompt, **params):
+            now = time.monotonic()
+            sent.token_ids += chunk.token_ids
+            sent.token_times += [now] * len(chunk.token_ids)
+            if sent.fate == "cancel" and len(sent.token_ids) >= cancel_after:
+                sent.outcome = "CANCELLED (by client)"
+                return  # leaving the stream cancels the call
+        sent.outcome = "OK" if sent.fate != "cancel" else f"ended after {len(sent.token_ids)} of {CANCELLED_LENGTH} tokens before its cancel"
+    except grpc.aio.AioRpcError as exc:
+        sent.outcome, sent.details = exc.code().name, exc.details()
+
+
+async def closed_loop(address: str, args, rng: random.Random, report: Report, until: float) -> None:
     texts = paragraphs()
-    gate = asyncio.Semaphore(args.concurrency)
+    async with AsyncClient(address, timeout=PLAIN_TIMEOUT) as client, AsyncClient(address, timeout=args.deadline) as hurried:
 
-    async def one(client: AsyncClient, hurried: AsyncClient) -> None:
-        text = rng.choice(texts).split()
-        prompt = " ".join(text[: rng.randint(2, min(30, len(text)))])
-        n = rng.randint(1, args.max_new_tokens)
-        fate = rng.random()
-        cancel_after = rng.randint(0, n - 1) if args.deadline_share <= fate < args.deadline_share + args.cancel_share else None
-        report.planned["cancel" if cancel_after is not None else "deadline" if fate < args.deadline_share else "plain"] += 1
-        async with gate:
-            report.sent += 1
-            try:
-                if cancel_after is not None:
-                    report.outcomes[await cancelled_after(client, prompt, cancel_after)] += 1
-                    return
-                result = await (hurried if fate < args.deadline_share else client).complete(prompt, max_new_tokens=n)
-            except grpc.aio.AioRpcError as exc:
-                report.outcomes[exc.code().name] += 1
-                return
-        report.outcomes["OK"] += 1
-        report.finished.append((prompt, n, result.token_ids))
+        async def user() -> None:
+            while time.monotonic() < until:
+                sent = plan_request(rng, texts, args)
+                report.sent.append(sent)
+                await send(client, hurried, sent, cancel_after=rng.randint(1, args.max_new_tokens))
 
-    async with AsyncClient(cluster.router_address, timeout=120) as client, AsyncClient(cluster.router_address, timeout=args.deadline) as hurried:
-        await asyncio.gather(*(one(client, hurried) for _ in range(args.requests)))
+        await asyncio.gather(*(user() for _ in range(args.concurrency)))
 
 
-async def soak(cluster: LocalCluster, args) -> Report:
+# -- the chaos -----------------------------------------------------------------------
+async def chaos(cluster: LocalCluster, supervisor: Supervisor, args, rng: random.Random, report: Report, until: float) -> None:
+    """Every LOW-HIGH s, a random prefill or decode worker gets SIGKILL, once all of them serve
+    (so one of each role is always up); the supervisor restarts it."""
+    low, high = args.kill_every
+    while True:
+        await asyncio.sleep(rng.uniform(low, high))
+        while any(p.state is not PartState.RUNNING for p in supervisor.parts.values()):
+            await asyncio.sleep(0.1)
+        if time.monotonic() >= until:
+            return
+        role = rng.choice(["prefill", "decode"])
+        victim = rng.choice([p for p in cluster.processes if p.name.startswith(role)])
+        report.kills.append((time.monotonic() - report.started, victim.name))
+        victim.popen.send_signal(signal.SIGKILL)
+
+
+def supervise(supervisor: Supervisor, stop: threading.Event) -> threading.Thread:
+    def loop() -> None:
+        while not stop.wait(0.2):
+            supervisor.poll()
+
+    thread = threading.Thread(target=loop, name="supervisor", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_all_running(supervisor: Supervisor, within: float) -> list[str]:
+    """The parts not yet serving again after `within` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        down = [p.name for p in supervisor.parts.values() if p.state is not PartState.RUNNING]
+        if not down:
+            return []
+        time.sleep(0.2)
+    return down
+
+
+# -- the checks -----------------------------------------------------------------------
+def check_greedy(ref: Reference, report: Report, longest: int) -> None:
+    for sent in report.sent:
+        if sent.fate == "greedy" and sent.outcome == "OK":
+            expected = ref.greedy(sent.prompt, sent.max_new_tokens, longest)
+            if sent.token_ids != expected:
+                report.wrong.append({"fate": "greedy", "prompt": sent.prompt, "got": sent.token_ids, "expected": expected})
+
+
+async def check_seeded(address: str, report: Report, concurrency: int) -> None:
+    """Each finished seeded request sent again to the service, now undisturbed: the same tokens."""
+    gate = asyncio.Semaphore(concurrency)
+    async with AsyncClient(address, timeout=PLAIN_TIMEOUT) as client:
+
+        async def again(sent: Sent) -> None:
+            async with gate:
+                result = await client.complete(sent.prompt, max_new_tokens=sent.max_new_tokens, seed=sent.seed, **SEEDED)
+            if result.token_ids != sent.token_ids:
+                report.wrong.append({"fate": "seeded", "prompt": sent.prompt, "seed": sent.seed, "got": sent.token_ids, "undisturbed": result.token_ids})
+
+        await asyncio.gather(*(again(s) for s in report.sent if s.fate == "seeded" and s.outcome == "OK"))
+
+
+def unobserved_failures(log_dir: str) -> list[str]:
+    """Lines where asyncio reports a failed future or task that nothing awaited: a failure no one handled."""
+    found = []
+    for log in sorted(pathlib.Path(log_dir).glob("*.log")):
+        found += [f"{log.name}: {line.strip()}" for line in log.read_text(errors="replace").splitlines() if "exception was never retrieved" in line]
+    return found
+
+
+def availability(report: Report, end: float) -> float:
+    """Share of the run's whole seconds in which some request completed."""
+    windows = max(1, int(end - report.started))
+    done = {int(s.token_times[-1] - report.started) for s in report.sent if s.outcome == "OK" and s.token_times}
+    return len({w for w in done if w < windows}) / windows
+
+
+def migration_gaps(report: Report) -> list[float]:
+    """For each decode worker's kill, each stream that had tokens on both sides of it: the gap across the kill
+    (the streams that were on the killed worker among them: theirs is the time to resume elsewhere)."""
+    gaps = []
+    for at, name in report.kills:
+        if not name.startswith("decode"):
+            continue
+        killed = report.started + at
+        for sent in report.sent:
+            times = sent.token_times
+            after = next((i for i, t in enumerate(times) if t > killed), None)
+            if after:
+                gaps.append(times[after] - times[after - 1])
+    return gaps
+
+
+# -- one run ---------------------------------------------------------------------------
+async def load_and_chaos(cluster: LocalCluster, supervisor: Supervisor, args, seconds: float, report: Report) -> None:
     rng = random.Random(args.seed)
-    report = Report(requests=args.requests)
-    stop = asyncio.Event()
-    started = time.perf_counter()
-    killer = asyncio.create_task(chaos(cluster, args.kills, rng, report, stop))
-    await asyncio.wait_for(workload(cluster, args, rng, report), args.max_seconds)
-    stop.set()
-    await killer
-    report.seconds = time.perf_counter() - started
-    report.held_at_end = await asyncio.get_running_loop().run_in_executor(None, cluster.wait_until_idle, 5.0)  # freed within seconds
-    report.rss_mib = {p.name: round(rss_mib(p.popen.pid), 1) for p in cluster.processes if p.popen.poll() is None}
+    report.started = time.monotonic()
+    until = report.started + seconds
+    killer = asyncio.create_task(chaos(cluster, supervisor, args, rng, report, until)) if args.chaos else None
+    try:
+        await closed_loop(cluster.router_address, args, rng, report, until)
+    finally:
+        if killer is not None:
+            killer.cancel()
+    report.seconds = time.monotonic() - report.started
+
+
+def soak_one(model: str, transport: str, seconds: float, args, ref: Reference) -> Report:
+    report = Report(transport)
+    log_dir = f"{args.log_dir}/{transport}"
+    spec = ClusterSpec(model=model, prefill_workers=2, decode_workers=2, batch_size=4, dtype="float32", log_dir=log_dir,
+                       worker_args=["--kv-transport", transport])
+    # Chaos kills each worker several times a window: the restart budget is not what is tested here.
+    policy = RestartPolicy(limit=1_000_000)
+    with LocalCluster(spec) as cluster:
+        supervisor = Supervisor(cluster, policy, say=report.supervisor_lines.append)
+        stop = threading.Event()
+        thread = supervise(supervisor, stop)
+        try:
+            asyncio.run(load_and_chaos(cluster, supervisor, args, seconds, report))
+            report.down_at_end = wait_all_running(supervisor, within=120.0)
+            report.held_at_end = cluster.wait_until_idle(within=10.0)  # freed within seconds
+            asyncio.run(check_seeded(cluster.router_address, report, args.concurrency))
+        finally:
+            stop.set()
+            thread.join()
+        report.restarts = supervisor.restarts
+    report.availability = availability(report, report.started + report.seconds)
+    report.migration_gaps = migration_gaps(report)
+    report.unobserved = unobserved_failures(log_dir)
+    check_greedy(ref, report, args.max_new_tokens)
     return report
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m disagg.tools.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: a tiny trained Llama made offline")
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--chaos", action="store_true", help="kill a random worker every --kill-every seconds (the supervisor restarts it)")
+    parser.add_argument("--seconds", type=float, default=600, help="the whole run, split evenly between the transports")
+    parser.add_argument("--transports", default="grpc,nixl", help="KV transports, one run each (nixl needs nixl-cu12)")
+    parser.add_argument("--kill-every", type=lambda t: tuple(float(v) for v in t.split(":")), default=(10.0, 30.0), metavar="LOW:HIGH")
+    parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=40)
-    parser.add_argument("--cancel-share", type=float, default=0.25)
-    parser.add_argument("--deadline-share", type=float, default=0.1)
+    parser.add_argument("--seeded-share", type=float, default=0.25)
+    parser.add_argument("--cancel-share", type=float, default=0.15)
+    parser.add_argument("--deadline-share", type=float, default=0.05)
     parser.add_argument("--deadline", type=float, default=0.05, help="seconds, for the share of requests with a deadline")
-    parser.add_argument("--kills", type=int, default=4)
-    parser.add_argument("--max-seconds", type=float, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the report here too")
     parser.add_argument("--log-dir", default="/tmp/disagg-soak-logs")
     return parser.parse_args(argv)
 
 
-def run(argv=None) -> Report:
+def run(argv=None) -> list[Report]:
     args = parse_args(argv)
     model = args.model or str(ensure_tiny_model(TinyModelSpec()))
     ref = Reference(model)
-    spec = ClusterSpec(model=model, prefill_workers=2, decode_workers=2, batch_size=4, dtype="float32", log_dir=args.log_dir)
-    with LocalCluster(spec) as cluster:
-        report = asyncio.run(soak(cluster, args))
-    check_outputs(ref, report, args.max_new_tokens)
-    summary = {k: (dict(v) if isinstance(v, collections.Counter) else v) for k, v in report.__dict__.items() if k != "finished"}
-    summary["wrong"] = len(report.wrong)
-    print(json.dumps(summary, indent=2))
+    transports = args.transports.split(",")
+    reports = [soak_one(model, transport, args.seconds / len(transports), args, ref) for transport in transports]
+    summaries = [r.summary() for r in reports]
+    print(json.dumps(summaries, indent=2))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**summary, "wrong_examples": report.wrong[:5]}, f, indent=2)
-    return report
+            json.dump([{**s, "wrong_examples": r.wrong[:5], "supervisor": r.supervisor_lines} for s, r in zip(summaries, reports)], f, indent=2)
+    return reports
 
 
 if __name__ == "__main__":
-    raise SystemExit(0 if run().clean else 1)
+    raise SystemExit(0 if all(r.clean for r in run()) else 1)
