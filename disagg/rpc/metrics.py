@@ -43,8 +43,19 @@ class RouterMetrics:
         self.routed_hit_tokens.labels(role).inc(hit_tokens)
 
 
+def memory_gauges(part: str, registry: CollectorRegistry) -> None:
+    """The process's memory, read when scraped (disagg/engine/memory.py)."""
+    from disagg.engine.memory import read_process_memory
+
+    for field, what in (("resident", "Resident memory (RSS)"), ("proportional", "Proportional set size (PSS): shared pages divided between their users"),
+                        ("shared", "Of the resident memory, pages other processes map too")):
+        gauge = Gauge(f"disagg_{part}_{field}_bytes", f"{what} of this worker process", registry=registry)
+        gauge.set_function(lambda field=field: getattr(read_process_memory(), f"{field}_bytes"))
+
+
 class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry):
+        memory_gauges("prefill", registry)
         self.requests = Counter("disagg_prefill_requests", "Prefill calls by outcome", ["outcome"], registry=registry)
         self.prefill = Histogram("disagg_prefill_seconds", "Queue plus compute time of a prefill, to its first token", buckets=SLOW, registry=registry)
         self.queued = Gauge("disagg_prefill_queued_requests", "Prefills submitted and not finished", registry=registry)
@@ -95,6 +106,7 @@ class BlockPoolCollector:
 class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.registry = registry
+        memory_gauges("decode", registry)
         self.slots_in_use = Gauge("disagg_decode_slots_in_use", "Slots reserved or running", registry=registry)
         # With slots_in_use, the decode pool's autoscaling signal: the share of slots taken.
         self.slots = Gauge("disagg_decode_slots", "Slots this worker has (its decode batch size)", registry=registry)

@@ -353,7 +353,9 @@ def run(argv=None) -> list[Report]:
     print(json.dumps(summaries, indent=2))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{**s, "wrong_examples": r.wrong[:5], "supervisor": r.supervisor_lines} for s, r in zip(summaries, reports)], f, indent=2)
+            extra = [{"wrong_examples": r.wrong[:5], "migration_gaps_s": sorted(round(g, 3) for g in r.migration_gaps), "supervisor": r.supervisor_lines}
+                     for r in reports]
+            json.dump([{**s, **e} for s, e in zip(summaries, extra)], f, indent=2)
     return reports
 
 

@@ -41,7 +41,7 @@ class PartState(str, enum.Enum):
 @dataclass(frozen=True)
 class RestartPolicy:
     limit: int = 5  # exits in `window` seconds past which a part is left down
-    window: float = 300.0
+    window: float = 60.0
     max_delay: float = 30.0  # the longest backoff, and how often the last of a role is tried again
     silence: float = 120.0  # a restarted part with no progress for this long has failed its start
 

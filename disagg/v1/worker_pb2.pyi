@@ -226,7 +226,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "capacity", "slots_in_use", "reservations", "active", "inflight_transfers", "queued", "model_name", "max_seq_len", "backend", "vocab_size", "dtype")
+    __slots__ = ("role", "capacity", "slots_in_use", "reservations", "active", "inflight_transfers", "queued", "model_name", "max_seq_len", "backend", "vocab_size", "dtype", "resident_bytes", "proportional_bytes", "shared_bytes")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,9 @@ class WorkerLoad(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROPORTIONAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     role: str
     capacity: int
     slots_in_use: int
@@ -251,4 +254,7 @@ class WorkerLoad(_message.Message):
     backend: str
     vocab_size: int
     dtype: str
-    def __init__(self, role: _Optional[str] = ..., capacity: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., reservations: _Optional[int] = ..., active: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., queued: _Optional[int] = ..., model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    resident_bytes: int
+    proportional_bytes: int
+    shared_bytes: int
+    def __init__(self, role: _Optional[str] = ..., capacity: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., reservations: _Optional[int] = ..., active: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., queued: _Optional[int] = ..., model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., proportional_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ...) -> None: ...
