@@ -34,6 +34,15 @@ class DecodeWorkerConfig(WorkerConfig):
         if self.block_size < 1:
             raise ValueError("--block-size must be at least 1")
 
+    def memory_need(self, facts):
+        """What this worker will hold once serving (disagg/engine/memory.py), before it loads anything."""
+        from disagg.engine import memory
+
+        itemsize = memory.serving_itemsize(self.dtype, self.backend, self.device, self.model)
+        packed = self.prepack if self.prepack is not None else self.device == "cpu"
+        return memory.decode_need(facts, itemsize, packed, facts.max_seq_len(self.max_seq_len), self.kv_cache_gib,
+                                  self.batch_size or self.max_batch_size, self.block_size)
+
     def slots_before_load(self) -> int:
         """The slot count a backend that compiles for its batch needs before loading (0: decide after)."""
         return self.batch_size or (NEURON_DEFAULT_SLOTS if self.backend == "neuron" else 0)

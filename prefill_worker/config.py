@@ -29,6 +29,15 @@ class PrefillWorkerConfig(WorkerConfig):
     # two of them sharing a CPU while another process holds the other.
     bind_compute_threads: bool = True
 
+    def memory_need(self, facts):
+        """What this worker will hold once serving (disagg/engine/memory.py), before it loads anything."""
+        from disagg.engine import memory
+
+        itemsize = memory.serving_itemsize(self.dtype, self.backend, self.device, self.model)
+        packed = self.prepack if self.prepack is not None else self.device == "cpu"
+        prefix = self.prefix_cache_gib if self.prefix_caching else 0.0
+        return memory.prefill_need(facts, itemsize, packed, facts.max_seq_len(self.max_seq_len), prefix, self.kv_staging_buffers)
+
     @property
     def streams_kv_during_prefill(self) -> bool:
         return self.device != "cpu" if self.stream_kv_during_prefill is None else self.stream_kv_during_prefill

@@ -4,6 +4,8 @@ its metrics and its start-up line; shared pages counted as the kernel counts the
 from __future__ import annotations
 
 import mmap
+import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -56,7 +58,102 @@ def test_workers_report_their_memory_in_get_load_and_their_metrics(cluster_logs)
             assert abs(load.resident_bytes - actual.resident_bytes) < 0.2 * actual.resident_bytes
             assert abs(samples[f"disagg_{role}_resident_bytes"] - actual.resident_bytes) < 0.2 * actual.resident_bytes
             assert 0 < samples[f"disagg_{role}_proportional_bytes"] <= samples[f"disagg_{role}_resident_bytes"]
+            if role == "decode":  # the start-up estimate is not below what the worker really holds
+                from decode_worker.config import DecodeWorkerConfig
+                from disagg.engine.memory import CheckpointFacts
+
+                model = cluster.spec.model
+                need = DecodeWorkerConfig(model=model, dtype="float32", batch_size=2).memory_need(CheckpointFacts.read(model))
+                assert load.resident_bytes <= need.total, (load.resident_bytes, need)
             logs = list((cluster_logs / "memory-report").glob(f"*/{process.name}.log"))
             assert len(logs) == 1 and any("serving on port" in line and "; memory: resident " in line for line in logs[0].read_text().splitlines())
     finally:
         cluster.stop()
+
+
+# -- a start that knows its memory ----------------------------------------------------------------
+def test_a_worker_that_cannot_fit_refuses_in_one_line_before_loading(llama_path):
+    from disagg.engine.memory import TEST_MEMORY_AVAILABLE
+
+    env = {**os.environ, TEST_MEMORY_AVAILABLE: str(300 * MIB)}
+    done = subprocess.run([sys.executable, "-m", "decode_worker", "--model", llama_path, "--port", "0", "--kv-cache-gib", "2"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert re.fullmatch(
+        r"decode_worker: this worker would hold about 1\.\d GiB \(decode worker 1\.\d GiB \(weights \d+ MiB in their serving layout, "
+        r"KV \d+ MiB, working 1\.0 GiB\)\), more than the 300 MiB free \(DISAGG_TEST_MEMORY_AVAILABLE_BYTES\): lower --kv-cache-gib .*--dtype bfloat16",
+        lines[0],
+    ), lines[0]
+
+
+def test_disagg_serve_sums_its_workers_and_refuses_before_starting_any(llama_path):
+    from disagg.engine.memory import TEST_MEMORY_AVAILABLE
+
+    serve = [sys.executable, "-c", "import sys; from disagg.cli.main import main; sys.exit(main())", "serve", "--model", llama_path,
+             "--port", "0", "--http-port", "-1"]
+    # A decode worker needs about 1.1 GiB here (its KV capped by 64 sequences of the model's 1,024 positions), a prefill
+    # worker about 2.0 (its 1 GiB prefix cache): 3.1 together; each alone would fit in 2.5 GiB.
+    env = {**os.environ, TEST_MEMORY_AVAILABLE: str(int(2.5 * 1024) * MIB)}
+    done = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert re.search(r"^disagg serve: its 2 workers would hold about 3\.\d GiB \(decode worker .*; prefill worker .*prefix cache 1\.0 GiB.*\), "
+                     r"more than the 2\.5 GiB free", done.stderr, re.M), done.stderr
+    assert "decode-0" not in done.stdout and "Ctrl-C" not in done.stdout  # nothing was started
+
+    from disagg.cli.main import build_parser, check_memory, serve_spec
+
+    args = build_parser().parse_args(["serve", "--model", llama_path, "--prefix-cache-gib", "0"])
+    os.environ[TEST_MEMORY_AVAILABLE] = env[TEST_MEMORY_AVAILABLE]
+    try:
+        check_memory(serve_spec(args), args)  # without the prefix cache the two fit
+    finally:
+        del os.environ[TEST_MEMORY_AVAILABLE]
+
+
+def llama_3_2_1b_shapes(folder) -> str:
+    """Llama-3.2-1B's config and safetensors header (its tensors' shapes, no data): all the estimate reads."""
+    import json
+    import struct
+
+    hidden, inter, layers, kv = 2048, 8192, 16, 512
+    shapes = {"model.embed_tokens.weight": [128256, hidden], "model.norm.weight": [hidden]}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": [hidden, hidden], p + "self_attn.k_proj.weight": [kv, hidden],
+                       p + "self_attn.v_proj.weight": [kv, hidden], p + "self_attn.o_proj.weight": [hidden, hidden],
+                       p + "mlp.gate_proj.weight": [inter, hidden], p + "mlp.up_proj.weight": [inter, hidden],
+                       p + "mlp.down_proj.weight": [hidden, inter], p + "input_layernorm.weight": [hidden],
+                       p + "post_attention_layernorm.weight": [hidden]})
+    header = json.dumps({name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]} for name, shape in shapes.items()}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    }))
+    return str(folder)
+
+
+def test_llama_3_2_1b_in_float32_with_two_layouts_per_weight_is_refused_on_a_24_gib_box_not_killed(tmp_path):
+    """The issue's case: today each worker keeps every linear weight twice (oneDNN's layout and the small-row
+    kernel's), so float32 Llama-3.2-1B needs ~28 GiB for a prefill and a decode worker: refused in one line."""
+    from decode_worker.config import DecodeWorkerConfig
+    from disagg.cli.main import build_parser, check_memory, serve_spec
+    from disagg.engine.memory import TEST_MEMORY_AVAILABLE, CheckpointFacts, NotEnoughMemory
+
+    model = llama_3_2_1b_shapes(tmp_path)
+    need = DecodeWorkerConfig(model=model, dtype="float32").memory_need(CheckpointFacts.read(model))
+    assert round(need.weights / (1 << 30), 1) == 10.2 and need.kv == 4 << 30  # 1.24 B values, linears and the tied head twice
+    args = build_parser().parse_args(["serve", "--model", model, "--dtype", "float32"])
+    os.environ[TEST_MEMORY_AVAILABLE] = str(22 << 30)
+    try:
+        try:
+            check_memory(serve_spec(args), args)
+            raise AssertionError("not refused")
+        except NotEnoughMemory as refused:
+            assert str(refused).startswith("its 2 workers would hold about 27.9 GiB (decode worker 15.2 GiB (weights 10.2 GiB"), refused
+        args = build_parser().parse_args(["serve", "--model", model, "--dtype", "bfloat16", "--kv-cache-gib", "2"])
+        check_memory(serve_spec(args), args)  # in bf16 with 2 GiB of KV they fit
+    finally:
+        del os.environ[TEST_MEMORY_AVAILABLE]

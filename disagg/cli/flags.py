@@ -251,6 +251,27 @@ def refusals(backend: str) -> tuple[type[Exception], ...]:
     return UnsupportedModel, NixlUnavailable, BadBuckets
 
 
+MEMORY_HINTS = "lower --kv-cache-gib or --batch-size (decode), --prefix-cache-gib (prefill) or --max-seq-len, or use --dtype bfloat16"
+
+
+def refuse_if_it_cannot_fit(prog: str, config) -> None:
+    """Before loading anything: a worker whose weights, KV and caches would not fit in the memory the
+    machine (or its cgroup) has free ends with one line saying so (exit status 2), rather than being
+    killed by the kernel once it is serving. Only where they live in this machine's memory."""
+    import sys
+
+    from disagg.engine import memory
+
+    facts = memory.CheckpointFacts.read(config.model) if memory.checks_host_memory(config.backend, config.device) else None
+    if facts is None:
+        return
+    try:
+        memory.check_fits([config.memory_need(facts)], "this worker", MEMORY_HINTS)
+    except memory.NotEnoughMemory as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def run_worker(prog: str, serve, config) -> None:
     """Runs a worker's serve(config); a model or setting the engine cannot serve exactly ends
     the process with one line naming it and why (exit status 2), not a traceback."""
@@ -259,6 +280,7 @@ def run_worker(prog: str, serve, config) -> None:
 
     from disagg.kv_transport.nixl_transport import NixlUnavailable
 
+    refuse_if_it_cannot_fit(prog, config)
     refused = refusals(config.backend)
     try:
         asyncio.run(serve(config))

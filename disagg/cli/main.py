@@ -85,9 +85,33 @@ def serve_spec(args):
     http_port = None if args.http_port < 0 else free_or_any(args.http_port) if args.http_port else 0
     neuron = neuron_placement(args)
     return ClusterSpec(model=args.model or "", prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, router_port=args.port,
+                       decode_args=["--kv-cache-gib", str(args.kv_cache_gib)], prefill_args=["--prefix-cache-gib", str(args.prefix_cache_gib)],
                        http_port=http_port, dtype=args.dtype, batch_size=args.batch_size, colocated=args.colocated, neuron=neuron,
                        worker_args=serve_worker_args(args), router_args=serve_router_args(args), threads_per_worker=args.threads,
                        nice=decode_nice(args.decode_nice, args.colocated or neuron is not None), silence=args.start_silence)
+
+
+def check_memory(spec, args) -> None:
+    """NotEnoughMemory where the workers `disagg serve` would start do not fit together in the memory
+    this machine (or its cgroup) has free: each worker checks only itself as it starts, and workers
+    loading side by side would each still see the memory free."""
+    from decode_worker.config import DecodeWorkerConfig
+    from disagg.engine import memory
+    from prefill_worker.config import PrefillWorkerConfig
+
+    facts = memory.CheckpointFacts.read(spec.model) if spec.neuron is None else None
+    if facts is None:
+        return
+    flags = {"model": spec.model, "dtype": spec.dtype, "max_seq_len": args.max_seq_len}
+    flags.update({} if args.block_size is None else {"block_size": args.block_size})
+    flags.update({} if args.prefix_caching is None else {"prefix_caching": args.prefix_caching})
+    decode = DecodeWorkerConfig(**flags, batch_size=spec.batch_size, kv_cache_gib=args.kv_cache_gib, colocated=spec.colocated)
+    needs = [decode.memory_need(facts)] * spec.decode_workers
+    if not spec.colocated:  # (the pool is settled at start; what a prefill worker holds does not depend on it)
+        prefill = PrefillWorkerConfig(**flags, prefix_cache_gib=args.prefix_cache_gib, decode_peers=("127.0.0.1:1",))
+        needs += [prefill.memory_need(facts)] * spec.prefill_workers
+    memory.check_fits(needs, f"its {len(needs)} workers", "lower --kv-cache-gib, --prefix-cache-gib, --batch-size or --max-seq-len, "
+                      "use --dtype bfloat16, or start fewer workers")
 
 
 def restart_policy(args):
@@ -112,6 +136,13 @@ def cmd_serve(args) -> int:
         print("Using the built-in tiny model (made on first use, ~20 s) ...", flush=True)
         spec.model = str(ensure_tiny_model())
     model = spec.model
+    try:
+        check_memory(spec, args)  # every worker's need, summed, before any starts
+    except Exception as exc:
+        if type(exc).__name__ != "NotEnoughMemory":
+            raise
+        print(f"disagg serve: {exc}", file=sys.stderr)
+        return 2
     if cores:
         print(f"NeuronCores ({spec.neuron.pool.source}): " + ", ".join(f"{name} {visible}" for name, visible in cores.items()), flush=True)
     cluster = LocalCluster(spec, progress=lambda line: print(line, flush=True))
@@ -245,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_parser(sub) -> None:
+    from decode_worker.config import DecodeWorkerConfig
     from disagg.tools.local_cluster import DECODE_NICE
+    from prefill_worker.config import PrefillWorkerConfig
 
     serve = sub.add_parser("serve", help="start a router, a prefill worker and a decode worker locally")
     serve.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the built-in tiny model)")
@@ -265,6 +298,11 @@ def add_serve_parser(sub) -> None:
                             "prompt's TTFT is not held back by the streams beside it (docs/architecture.md)")
     serve.add_argument("--batch-size", type=int, default=0,
                        help="decode slots per decode worker (default: sized from the decode worker's --kv-cache-gib, at most 64)")
+    serve.add_argument("--kv-cache-gib", type=float, default=DecodeWorkerConfig.kv_cache_gib,
+                       help=f"each decode worker's KV cache memory (default {DecodeWorkerConfig.kv_cache_gib:g}; "
+                            "less with --batch-size where fewer sequences fill less)")
+    serve.add_argument("--prefix-cache-gib", type=float, default=PrefillWorkerConfig.prefix_cache_gib,
+                       help=f"each prefill worker's prefix cache memory (default {PrefillWorkerConfig.prefix_cache_gib:g}; 0: none)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="auto: bfloat16 on a CPU with native bf16 (AVX512_BF16, AMX), float32 on others, the checkpoint's own on CUDA, bf16 on Neuron")
     serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES,

@@ -47,3 +47,165 @@ def _kib_fields(path: str) -> dict[str, int]:
             if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
                 out[name] = int(parts[0])
     return out
+
+
+# -- what a worker will hold, before it loads ------------------------------------------------------
+GIB = 1 << 30
+# torch and its libraries, the tokenizer, the gRPC server, activations and scratch buffers of a
+# worker serving a small model: measured at 0.4-0.6 GiB resident here; rounded up.
+WORKING_BYTES = 1 << 30
+# Test-only: the available memory, in bytes, as if read from the machine (a test of a start that cannot fit).
+TEST_MEMORY_AVAILABLE = "DISAGG_TEST_MEMORY_AVAILABLE_BYTES"
+
+
+class NotEnoughMemory(RuntimeError):
+    """A start that would not fit in the memory the machine (or its cgroup) has free."""
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one worker holds once serving, in bytes, by what holds it."""
+
+    role: str
+    weights: int  # in their serving layout (every copy a worker keeps)
+    kv: int
+    prefix_cache: int = 0
+    working: int = WORKING_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.prefix_cache + self.working
+
+    def describe(self) -> str:
+        parts = [f"weights {gib(self.weights)} in their serving layout", f"KV {gib(self.kv)}"]
+        if self.prefix_cache:
+            parts.append(f"prefix cache {gib(self.prefix_cache)}")
+        return f"{self.role} worker {gib(self.total)} ({', '.join(parts)}, working {gib(self.working)})"
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.0f} MiB"
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """A local checkpoint's sizes, read from its config.json and safetensors headers (no weights loaded)."""
+
+    linear_values: int  # elements of 2-D weights other than embeddings (what PackedLinear lays out again)
+    other_values: int  # embeddings, norms, biases
+    tied_head_values: int  # an LM head that is the embedding (laid out for products as well, where packed)
+    kv_values_per_token: int  # 2 x layers x kv heads x head dim
+    max_positions: int
+
+    @classmethod
+    def read(cls, model: str) -> CheckpointFacts | None:
+        """None where the checkpoint is not a local directory of safetensors files (nothing to read before loading)."""
+        import json
+        import os
+
+        files = sorted(f for f in os.listdir(model) if f.endswith(".safetensors")) if os.path.isdir(model) else []
+        if not files or not os.path.exists(os.path.join(model, "config.json")):
+            return None
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        config = config.get("text_config", config)
+        linear = other = embedding = 0
+        has_head = False
+        for name, shape in (item for file in files for item in _safetensors_shapes(os.path.join(model, file))):
+            values = _product(shape)
+            if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
+                embedding += values
+            elif len(shape) == 2:
+                linear += values
+                has_head = has_head or "lm_head" in name
+            else:
+                other += values
+        tied = config.get("tie_word_embeddings", True) and not has_head
+        heads = config.get("num_attention_heads") or config.get("n_head") or 1
+        head_dim = config.get("head_dim") or (config.get("hidden_size") or config.get("n_embd") or 0) // heads
+        kv_heads = config.get("num_key_value_heads") or heads
+        layers = config.get("num_hidden_layers") or config.get("n_layer") or 0
+        positions = config.get("max_position_embeddings") or config.get("n_positions") or 4096
+        return cls(linear, other + embedding, embedding if tied else 0, 2 * layers * kv_heads * head_dim, positions)
+
+    def max_seq_len(self, asked: int) -> int:
+        """As the torch backend settles it: the asked length, else the model's, at most 4,096, never past the model's."""
+        return min(asked or min(self.max_positions, 4096), self.max_positions)
+
+    def weight_bytes(self, itemsize: int, packed: bool) -> int:
+        """packed: the CPU's PackedLinear keeps two layouts of every linear weight (oneDNN's and the small-row kernel's)."""
+        copies = 2 if packed else 1
+        return ((self.linear_values + self.tied_head_values) * copies + self.other_values) * itemsize
+
+
+def _product(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def _safetensors_shapes(path: str):
+    """(name, shape) of each tensor, from the file's JSON header."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return [(name, tuple(entry["shape"])) for name, entry in header.items() if name != "__metadata__"]
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes, where from): the machine's MemAvailable, or its cgroup's room under the limit where that is less."""
+    import os
+
+    injected = os.environ.get(TEST_MEMORY_AVAILABLE)
+    if injected:
+        return int(injected), f"{TEST_MEMORY_AVAILABLE}"
+    best = (_kib_fields("/proc/meminfo")["MemAvailable"] * 1024, "MemAvailable in /proc/meminfo")
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as limit, open(usage_path) as usage:
+                text, used = limit.read().strip(), int(usage.read())
+        except (OSError, ValueError):
+            continue
+        if text.isdigit() and int(text) - used < best[0]:
+            best = (max(0, int(text) - used), f"the cgroup's limit ({gib(int(text))}) less its use")
+    return best
+
+
+def check_fits(needs: list[MemoryNeed], what: str, hints: str) -> None:
+    """NotEnoughMemory, as one line naming the need, the free memory and the flags that would fit, where the needs do not fit."""
+    free, source = available_memory()
+    total = sum(n.total for n in needs)
+    if total > free:
+        raise NotEnoughMemory(f"{what} would hold about {gib(total)} ({'; '.join(n.describe() for n in needs)}), more than the "
+                              f"{gib(free)} free ({source}): {hints}")
+
+
+def serving_itemsize(dtype: str, backend: str, device: str, model: str) -> int:
+    """Bytes per weight and KV value in the dtype the worker will serve in (--dtype auto settled as the worker settles it)."""
+    if dtype == "auto":
+        from disagg.engine.dtype_choice import choose_dtype
+
+        dtype, _ = choose_dtype(backend, device, model)
+    return 4 if dtype == "float32" else 2
+
+
+def decode_need(facts: CheckpointFacts, itemsize: int, packed: bool, max_seq_len: int, kv_cache_gib: float, sequences: int, block_size: int) -> MemoryNeed:
+    """The KV as the decode worker sizes it: its budget, or less where `sequences` sequences of max_seq_len fill less."""
+    per_sequence = -(-max_seq_len // block_size) * block_size * facts.kv_values_per_token * itemsize
+    return MemoryNeed("decode", facts.weight_bytes(itemsize, packed), min(int(kv_cache_gib * GIB), sequences * per_sequence))
+
+
+def prefill_need(facts: CheckpointFacts, itemsize: int, packed: bool, max_seq_len: int, prefix_cache_gib: float, staging_buffers: int) -> MemoryNeed:
+    """Its KV: the prompts staged for the decode workers (NIXL; the gRPC push holds less) and the prefix cache's budget."""
+    staged = staging_buffers * max_seq_len * facts.kv_values_per_token * itemsize
+    return MemoryNeed("prefill", facts.weight_bytes(itemsize, packed), staged, prefix_cache=int(prefix_cache_gib * GIB))
+
+
+def checks_host_memory(backend: str, device: str) -> bool:
+    """Whether the weights and the KV live in this machine's memory (not a GPU's or a NeuronCore's)."""
+    return backend == "torch" and device == "cpu"
