@@ -33,10 +33,10 @@ class PrefillWorkerConfig(WorkerConfig):
         """What this worker will hold once serving (disagg/engine/memory.py), before it loads anything."""
         from disagg.engine import memory
 
-        itemsize = memory.serving_itemsize(self.dtype, self.backend, self.device, self.model)
+        dtype = memory.serving_dtype(self.dtype, self.backend, self.device, self.model)
         packed = self.prepack if self.prepack is not None else self.device == "cpu"
         prefix = self.prefix_cache_gib if self.prefix_caching else 0.0
-        return memory.prefill_need(facts, itemsize, packed, facts.max_seq_len(self.max_seq_len), prefix, self.kv_staging_buffers)
+        return memory.prefill_need(facts, dtype, packed, facts.max_seq_len(self.max_seq_len), prefix, self.kv_staging_buffers)
 
     @property
     def streams_kv_during_prefill(self) -> bool:
