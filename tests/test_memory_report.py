@@ -157,3 +157,12 @@ def test_llama_3_2_1b_in_float32_with_two_layouts_per_weight_is_refused_on_a_24_
         check_memory(serve_spec(args), args)  # in bf16 with 2 GiB of KV they fit
     finally:
         del os.environ[TEST_MEMORY_AVAILABLE]
+
+
+def test_a_checkpoint_whose_files_do_not_read_is_not_estimated(tmp_path):
+    from disagg.engine.memory import CheckpointFacts
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\x05\x00")  # torn: the loader will say so, not the estimate
+    assert CheckpointFacts.read(str(tmp_path)) is None
+    assert CheckpointFacts.read(str(tmp_path / "absent")) is None

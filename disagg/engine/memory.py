@@ -10,6 +10,7 @@ counts once in the page cache and in both RSS, half in each PSS). Read from
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 
@@ -106,7 +107,15 @@ class CheckpointFacts:
 
     @classmethod
     def read(cls, model: str) -> CheckpointFacts | None:
-        """None where the checkpoint is not a local directory of safetensors files (nothing to read before loading)."""
+        """None where the checkpoint is not a local directory of safetensors files (nothing to read before loading),
+        or where its files do not read as such: the loader then says what is wrong with them, not the estimate."""
+        try:
+            return cls._read(model)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+            return None
+
+    @classmethod
+    def _read(cls, model: str) -> CheckpointFacts | None:
         import json
         import os
 
@@ -168,7 +177,6 @@ STORED_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 def _safetensors_shapes(path: str):
     """(name, shape, dtype) of each tensor, from the file's JSON header."""
     import json
-    import struct
 
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
