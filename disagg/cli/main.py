@@ -121,6 +121,7 @@ def restart_policy(args):
 
 
 def cmd_serve(args) -> int:
+    from disagg.engine.memory import NotEnoughMemory
     from disagg.tools.local_cluster import LocalCluster
     from disagg.tools.neuron_cores import NotEnoughCores
     from disagg.tools.supervisor import Supervisor
@@ -138,9 +139,7 @@ def cmd_serve(args) -> int:
     model = spec.model
     try:
         check_memory(spec, args)  # every worker's need, summed, before any starts
-    except Exception as exc:
-        if type(exc).__name__ != "NotEnoughMemory":
-            raise
+    except NotEnoughMemory as exc:
         print(f"disagg serve: {exc}", file=sys.stderr)
         return 2
     if cores:

@@ -55,7 +55,8 @@ PURPOSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Network, TLS and tokens", "Where each server listens, mutual TLS between the parts, TLS and a bearer token on the public API.",
      ("--host", "--bind-all", "--port", "--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name", "--public-tls-cert", "--public-tls-key",
       "--auth-token")),
-    ("Supervision (disagg serve)", "What `disagg serve` does when a worker dies or is slow to start.", ()),
+    ("Supervision and failures", "What `disagg serve` does when a part dies or is slow to start, and how long a request waits for a worker.",
+     ("--restart-limit", "--restart-window", "--start-silence", "--worker-wait-seconds")),
     ("Logs, metrics, start-up and shutdown", "Logging, Prometheus, files a launcher reads, draining on SIGTERM.",
      ("--log-level", "--metrics-port", "--port-file", "--status-file", "--grace-seconds")),
 )
@@ -64,8 +65,8 @@ PREFIXES = (
     ("--quantiz", "Quantization"), ("--kv-cache-dtype", "Quantization"),
     ("--speculative", "Speculative decoding"), ("--num-speculative", "Speculative decoding"), ("--draft", "Speculative decoding"),
     ("--structured", "Structured output"), ("--grammar", "Structured output"), ("--guided", "Structured output"), ("--tool", "Structured output"),
-    ("--restart", "Supervision (disagg serve)"), ("--max-restarts", "Supervision (disagg serve)"), ("--start", "Supervision (disagg serve)"),
-    ("--chaos", "Supervision (disagg serve)"), ("--supervis", "Supervision (disagg serve)"),
+    ("--restart", "Supervision and failures"), ("--max-restarts", "Supervision and failures"), ("--start", "Supervision and failures"),
+    ("--chaos", "Supervision and failures"), ("--supervis", "Supervision and failures"),
     ("--http", "Requests, queueing and the HTTP API"), ("--tls", "Network, TLS and tokens"), ("--neuron", "Neuron backend (NxD Inference)"),
 )
 OTHER = "Other flags"
@@ -93,7 +94,7 @@ programs' own `--help` texts; the few flags without one get a line from the gene
 
 Programs: **serve** is `disagg serve` (`./run.sh serve`: the router and one worker of each
 kind on one machine; it passes `--dtype`, `--batch-size`, `--threads`, `--kv-transport`,
-`--max-seq-len`, `--block-size` and `--prefix-caching` on to the parts), **router** is
+`--max-seq-len`, `--block-size`, `--prefix-caching`, `--kv-cache-gib` and `--prefix-cache-gib` on to the parts), **router** is
 `python -m router` (`disagg-router`), **prefill** is `python -m prefill_worker`
 (`disagg-prefill-worker`), **decode** is `python -m decode_worker` (`disagg-decode-worker`).
 A worker flag that `disagg serve` lacks is set by running the parts yourself
