@@ -512,3 +512,30 @@ def test_linears_on_the_same_input_are_one_product_with_each_members_own_bits(on
         model.q(x)
         x.mul_(2)
         assert torch.equal(model.k(x), alone("k", x)) and products[8:] == [5, 5]  # q's product, then k's anew
+
+
+def test_after_packing_the_weights_left_as_loaded_no_longer_hold_the_loaders_buffer():
+    """A kept tensor (an embedding, a norm) built over one large loader buffer holds all of it; after
+    packing each has a storage of its own, a tensor two modules share stays shared, and the logits are unchanged."""
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 64)).eval()
+    buffer = torch.randn(64 * 32 + 32 + 32 + 64 * 32 + 64 + 10_000)  # one slab, as a loader makes, larger than what is kept
+    with torch.no_grad():
+        embedding, norm = buffer[: 64 * 32].view(64, 32), buffer[64 * 32 : 64 * 32 + 32]
+        model[0].weight = torch.nn.Parameter(embedding)
+        model[1].weight = torch.nn.Parameter(norm)
+        model[1].bias = model[1].weight  # two names for one tensor
+    slab = weakref.ref(buffer.untyped_storage())
+    ids = torch.tensor([[5, 9, 14, 3]])
+    with torch.inference_mode():
+        want = model(ids)
+    del buffer, embedding, norm
+    assert slab() is not None  # held through the kept views
+    assert prepack_linears(model) == 1
+    gc.collect()
+    assert slab() is None  # nothing holds the loader's slab any more
+    assert model[1].bias is model[1].weight
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)

@@ -72,18 +72,13 @@ class MemoryNeed:
     kv: int
     prefix_cache: int = 0
     working: int = WORKING_BYTES
-    # The checkpoint's file pages the loaded weights still map (served in the dtype they are stored in):
-    # resident in every worker that maps them, but in the machine's memory once (check_fits).
-    mapped_checkpoint: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.prefix_cache + self.working + self.mapped_checkpoint
+        return self.weights + self.kv + self.prefix_cache + self.working
 
     def describe(self) -> str:
         parts = [f"weights {gib(self.weights)} in their serving layout", f"KV {gib(self.kv)}"]
-        if self.mapped_checkpoint:
-            parts.append(f"the checkpoint mapped {gib(self.mapped_checkpoint)}")
         if self.prefix_cache:
             parts.append(f"prefix cache {gib(self.prefix_cache)}")
         return f"{self.role} worker {gib(self.total)} ({', '.join(parts)}, working {gib(self.working)})"
@@ -102,8 +97,6 @@ class CheckpointFacts:
     tied_head_values: int  # an LM head that is the embedding (laid out for products as well, where packed)
     kv_values_per_token: int  # 2 x layers x kv heads x head dim
     max_positions: int
-    stored_bytes: int = 0  # the tensors' bytes in the files
-    stored_dtype: str = ""  # the most common one, as torch names it (float32, bfloat16, float16)
 
     @classmethod
     def read(cls, model: str) -> CheckpointFacts | None:
@@ -125,13 +118,10 @@ class CheckpointFacts:
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
         config = config.get("text_config", config)
-        linear = other = embedding = stored = 0
+        linear = other = embedding = 0
         has_head = False
-        dtypes: dict[str, int] = {}
-        for name, shape, dtype in (item for file in files for item in _safetensors_shapes(os.path.join(model, file))):
+        for name, shape in (item for file in files for item in _safetensors_shapes(os.path.join(model, file))):
             values = _product(shape)
-            stored += values * STORED_ITEMSIZE.get(dtype, 4)
-            dtypes[dtype] = dtypes.get(dtype, 0) + values
             if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
                 embedding += values
             elif len(shape) == 2:
@@ -145,13 +135,7 @@ class CheckpointFacts:
         kv_heads = config.get("num_key_value_heads") or heads
         layers = config.get("num_hidden_layers") or config.get("n_layer") or 0
         positions = config.get("max_position_embeddings") or config.get("n_positions") or 4096
-        stored_dtype = STORED_DTYPE.get(max(dtypes, key=dtypes.get), "") if dtypes else ""
-        return cls(linear, other + embedding, embedding if tied else 0, 2 * layers * kv_heads * head_dim, positions, stored, stored_dtype)
-
-    def mapped_bytes(self, serving_dtype: str) -> int:
-        """Weights served in the dtype they are stored in stay mapped from the file (measured: Llama-3.2-1B in bf16,
-        2.44 GiB shared by both workers); converted ones are copies, and the file is let go."""
-        return self.stored_bytes if serving_dtype == self.stored_dtype else 0
+        return cls(linear, other + embedding, embedding if tied else 0, 2 * layers * kv_heads * head_dim, positions)
 
     def max_seq_len(self, asked: int) -> int:
         """As the torch backend settles it: the asked length, else the model's, at most 4,096, never past the model's."""
@@ -170,18 +154,14 @@ def _product(shape) -> int:
     return out
 
 
-STORED_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
-STORED_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
 def _safetensors_shapes(path: str):
-    """(name, shape, dtype) of each tensor, from the file's JSON header."""
+    """(name, shape) of each tensor, from the file's JSON header."""
     import json
 
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
-    return [(name, tuple(entry["shape"]), entry["dtype"]) for name, entry in header.items() if name != "__metadata__"]
+    return [(name, tuple(entry["shape"])) for name, entry in header.items() if name != "__metadata__"]
 
 
 def available_memory() -> tuple[int, str]:
@@ -207,8 +187,7 @@ def available_memory() -> tuple[int, str]:
 def check_fits(needs: list[MemoryNeed], what: str, hints: str) -> None:
     """NotEnoughMemory, as one line naming the need, the free memory and the flags that would fit, where the needs do not fit."""
     free, source = available_memory()
-    # A checkpoint several workers map is in the machine's memory once.
-    total = sum(n.total - n.mapped_checkpoint for n in needs) + max((n.mapped_checkpoint for n in needs), default=0)
+    total = sum(n.total for n in needs)
     if total > free:
         raise NotEnoughMemory(f"{what} would hold about {gib(total)} ({'; '.join(n.describe() for n in needs)}), more than the "
                               f"{gib(free)} free ({source}): {hints}")
@@ -232,15 +211,14 @@ def decode_need(facts: CheckpointFacts, dtype: str, packed: bool, max_seq_len: i
     itemsize = itemsize_of(dtype)
     per_sequence = -(-max_seq_len // block_size) * block_size * facts.kv_values_per_token * itemsize
     kv = min(int(kv_cache_gib * GIB), sequences * per_sequence)
-    return MemoryNeed("decode", facts.weight_bytes(itemsize, packed), kv, mapped_checkpoint=facts.mapped_bytes(dtype))
+    return MemoryNeed("decode", facts.weight_bytes(itemsize, packed), kv)
 
 
 def prefill_need(facts: CheckpointFacts, dtype: str, packed: bool, max_seq_len: int, prefix_cache_gib: float, staging_buffers: int) -> MemoryNeed:
     """Its KV: the prompts staged for the decode workers (NIXL; the gRPC push holds less) and the prefix cache's budget."""
     itemsize = itemsize_of(dtype)
     staged = staging_buffers * max_seq_len * facts.kv_values_per_token * itemsize
-    return MemoryNeed("prefill", facts.weight_bytes(itemsize, packed), staged, prefix_cache=int(prefix_cache_gib * GIB),
-                      mapped_checkpoint=facts.mapped_bytes(dtype))
+    return MemoryNeed("prefill", facts.weight_bytes(itemsize, packed), staged, prefix_cache=int(prefix_cache_gib * GIB))
 
 
 def checks_host_memory(backend: str, device: str) -> bool:

@@ -235,8 +235,31 @@ def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replaces every `nn.Linear` of the model by a `PackedLinear`; returns how many."""
+    """Replaces every `nn.Linear` of the model by a `PackedLinear`; returns how many. The weights
+    left as loaded are then copied out of the loader's storage (release_loaded_storage)."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
+    release_loaded_storage(model)
     return len(targets)
+
+
+def release_loaded_storage(model: nn.Module) -> int:
+    """Copies every parameter and buffer the packed linears did not make into a storage of its own; returns
+    how many. Why: the loader builds tensors over a few large buffers (or the checkpoint's mapped file), and
+    one tensor the model keeps (an embedding, a norm) holds its whole buffer, the packed linears' originals
+    included, though no view shows it. Llama-3.2-1B in bf16, packed: 7.34 GiB resident, 5.53 after this."""
+    copies: dict[int, torch.Tensor] = {}  # a tensor two modules share (tied weights) stays one tensor
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, PackedLinear):
+                continue  # its buffers are its own copies already
+            for tensors in (module._parameters, module._buffers):
+                for name, tensor in tensors.items():
+                    if tensor is None or tensor.layout is not torch.strided or tensor.device.type != "cpu":
+                        continue
+                    if id(tensor) not in copies:
+                        copy = tensor.detach().clone()
+                        copies[id(tensor)] = nn.Parameter(copy, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else copy
+                    tensors[name] = copies[id(tensor)]
+    return len(copies)
