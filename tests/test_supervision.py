@@ -17,9 +17,10 @@ import urllib.request
 import grpc
 import pytest
 from conftest import assert_nothing_held, reference, start_cluster, tiny_model
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from polling import wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from test_step_failures import health
 
 from disagg.clients.grpc_client import Client
 from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_HOLD_KV_SEND
@@ -40,14 +41,6 @@ WAIT_FOR_WORKERS = ["--worker-wait-seconds", "180"]
 
 def prompts(count: int) -> list[str]:
     return [" ".join(text.split()[:8]) for text in paragraphs()[:count]]
-
-
-def health(address: str) -> int | None:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-        except grpc.RpcError:
-            return None
 
 
 def held(address: str, role: str) -> list[int]:
@@ -161,6 +154,8 @@ def test_disagg_serve_restarts_a_killed_decode_worker_and_the_router_and_every_s
         decode = {name: serve.wait_line(rf"  {name}: (\S+)").group(1) for name in ("decode-0", "decode-1")}
         prefill = serve.wait_line(r"  prefill-0: (\S+)").group(1)
         serve.wait_line("Ctrl-C stops everything")
+        with Client(router, timeout=30) as client:  # the router serves once it has seen one worker of each kind: wait for both decode workers
+            wait_for(lambda: client.model_info().decode_workers == 2, 60, "the router using both decode workers")
 
         # Eight greedy streams of 380 tokens; decode-0 killed while they run.
         asked = prompts(8)
