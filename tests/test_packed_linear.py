@@ -26,7 +26,7 @@ def test_packed_linear_equals_nn_linear_for_any_number_of_rows(dtype, tolerance,
     linear = torch.nn.Linear(96, 160, bias=bias).to(dtype)
     packed = PackedLinear(linear)
     assert packed.weight.shape == linear.weight.shape and bool((packed.weight == linear.weight).all())
-    for shape in [(1, 96), (1, 1, 96), (2, 96), (3, 1, 96), (5, 7, 96), (64, 96)]:
+    for shape in [(1, 96), (1, 1, 96), (2, 96), (3, 1, 96), (5, 7, 96), (64, 96), (100, 96), (packed_linear.DERIVED_MIN_ROWS, 96)]:
         x = torch.randn(shape).to(dtype)
         want, got = linear(x), packed(x)
         assert got.shape == want.shape and got.dtype == dtype
@@ -154,7 +154,7 @@ def test_a_bf16_packed_linear_rounds_the_float32_product_once(one_torch_thread):
     linear = torch.nn.Linear(96, 50).to(torch.bfloat16)
     reference = linear.weight.detach().double(), linear.bias.detach().double()
     packed = packed_linear.PackedLinear(linear)
-    assert packed.few_rows.dim() == 3 and packed.few_rows.dtype == torch.bfloat16
+    assert packed.panels.dim() == 3 and packed.panels.dtype == torch.bfloat16 and packed.onednn is None
     x = torch.randn(4, 96).to(torch.bfloat16)
     got = packed(x)
     want = torch.nn.functional.linear(x.double(), *reference)
@@ -379,14 +379,23 @@ def test_a_packed_linear_on_one_thread_uses_the_kernel_up_to_64_rows(one_thread,
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 160)
     packed = PackedLinear(linear)
-    assert packed.few_rows.dim() == 3 and torch.equal(packed.weight, linear.weight)
+    assert packed.panels.dim() == 3 and packed.onednn is None and torch.equal(packed.weight, linear.weight)  # one layout
     calls = []
     kernel = small_gemm.kernel()
-    monkeypatch.setattr(kernel, "product", lambda *args: calls.append(args[0].shape[0]) or type(kernel).product(kernel, *args))
-    for rows in (1, 8, 64, 65):
-        x = torch.randn(rows, 96)
-        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 8, 64]  # 65 rows (a prefill's) go to oneDNN
+    monkeypatch.setattr(kernel, "product", lambda *args, **kw: calls.append(args[0].shape[0]) or type(kernel).product(kernel, *args, **kw))
+    derived = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(packed_linear.torch.ops.mkldnn, "_reorder_linear_weight", lambda *args: derived.append(args[0].shape) or reorder(*args))
+    shares = kernel.splits_here()
+    try:
+        kernel.split_here(False)
+        for rows in (1, 8, 64, 65, packed_linear.DERIVED_MIN_ROWS):
+            x = torch.randn(rows, 96)
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    finally:
+        kernel.split_here(shares)
+    # 65 rows (a short prefill's) in blocks of 64 through the kernel; from DERIVED_MIN_ROWS, oneDNN over a derived layout.
+    assert calls == [1, 8, 64, 64, 1] and derived == [(160, 96)]
 
 
 @needs_kernel
@@ -413,13 +422,13 @@ def test_a_prefill_s_rows_go_through_the_kernel_in_shared_blocks_of_64(one_threa
         assert torch.equal(got, alone)
         torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
         calls.clear()
-        packed(x)  # a thread that does not share: oneDNN takes the prefill
-        assert calls == []
+        packed(x)  # a thread that does not share: the same blocks, on its own core
+        assert calls == [64, 64, 22]
     finally:
         kernel.split_here(shares)
 
 
-def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkeypatch, tmp_path):
+def test_without_a_c_compiler_the_linears_keep_onednn_s_layout_alone(one_thread, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("DISAGG_CACHE", str(tmp_path))
     small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
@@ -427,8 +436,8 @@ def test_without_a_c_compiler_the_linears_keep_onednn_and_mkl(one_thread, monkey
         assert small_gemm.kernel() is None
         linear = torch.nn.Linear(96, 160)
         packed = PackedLinear(linear)
-        assert packed.few_rows.shape == (96, 160)  # the transposed weight, for one row
-        for rows in (1, 8):
+        assert packed.panels is None and packed.onednn is not None  # one layout: oneDNN's
+        for rows in (1, 8, 100):
             x = torch.randn(rows, 96)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     finally:
@@ -443,7 +452,7 @@ def test_the_backend_on_one_thread_decodes_as_generate_through_the_kernel(one_th
     jobs_before = small_gemm.kernel().helper_jobs()
     ref = reference("llama")
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=128)
-    assert all(m.few_rows.dim() == 3 for m in backend.model.modules() if isinstance(m, PackedLinear))
+    assert all(m.panels is not None and m.onednn is None for m in backend.model.modules() if isinstance(m, PackedLinear))
     for layer in backend.model.model.layers:  # q, k and v are one product, and gate and up another
         attention, mlp = layer.self_attn, layer.mlp
         assert attention.q_proj.shared is attention.k_proj.shared is attention.v_proj.shared is not None
@@ -482,7 +491,7 @@ def test_linears_on_the_same_input_are_one_product_with_each_members_own_bits(on
 
     def alone(name, x):  # the member's own product, over its own panels
         linear = getattr(model, name)
-        return product(x.reshape(-1, 96), linear.few_rows, linear.out_features, linear.bias).reshape(*x.shape[:-1], -1)
+        return product(x.reshape(-1, 96), linear.panels, linear.out_features, linear.bias).reshape(*x.shape[:-1], -1)
 
     inputs = [torch.randn(1, 96), torch.randn(1, 1, 96), torch.randn(5, 96)]
     with torch.inference_mode():
@@ -491,7 +500,7 @@ def test_linears_on_the_same_input_are_one_product_with_each_members_own_bits(on
         group = model.q.shared
         assert group is model.k.shared is model.v.shared and model.out.shared is None
         # The members' panels are views of the group's: the weights are not held twice.
-        assert {getattr(model, name).few_rows.untyped_storage().data_ptr() for name in names} == {group.panels.untyped_storage().data_ptr()}
+        assert {getattr(model, name).panels.untyped_storage().data_ptr() for name in names} == {group.panels.untyped_storage().data_ptr()}
         products = []
         monkeypatch.setattr(kernel, "product", lambda rows, panels, *rest: products.append(panels.shape[0]) or product(rows, panels, *rest))
         for x, expected in zip(inputs, want):

@@ -15,7 +15,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from disagg.kv_transport.chunk_codec import KvKind, dtype_name
+from disagg.rpc import startup
 
+from .. import shared_weights
 from ..cpu_kernels import native_step, prefill_attention, slot_attention
 from ..cpu_kernels.packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
 from ..faults import DeviceLost
@@ -50,6 +52,8 @@ class TorchBackendConfig:
     # Eager decode steps and prefills of up to native_step.prefill_max_rows rows as one call into native_step.c.
     # None: wherever it serves the model (and a start-up step agrees).
     native_step: bool | None = None
+    # Prepacked weights in one file per box, mapped by every worker that serves the same checkpoint (`shared_weights`).
+    share_weights: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -116,6 +120,7 @@ class TorchBackend(Backend):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.loaded_here = model is None  # a model handed in is used as it is: its weights are not shared
         self.model = model if model is not None else load_model(config.model, self.dtype, self.device)
         architectures.check_structure(self.model)
         row_masks.install()
@@ -148,12 +153,27 @@ class TorchBackend(Backend):
         # the kernel's shared blocks, or oneDNN, as this thread may use one core or more).
         prompts = ([0], [0, 1, 2, 3], [0] * min(SMALL_ROWS + 1, self.info.max_seq_len))
         plain = [self.prefill_logits(prompt, lambda *kv: None) for prompt in prompts]
-        log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model))
+        key = shared_weights.key_for(self.config.model, self.dtype) if self.config.share_weights and self.loaded_here else None
+        if key is None:
+            self._pack_and_group(None)
+        else:
+            waited = []
+
+            def on_wait() -> None:
+                waited.append(True)
+                startup.report(startup.Phase.WAITING_FOR_COMPILE, "waiting for another worker writing this model's packed weights file")
+
+            log.info("%s", shared_weights.share(self.model, key, self._pack_and_group, on_wait))
+            if waited:
+                startup.report(startup.Phase.LOADING, "packed weights ready; checking them")
+        if any(far_apart(before, self.prefill_logits(prompt, lambda *kv: None)) for before, prompt in zip(plain, prompts)):
+            architectures.refuse(self.model.config, "its logits change with prepacked linear layers (run with --no-prepack)")
+
+    def _pack_and_group(self, panels: dict[str, torch.Tensor] | None) -> None:
+        log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model, panels))
         groups = group_shared_inputs(self.model, lambda: self.prefill_logits([0], lambda *kv: None))
         if groups:
             log.info("%d groups of linear layers read the same input: each group is one product", groups)
-        if any(far_apart(before, self.prefill_logits(prompt, lambda *kv: None)) for before, prompt in zip(plain, prompts)):
-            architectures.refuse(self.model.config, "its logits change with prepacked linear layers (run with --no-prepack)")
 
     @torch.inference_mode()
     def _probe(self) -> dict[int, tuple]:
@@ -176,7 +196,7 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], sampling: Sampling, on_layer: LayerKvCallback | None = None, first_step: int = 0,
-                prefix_kv: PrefixKv | None = None) -> PrefillResult:
+                prefix_kv: PrefixKv | None = None, bitmask: torch.Tensor | None = None) -> PrefillResult:
         layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def keep_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -198,6 +218,7 @@ class TorchBackend(Backend):
             counts,
             in_prompt,
             sampling.logprobs,
+            bitmask,
         )
         first = int(out.token_ids[0])
         logprobs = out.rows([sampling.logprobs])[0]
@@ -487,7 +508,8 @@ class TorchBackend(Backend):
         slots = inputs.slots.to(self.device)
         counts, in_prompt = self.token_counts.rows(slots) if inputs.penalized else (None, None)
         params = inputs.params.to(self.device)
-        out = sample(logits, params, inputs.seeds, inputs.steps, self.config.global_topk, counts, in_prompt, inputs.top_logprobs)
+        bitmask = inputs.token_bitmask() if inputs.token_bitmask is not None else None
+        out = sample(logits, params, inputs.seeds, inputs.steps, self.config.global_topk, counts, in_prompt, inputs.top_logprobs, bitmask)
         if inputs.penalized:
             self.token_counts.add(slots, out.token_ids)
         return out

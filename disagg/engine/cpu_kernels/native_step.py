@@ -150,7 +150,7 @@ def unserved(model, plans: list[LayerPlan]) -> str | None:
     dtype = inner.embed_tokens.weight.dtype
     if dtype not in MODEL_FLAGS:
         return f"it runs in {dtype}, not float32 or bfloat16"
-    if not all(isinstance(linear, PackedLinear) and linear.few_rows.dim() == 3 and linear.few_rows.dtype == dtype for linear in linears):
+    if not all(isinstance(linear, PackedLinear) and linear.panels is not None and linear.panels.dtype == dtype for linear in linears):
         return f"its linears are not packed for the few-row kernel ({dtype} on an AVX2 CPU with a C compiler)"
     if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
         return "it has layers that are neither full nor sliding-window attention"
@@ -224,9 +224,9 @@ class NativeModel:
                 norms[0].data_ptr(), norms[1].data_ptr(),
                 _weights(qkv.panels, qkv.bias, qkv.width, self._keep),
                 attention.q_proj.shared_start, attention.k_proj.shared_start, attention.v_proj.shared_start,
-                _weights(attention.o_proj.few_rows, attention.o_proj.bias, attention.o_proj.out_features, self._keep),
+                _weights(attention.o_proj.panels, attention.o_proj.bias, attention.o_proj.out_features, self._keep),
                 _weights(gate_up.panels, gate_up.bias, gate_up.width, self._keep), mlp.gate_proj.shared_start, mlp.up_proj.shared_start,
-                _weights(mlp.down_proj.few_rows, mlp.down_proj.bias, mlp.down_proj.out_features, self._keep),
+                _weights(mlp.down_proj.panels, mlp.down_proj.bias, mlp.down_proj.out_features, self._keep),
                 (plan.window or 0) if plan.is_sliding else 0,
             )
         final_norm, lm_head = inner.norm.weight.detach().float().contiguous(), model.lm_head
@@ -237,7 +237,7 @@ class NativeModel:
         self.model = _Model(
             self.layers, config.hidden_size, q_heads, self.kv_heads, self.head_dim, mlp.gate_proj.out_features,
             inner.norm.variance_epsilon, first_attention.scaling,
-            self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.few_rows, lm_head.bias, self.vocab, self._keep),
+            self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.panels, lm_head.bias, self.vocab, self._keep),
             *pointers, layers,
         )
         self.slot_cache: _KvCache | None = None

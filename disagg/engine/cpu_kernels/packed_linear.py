@@ -23,18 +23,39 @@ bucketed decode step):
   when the other core is idle), and a prefill's rows go through it too, 64
   at a time (1.6x oneDNN's speed with the other core idle, 0.97x without).
 
-So each linear keeps the oneDNN-packed weight for the rows of a prefill, plus,
-for a decode step's few rows, the kernel's panels (float32 or bf16, any torch
-thread count: a split product goes to as many helper threads as the worker has
-torch threads but one; an AVX2 CPU with a C compiler) or else the transposed
-weight for one row. Both are copies; the original is dropped unless something
-else holds it (a tied embedding). Linears that the model calls one after another
-on the same input (q, k and v; gate and up) are found at start-up
-(`group_shared_inputs`), and a single row reads them as one weight: one kernel
-call over their panels laid end to end. float32 on any x86 CPU; bfloat16 where
-oneDNN packs it (AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU keeps
-transformers' linears in bf16, and `--dtype auto` gives it float32). bf16 rows
-go through the kernel widened to float32 and come back rounded once to bf16.
+One layout per weight (the weights once per box): each linear keeps the kernel's
+panels (float32 or bf16; an AVX2 CPU with a C compiler), which every product
+reads, or, where the kernel does not run, oneDNN's packed weight alone. Rows of
+a prefill go through the panels SMALL_ROWS at a time, shared with the kernel's
+helper threads where the caller may use more than one core; from
+DERIVED_MIN_ROWS rows on a caller of one core, the product derives oneDNN's
+layout from the panels for that product alone (an unpack and a reorder, a pass
+over the weight) and lets oneDNN compute, which on many rows is faster than the
+kernel on one core by more than the derivation costs. Measured here (AMD EPYC,
+AVX-512 with AVX512_BF16, one thread, 30 SmolLM-135M layers' linears, `python
+bench/linears.py --rows 1,8,64,256,1024 --paths kernel,onednn,reordered`):
+
+| rows | float32: kernel / oneDNN packed / derived | bf16: kernel / oneDNN packed / derived |
+|---|---|---|
+| 1 | 16.4 / 19.9 / - ms | 7.6 / 11.1 / - ms |
+| 8 | 22.6 / 25.6 / - ms | 10.3 / 14.7 / - ms |
+| 64 | 122 / 75 / 498 ms | 69 / 42 / 205 ms |
+| 256 | 497 / 256 / 559 ms | 272 / 146 / 354 ms |
+| 1,024 | 1,928 / 1,148 / 1,403 ms | 983 / 517 / 725 ms |
+
+Keeping oneDNN's layout as well (as this module did before) made every prefill
+of over 64 rows 1.2x (float32) to 1.4x (bf16) faster in its linears at 1,024
+rows, at the price of a second copy of every weight in every worker: the copy
+that made Llama-3.2-1B in float32 not fit two workers on a 24 GiB box. One
+layout lets the workers of a box map the same pages (shared_weights). The
+original weight is dropped unless something else holds it (a tied embedding).
+Linears that the model calls one after another on the same input (q, k and v;
+gate and up) are found at start-up (`group_shared_inputs`), and a single row
+reads them as one weight: one kernel call over their panels laid end to end.
+float32 on any x86 CPU; bfloat16 where oneDNN packs it (AVX-512 or
+AVX-NE-CONVERT; an AVX2-only CPU keeps transformers' linears in bf16, and
+`--dtype auto` gives it float32). bf16 rows go through the kernel widened to
+float32 and come back rounded once to bf16.
 """
 
 from __future__ import annotations
@@ -67,18 +88,22 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s product over weights prepared once at load (see the module's text)."""
+    """`nn.Linear`'s product over weights prepared once at load (see the module's text).
 
-    def __init__(self, linear: nn.Linear):
+    panels: the kernel's layout of this weight, when it was made elsewhere (a view
+    into the box's shared weights file); else it is packed here from the linear."""
+
+    def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None):
         super().__init__()
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # Buffers, not parameters: the model's own weights stay what was loaded.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
-        # For a decode step's rows: the kernel's panels [ceil(out / 24), in, 24], or the transposed weight [in, out].
         kernel = small_gemm.kernel(weight.dtype)
-        few_rows = kernel.pack(weight) if kernel is not None else weight.t().contiguous()
-        self.register_buffer("few_rows", few_rows, persistent=False)
+        if kernel is None or not fits_panels(panels, kernel, weight):
+            panels = kernel.pack(weight) if kernel is not None else None
+        # Buffers, not parameters: the model's own weights stay what was loaded. One of the two is kept.
+        self.register_buffer("panels", panels, persistent=False)  # [ceil(out / 24), in, 24], or None
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if panels is None else None
+        self.register_buffer("onednn", onednn, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.shared: SharedInput | None = None  # with the linears that read the same input, if any
@@ -87,52 +112,61 @@ class PackedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """[out, in], as `nn.Linear` has it, for code that reads its shape, dtype or
-        values: a view of the transposed weight, or a copy unpacked from the panels."""
-        if self.few_rows.dim() == 2:
-            return self.few_rows.t()
-        return small_gemm.kernel(self.few_rows.dtype).unpack(self.few_rows, self.out_features, self.in_features)
+        values: a copy unpacked from the panels (oneDNN's layout does not unpack)."""
+        if self.panels is None:
+            raise AttributeError("this linear's weight is kept only in oneDNN's packed layout, which does not unpack")
+        return small_gemm.kernel(self.panels.dtype).unpack(self.panels, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             # One opaque call (Inductor would otherwise want the packed weight as a frozen constant).
-            out = torch.ops.disagg.packed_linear(rows, self.packed, self.few_rows, self.bias)
+            out = torch.ops.disagg.packed_linear(rows, self.panels, self.onednn, self.bias, self.out_features)
         elif self.shared is not None and rows.shape[0] == 1:
             out = self.shared.output(self, x, rows)
         else:
-            out = packed_product(rows, self.packed, self.few_rows, self.bias)
+            out = packed_product(rows, self.panels, self.onednn, self.bias, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def packed_product(rows: torch.Tensor, packed: torch.Tensor, few_rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """[n, in] x the weight -> [n, out]: up to SMALL_ROWS rows through the kernel's
-    panels (3-d); more (a prefill's) too, in blocks of SMALL_ROWS, where the kernel
-    shares them with its helper; else one row over the transposed weight (2-d), else oneDNN.
+def fits_panels(panels: torch.Tensor | None, kernel: small_gemm.SmallGemm, weight: torch.Tensor) -> bool:
+    """Whether panels made elsewhere have the shape and dtype the kernel packs this weight into."""
+    out_features, in_features = weight.shape
+    expected = (-(-out_features // small_gemm.PANEL), kernel.packed_k(in_features), small_gemm.PANEL)
+    return panels is not None and tuple(panels.shape) == expected and panels.dtype == weight.dtype and panels.is_contiguous()
+
+
+# From this many rows, a caller that keeps to one core derives oneDNN's layout for the
+# product (see the module's text): at 256 rows the kernel was still faster, at 1,024 not.
+DERIVED_MIN_ROWS = 512
+
+
+def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torch.Tensor | None, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """[n, in] x the weight -> [n, out] through its one layout: oneDNN's where that is
+    all it has; else the kernel's panels, up to SMALL_ROWS rows in one call and more
+    (a prefill's) in blocks of SMALL_ROWS, or, from DERIVED_MIN_ROWS rows where the
+    kernel would compute alone, oneDNN over the layout derived for this product.
     The kernel takes and gives float32: bf16 rows are widened (exactly) and the float32
     sums rounded once to bf16, as oneDNN's bf16 product rounds its float32 accumulators."""
+    if panels is None:
+        return torch.ops.mkldnn._linear_pointwise(rows, onednn, bias, "none", [], "")
+    kernel = small_gemm.kernel(panels.dtype)
     n = rows.shape[0]
-    if few_rows.dim() == 3:
-        kernel = small_gemm.kernel(few_rows.dtype)
-        kernel_bias = None if bias is None else bias.float()
-        if n <= SMALL_ROWS:
-            return kernel.product(rows.float(), few_rows, packed.shape[0], kernel_bias).to(rows.dtype)
-        # A prefill's rows: float32 through the kernel where it shares them with its helpers. bf16 keeps
-        # oneDNN, whose AVX512_BF16 products on one core (~200 GFLOP/s on SmolLM's 1,024-row linears)
-        # match the kernel on two and need no idle core (a prefill beside decoding streams has none).
-        if few_rows.dtype == torch.float32 and kernel.shares(few_rows):
-            return prefill_blocks(rows.contiguous(), few_rows, packed.shape[0], bias)
-    if few_rows.dim() == 2 and n == 1:
-        out = rows @ few_rows
-        return out + bias if bias is not None else out
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    if n >= DERIVED_MIN_ROWS and not kernel.shares(panels):
+        derived = torch.ops.mkldnn._reorder_linear_weight(kernel.unpack(panels, out_features, rows.shape[1]).contiguous(), None)
+        return torch.ops.mkldnn._linear_pointwise(rows, derived, bias, "none", [], "")
+    kernel_bias = None if bias is None else bias.float()
+    if n <= SMALL_ROWS:
+        return kernel.product(rows.float(), panels, out_features, kernel_bias).to(rows.dtype)
+    return prefill_blocks(rows.float(), panels, out_features, kernel_bias).to(rows.dtype)
 
 
 def prefill_blocks(rows: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """A prefill's rows through the kernel SMALL_ROWS at a time, each block shared
-    with the helper. Why blocks: the kernel reads a block's rows again for every 24
-    output columns, so a block must stay in the caches; and blocks of 64 rows on two
-    cores compute 1.6-1.7x as fast as oneDNN on one, or 0.97x when the helper gets
-    no core (SmolLM's layers, 1,024 rows; bench/results/HISTORY.md, both cores shared)."""
+    """A prefill's float32 rows through the kernel SMALL_ROWS at a time, each block
+    shared with the helper where this thread may use two cores. Why blocks: the kernel
+    reads a block's rows again for every 24 output columns, so a block must stay in the caches."""
+    rows = rows.contiguous()
     kernel = small_gemm.kernel(panels.dtype)
     out = rows.new_empty(rows.shape[0], out_features)
     for start in range(0, rows.shape[0], SMALL_ROWS):
@@ -141,13 +175,14 @@ def prefill_blocks(rows: torch.Tensor, panels: torch.Tensor, out_features: int, 
 
 
 @torch.library.custom_op("disagg::packed_linear", mutates_args=())
-def _packed_linear_op(rows: torch.Tensor, packed: torch.Tensor, few_rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return packed_product(rows, packed, few_rows, bias)
+def _packed_linear_op(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torch.Tensor | None, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+    return packed_product(rows, panels, onednn, bias, out_features)
 
 
 @_packed_linear_op.register_fake
-def _(rows, packed, few_rows, bias):
-    return rows.new_empty(rows.shape[0], packed.shape[0])
+def _(rows, panels, onednn, bias, out_features):
+    return rows.new_empty(rows.shape[0], out_features)
 
 
 class SharedInput:
@@ -169,15 +204,19 @@ class SharedInput:
     (correct, only slower)."""
 
     def __init__(self, members: list["PackedLinear"]):
-        self.panels = torch.cat([member.few_rows for member in members])  # [sum of the members' panels, in, 24]
+        # [sum of the members' panels, in, 24]: where the members' panels lie end to end already
+        # (the box's shared weights file lays them so), that span itself, else a copy.
+        self.panels = adjacent_span([member.panels for member in members])
+        if self.panels is None:
+            self.panels = torch.cat([member.panels for member in members])
         self.width = self.panels.shape[0] * small_gemm.PANEL
         # float32 whatever the weights' dtype: the kernel adds it to its float32 sums.
         self.bias = torch.zeros(self.width) if any(member.bias is not None for member in members) else None
         self.members = frozenset(members)
         start = 0
         for member in members:
-            count = member.few_rows.shape[0]
-            member.few_rows = self.panels[start : start + count]  # a view: the separate copy is freed
+            count = member.panels.shape[0]
+            member.panels = self.panels[start : start + count]  # a view: the separate copy is freed
             member.shared, member.shared_start = self, start * small_gemm.PANEL
             if member.bias is not None:
                 self.bias[member.shared_start : member.shared_start + member.out_features] = member.bias
@@ -186,6 +225,14 @@ class SharedInput:
         # one attribute, replaced whole, so that a thread never reads another thread's
         # product for its own input.
         self._last: tuple[torch.Tensor, int, torch.Tensor, frozenset] | None = None
+
+    def adopt_members(self) -> None:
+        """The members' panels were replaced by views that lie end to end (the shared weights
+        file's): the group's panels become their span, and the copy it had is freed."""
+        span = adjacent_span([member.panels for member in sorted(self.members, key=lambda m: m.shared_start)])
+        if span is None:
+            raise ValueError("a group's panels must lie end to end to be adopted")
+        self.panels = span
 
     def output(self, member: "PackedLinear", x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """member's product of rows (x reshaped), from the group's product of x."""
@@ -199,6 +246,20 @@ class SharedInput:
         return product[:, start : start + member.out_features].to(rows.dtype).contiguous()
 
 
+def adjacent_span(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view over tensors that lie one after another in one storage (same trailing
+    shape, each contiguous, each starting where the previous ends), or None."""
+    first = parts[0]
+    expected = first.data_ptr()
+    for part in parts:
+        if (part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or not part.is_contiguous()
+                or part.shape[1:] != first.shape[1:] or part.dtype != first.dtype or part.data_ptr() != expected):
+            return None
+        expected += part.numel() * part.element_size()
+    count = sum(part.shape[0] for part in parts)
+    return first.as_strided((count, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def _version(x: torch.Tensor) -> int:
     """How often x was modified in place; -1 for an inference tensor, which does not count."""
     return -1 if x.is_inference() else x._version
@@ -208,7 +269,7 @@ def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
     """Groups the kernel-packed linears that `run` (a forward pass) calls one after
     another on the same input tensor (see SharedInput); returns how many groups."""
     calls: list[tuple[PackedLinear, torch.Tensor]] = []
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.few_rows.dim() == 3 and m.shared is None]
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None and m.shared is None]
     # A linear called with its input as a keyword shows no positional argument: it joins no group.
     hooks = [m.register_forward_pre_hook(lambda module, args: calls.append((module, args[0] if args else None))) for m in linears]
     try:
@@ -234,13 +295,17 @@ def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
     return len(distinct)
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replaces every `nn.Linear` of the model by a `PackedLinear`; returns how many. The weights
-    left as loaded are then copied out of the loader's storage (release_loaded_storage)."""
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    release_loaded_storage(model)
+def prepack_linears(model: nn.Module, panels: dict[str, torch.Tensor] | None = None) -> int:
+    """Replaces every `nn.Linear` of the model by a `PackedLinear`; returns how many. panels: each
+    linear's panels by its name + ".panels" (the box's shared weights file), used where they fit;
+    without them, the weights left as loaded are then copied out of the loader's storage (release_loaded_storage)."""
+    targets = [(parent, prefix, name, child) for prefix, parent in model.named_modules() for name, child in parent.named_children()
+               if type(child) is nn.Linear]
+    for parent, prefix, name, child in targets:
+        given = (panels or {}).get(f"{prefix}.{name}.panels" if prefix else f"{name}.panels")
+        setattr(parent, name, PackedLinear(child, given))
+    if panels is None:
+        release_loaded_storage(model)
     return len(targets)
 
 

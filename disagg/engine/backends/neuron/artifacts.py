@@ -11,15 +11,14 @@ once and a compile killed at any point leaves nothing a later start would load.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
 import pathlib
 import shutil
+
+from disagg.engine.cache_dir import exclusive  # noqa: F401  (the compile's lock, shared with the packed weights file)
 
 COMPLETE_MARKER = "disagg-compiled.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -64,25 +63,6 @@ def digest(value) -> str:
 
 def is_complete(path: pathlib.Path) -> bool:
     return (path / COMPLETE_MARKER).is_file()
-
-
-@contextlib.contextmanager
-def exclusive(path: pathlib.Path, on_wait):
-    """Holds an flock on the directory `path` (made if missing); on_wait() is called once
-    if another process holds it, before waiting for it."""
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-            on_wait()
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def partial_path(path: pathlib.Path) -> pathlib.Path:
