@@ -40,7 +40,7 @@ class DecodeWorkerConfig(WorkerConfig):
 
         dtype = memory.serving_dtype(self.dtype, self.backend, self.device, self.model)
         packed = self.prepack if self.prepack is not None else self.device == "cpu"
-        return memory.decode_need(facts, dtype, packed, facts.max_seq_len(self.max_seq_len), self.kv_cache_gib,
+        return memory.decode_need(facts, dtype, packed, self.share_weights, facts.max_seq_len(self.max_seq_len), self.kv_cache_gib,
                                   self.batch_size or self.max_batch_size, self.block_size)
 
     def slots_before_load(self) -> int:

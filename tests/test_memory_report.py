@@ -82,7 +82,7 @@ def test_a_worker_that_cannot_fit_refuses_in_one_line_before_loading(llama_path)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
     assert re.fullmatch(
-        r"decode_worker: this worker would hold about 1\.\d GiB \(decode worker 1\.\d GiB \(weights \d+ MiB in their serving layout, "
+        r"decode_worker: this worker would hold about 1\.\d GiB \(decode worker 1\.\d GiB \(weights \d+ MiB in their serving layout, shared by the box, "
         r"KV \d+ MiB, working 1\.2 GiB\)\), more than the 300 MiB free \(DISAGG_TEST_MEMORY_AVAILABLE_BYTES\): lower --kv-cache-gib .*--dtype bfloat16",
         lines[0],
     ), lines[0]
@@ -135,34 +135,36 @@ def llama_3_2_1b_shapes(folder) -> str:
     return str(folder)
 
 
-def test_llama_3_2_1b_in_float32_with_two_layouts_per_weight_is_refused_on_a_24_gib_box_not_killed(tmp_path):
-    """The issue's case: today each worker keeps every linear weight twice (oneDNN's layout and the small-row
-    kernel's), so float32 Llama-3.2-1B needs ~28.4 GiB for a prefill and a decode worker: refused in one line."""
+def test_llama_3_2_1b_in_float32_fits_a_24_gib_box_with_one_shared_copy_and_a_smaller_box_is_refused(tmp_path):
+    """The issue's case: with two layouts per weight and a copy per worker, float32 Llama-3.2-1B needed ~28.4 GiB
+    for a prefill and a decode worker. One layout, mapped once per box: 5.6 GiB of weights (1.24 B values and the
+    tied head's panels), counted once for the two workers. A box with less free is refused in one line."""
     from decode_worker.config import DecodeWorkerConfig
     from disagg.cli.main import build_parser, check_memory, serve_spec
     from disagg.engine.memory import TEST_MEMORY_AVAILABLE, CheckpointFacts, NotEnoughMemory
 
     model = llama_3_2_1b_shapes(tmp_path)
     need = DecodeWorkerConfig(model=model, dtype="float32").memory_need(CheckpointFacts.read(model))
-    assert round(need.weights / (1 << 30), 1) == 10.2 and need.kv == 4 << 30  # 1.24 B values, linears and the tied head twice
+    assert round(need.weights / (1 << 30), 1) == 5.6 and need.kv == 4 << 30 and need.shared
+    alone = DecodeWorkerConfig(model=model, dtype="float32", share_weights=False).memory_need(CheckpointFacts.read(model))
+    assert alone.weights == need.weights and not alone.shared
     args = build_parser().parse_args(["serve", "--model", model, "--dtype", "float32"])
-    os.environ[TEST_MEMORY_AVAILABLE] = str(22 << 30)
     try:
+        os.environ[TEST_MEMORY_AVAILABLE] = str(22 << 30)
+        check_memory(serve_spec(args), args)  # the 24 GiB box: fits
+        os.environ[TEST_MEMORY_AVAILABLE] = str(12 << 30)
         try:
             check_memory(serve_spec(args), args)
             raise AssertionError("not refused")
         except NotEnoughMemory as refused:
-            assert str(refused).startswith("its 2 workers would hold about 28.4 GiB (decode worker 15.4 GiB (weights 10.2 GiB"), refused
-        args = build_parser().parse_args(["serve", "--model", model, "--dtype", "bfloat16", "--kv-cache-gib", "2"])
-        check_memory(serve_spec(args), args)  # in bf16 with 2 GiB of KV they fit
+            assert str(refused).startswith("its 2 workers would hold about 13.6 GiB (decode worker 10.8 GiB (weights 5.6 GiB in their serving "
+                                           "layout, shared by the box"), refused
+        unshared = build_parser().parse_args(["serve", "--model", model, "--dtype", "float32", "--no-share-weights"])
+        os.environ[TEST_MEMORY_AVAILABLE] = str(19 << 30)
+        try:
+            check_memory(serve_spec(unshared), unshared)  # each worker its own copy: 19.2 GiB
+            raise AssertionError("not refused")
+        except NotEnoughMemory as refused:
+            assert str(refused).startswith("its 2 workers would hold about 19.2 GiB"), refused
     finally:
         del os.environ[TEST_MEMORY_AVAILABLE]
-
-
-def test_a_checkpoint_whose_files_do_not_read_is_not_estimated(tmp_path):
-    from disagg.engine.memory import CheckpointFacts
-
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors").write_bytes(b"\x05\x00")  # torn: the loader will say so, not the estimate
-    assert CheckpointFacts.read(str(tmp_path)) is None
-    assert CheckpointFacts.read(str(tmp_path / "absent")) is None

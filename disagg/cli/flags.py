@@ -77,10 +77,18 @@ def add_torch_backend_flags(compiled: argparse._ArgumentGroup) -> None:
         "--prepack",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="keep each linear layer's weight in oneDNN's packed layout (prefills) and in panels for the project's few-row "
-             "float32 kernel (decode steps; built with the system's C compiler on first use; else transposed for one-row steps): "
-             "1.06-1.5x faster decode steps on this CPU than oneDNN alone, for a second copy of those weights; "
+        help="keep each linear layer's weight in one layout made for the CPU: panels for the project's few-row kernel (float32 "
+             "or bf16, built with the system's C compiler on first use), which prefills read too, or else oneDNN's packed layout: "
+             "1.1-1.5x faster decode steps on this CPU than oneDNN alone; "
         "--no-prepack uses transformers' own linears (default: on CPU)",
+    )
+    compiled.add_argument(
+        "--share-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the prepacked weights once to a file under the cache directory ($DISAGG_CACHE/packed-weights, keyed by the "
+             "checkpoint's content, the dtype and the layout; CRC-checked) and map it, so that the workers on one machine hold "
+             "one copy; --no-share-weights keeps them in each worker's own memory",
     )
     compiled.add_argument(
         "--native-step",
@@ -201,6 +209,7 @@ def worker_fields(args) -> tuple[dict, dict]:
         compile=args.compile,
         prepack=args.prepack,
         native_step=args.native_step,
+        share_weights=args.share_weights,
         batch_buckets=args.batch_buckets or (),
         token_buckets=args.token_buckets or (),
     )

@@ -43,6 +43,8 @@ def serve_worker_args(args) -> list[str]:
         out += ["--max-seq-len", str(args.max_seq_len)]
     if args.neuron_compiled_path:
         out += ["--neuron-compiled-path", args.neuron_compiled_path]
+    if not args.share_weights:
+        out += ["--no-share-weights"]
     return out + cache_flags(args)
 
 
@@ -102,7 +104,7 @@ def check_memory(spec, args) -> None:
     facts = memory.CheckpointFacts.read(spec.model) if spec.neuron is None else None
     if facts is None:
         return
-    flags = {"model": spec.model, "dtype": spec.dtype, "max_seq_len": args.max_seq_len}
+    flags = {"model": spec.model, "dtype": spec.dtype, "max_seq_len": args.max_seq_len, "share_weights": args.share_weights}
     flags.update({} if args.block_size is None else {"block_size": args.block_size})
     flags.update({} if args.prefix_caching is None else {"prefix_caching": args.prefix_caching})
     decode = DecodeWorkerConfig(**flags, batch_size=spec.batch_size, kv_cache_gib=args.kv_cache_gib, colocated=spec.colocated)
@@ -302,6 +304,9 @@ def add_serve_parser(sub) -> None:
                             "less with --batch-size where fewer sequences fill less)")
     serve.add_argument("--prefix-cache-gib", type=float, default=PrefillWorkerConfig.prefix_cache_gib,
                        help=f"each prefill worker's prefix cache memory (default {PrefillWorkerConfig.prefix_cache_gib:g}; 0: none)")
+    serve.add_argument("--share-weights", action=argparse.BooleanOptionalAction, default=True,
+                       help="the workers map one file of the prepacked weights, so the machine holds them once (default); "
+                            "--no-share-weights gives each worker its own copy")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="auto: bfloat16 on a CPU with native bf16 (AVX512_BF16, AMX), float32 on others, the checkpoint's own on CUDA, bf16 on Neuron")
     serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES,

@@ -68,17 +68,18 @@ class MemoryNeed:
     """What one worker holds once serving, in bytes, by what holds it."""
 
     role: str
-    weights: int  # in their serving layout (every copy a worker keeps)
+    weights: int  # in their serving layout
     kv: int
     prefix_cache: int = 0
     working: int = WORKING_BYTES
+    shared: bool = False  # the weights are mapped from the box's packed weights file: the workers of one box hold them once
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.prefix_cache + self.working
 
     def describe(self) -> str:
-        parts = [f"weights {gib(self.weights)} in their serving layout", f"KV {gib(self.kv)}"]
+        parts = [f"weights {gib(self.weights)} in their serving layout{', shared by the box' if self.shared else ''}", f"KV {gib(self.kv)}"]
         if self.prefix_cache:
             parts.append(f"prefix cache {gib(self.prefix_cache)}")
         return f"{self.role} worker {gib(self.total)} ({', '.join(parts)}, working {gib(self.working)})"
@@ -142,9 +143,8 @@ class CheckpointFacts:
         return min(asked or min(self.max_positions, 4096), self.max_positions)
 
     def weight_bytes(self, itemsize: int, packed: bool) -> int:
-        """packed: the CPU's PackedLinear keeps two layouts of every linear weight (oneDNN's and the small-row kernel's)."""
-        copies = 2 if packed else 1
-        return ((self.linear_values + self.tied_head_values) * copies + self.other_values) * itemsize
+        """packed: the CPU's PackedLinear keeps one layout of every linear weight, a tied LM head's included."""
+        return (self.linear_values + self.other_values + (self.tied_head_values if packed else 0)) * itemsize
 
 
 def _product(shape) -> int:
@@ -187,7 +187,8 @@ def available_memory() -> tuple[int, str]:
 def check_fits(needs: list[MemoryNeed], what: str, hints: str) -> None:
     """NotEnoughMemory, as one line naming the need, the free memory and the flags that would fit, where the needs do not fit."""
     free, source = available_memory()
-    total = sum(n.total for n in needs)
+    shared = [n.weights for n in needs if n.shared]
+    total = sum(n.total for n in needs) - sum(shared) + max(shared, default=0)  # one copy of mapped weights per box
     if total > free:
         raise NotEnoughMemory(f"{what} would hold about {gib(total)} ({'; '.join(n.describe() for n in needs)}), more than the "
                               f"{gib(free)} free ({source}): {hints}")
@@ -206,19 +207,20 @@ def itemsize_of(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
-def decode_need(facts: CheckpointFacts, dtype: str, packed: bool, max_seq_len: int, kv_cache_gib: float, sequences: int, block_size: int) -> MemoryNeed:
+def decode_need(facts: CheckpointFacts, dtype: str, packed: bool, shared: bool, max_seq_len: int, kv_cache_gib: float, sequences: int,
+                block_size: int) -> MemoryNeed:
     """The KV as the decode worker sizes it: its budget, or less where `sequences` sequences of max_seq_len fill less."""
     itemsize = itemsize_of(dtype)
     per_sequence = -(-max_seq_len // block_size) * block_size * facts.kv_values_per_token * itemsize
     kv = min(int(kv_cache_gib * GIB), sequences * per_sequence)
-    return MemoryNeed("decode", facts.weight_bytes(itemsize, packed), kv)
+    return MemoryNeed("decode", facts.weight_bytes(itemsize, packed), kv, shared=packed and shared)
 
 
-def prefill_need(facts: CheckpointFacts, dtype: str, packed: bool, max_seq_len: int, prefix_cache_gib: float, staging_buffers: int) -> MemoryNeed:
+def prefill_need(facts: CheckpointFacts, dtype: str, packed: bool, shared: bool, max_seq_len: int, prefix_cache_gib: float, staging_buffers: int) -> MemoryNeed:
     """Its KV: the prompts staged for the decode workers (NIXL; the gRPC push holds less) and the prefix cache's budget."""
     itemsize = itemsize_of(dtype)
     staged = staging_buffers * max_seq_len * facts.kv_values_per_token * itemsize
-    return MemoryNeed("prefill", facts.weight_bytes(itemsize, packed), staged, prefix_cache=int(prefix_cache_gib * GIB))
+    return MemoryNeed("prefill", facts.weight_bytes(itemsize, packed), staged, prefix_cache=int(prefix_cache_gib * GIB), shared=packed and shared)
 
 
 def checks_host_memory(backend: str, device: str) -> bool:

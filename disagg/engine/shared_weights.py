@@ -278,7 +278,11 @@ def share(model: nn.Module, key: str, pack, on_wait) -> str:
             except UnusableFile as exc:
                 log.warning("packed weights file %s not used: %s; writing it anew", path, exc)
         pack(None)
-        write(model, key, path)
+        try:
+            write(model, key, path)
+        except OSError as exc:  # a read-only or full cache directory: served from this worker's own memory
+            log.warning("packed weights not shared: writing %s failed: %s", path, exc)
+            return f"packed weights kept in this worker's memory (writing {path} failed)"
         mapped = read(path, key)
         adopt(model, mapped)
         return f"wrote the box's packed weights file {path} ({mapped.nbytes / 2**30:.2f} GiB) and mapped it"

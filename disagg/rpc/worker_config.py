@@ -35,3 +35,4 @@ class WorkerConfig:
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
     prepack: bool | None = None  # torch backend: linear weights laid out for few-row products; None: on CPU
     native_step: bool | None = None  # torch backend: decode steps and short prefills in one C call (native_step); None: where it serves the model
+    share_weights: bool = True  # torch backend, prepacked: the box's workers map one packed weights file (disagg/engine/shared_weights.py)

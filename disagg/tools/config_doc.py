@@ -44,7 +44,7 @@ PURPOSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Requests, queueing and the HTTP API", "Limits on requests, the admission queue, and the OpenAI-compatible HTTP edge.",
      ("--http-port", "--http-max-body-bytes", "--http-timeout-seconds", "--default-max-new-tokens", "--max-new-tokens-cap", "--max-queue")),
     ("Speed on CPU and GPU (torch backend)", "Threads, CPU pinning, the compiled and native steps, buckets, async mode.",
-     ("--threads", "--device-cpus", "--decode-nice", "--bind-compute-threads", "--no-async", "--compile", "--prepack", "--native-step",
+     ("--threads", "--device-cpus", "--decode-nice", "--bind-compute-threads", "--no-async", "--compile", "--prepack", "--share-weights", "--native-step",
       "--batch-buckets", "--token-buckets", "--global-topk")),
     ("Quantization", "Weights and KV blocks in fewer bits.", ()),
     ("Speculative decoding", "Proposing several tokens per step and verifying them in one.", ()),

@@ -121,6 +121,7 @@ class TorchBackend(Backend):
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.loaded_here = model is None  # a model handed in is used as it is: its weights are not shared
+        self.weights_note = "not shared"  # what became of the box's packed weights file (shared_weights.share)
         self.model = model if model is not None else load_model(config.model, self.dtype, self.device)
         architectures.check_structure(self.model)
         row_masks.install()
@@ -163,7 +164,8 @@ class TorchBackend(Backend):
                 waited.append(True)
                 startup.report(startup.Phase.WAITING_FOR_COMPILE, "waiting for another worker writing this model's packed weights file")
 
-            log.info("%s", shared_weights.share(self.model, key, self._pack_and_group, on_wait))
+            self.weights_note = shared_weights.share(self.model, key, self._pack_and_group, on_wait)
+            log.info("%s", self.weights_note)
             if waited:
                 startup.report(startup.Phase.LOADING, "packed weights ready; checking them")
         if any(far_apart(before, self.prefill_logits(prompt, lambda *kv: None)) for before, prompt in zip(plain, prompts)):
