@@ -15,6 +15,7 @@ the worker drains and exits non-zero, as on a failing decode step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -38,8 +39,8 @@ class ColocatedPrefillServicer:
         # Read once, at start-up; unset, the step is the backend's own prefill.
         self._prefill_step = with_injected_faults(self._backend_prefill, TEST_FAIL_PREFILL_STEP)
 
-    def _backend_prefill(self, *args):
-        return self._decode.worker.backend.prefill(*args)
+    def _backend_prefill(self, *args, **kwargs):
+        return self._decode.worker.backend.prefill(*args, **kwargs)
 
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
         worker: DecodeWorker = await self._decode._ready(context)
@@ -53,7 +54,12 @@ class ColocatedPrefillServicer:
             started = time.perf_counter()
             try:
                 worker_messages.check_sampling(worker.backend, sampling)
-                on_device = worker.decode_loop.run_on_device(self._prefill_step, ids, sampling, None, order.first_step)
+                step = self._prefill_step
+                if sampling.constraint is not None:
+                    with worker_messages.worker_names():
+                        bitmask = await worker.constraints.first_bitmask(sampling.constraint, ids[len(ids) - order.first_step :])
+                    step = functools.partial(step, bitmask=bitmask)
+                on_device = worker.decode_loop.run_on_device(step, ids, sampling, None, order.first_step)
                 result = await self._contained(worker, key, f"prefill of {len(ids)} tokens", asyncio.wrap_future(on_device))
             finally:
                 self.pending -= 1

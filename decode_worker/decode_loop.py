@@ -27,6 +27,12 @@ or one that raises DeviceLost (disagg/engine/faults.py), put the decode loop in
 `failure`: every row is failed, nothing more is scheduled, and `on_fatal` tells
 the worker, which drains and exits.
 
+A constrained row (Sequence.matcher) gets its mask where its input token is known
+without a host round trip: on the device thread, each step hands the step's input
+tokens to the mask thread, which advances the rows' matchers by them and fills one
+bitmask for the batch while the model computes the logits; the sampler applies it
+(disagg/engine/constraints/rows.py). Unconstrained rows share the step unmasked.
+
 Nothing here runs on the gRPC event loop: the loop has its own thread and the
 model runs on a single device thread.
 """
@@ -45,6 +51,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from disagg.engine.backends import Backend, StepInputs
+from disagg.engine.constraints.rows import RowMatcher, step_bitmask
 from disagg.engine.faults import FailureStreak, describe
 from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs, token_finish
 from disagg.engine.sampler import SampleOutput, params_row
@@ -65,6 +72,7 @@ class Sequence:
     step_offset: int = 0  # sampling counter of first_token (tokens generated on an earlier worker)
     context_ids: tuple[int, ...] = ()  # the prompt_len ids behind the KV, when a penalty needs them
     table: tuple[int, ...] = ()  # its block table, where the backend pages its KV (else its slot is its KV)
+    matcher: RowMatcher | None = None  # its constraint's matcher, having consumed the tokens before first_token
     generated: int = 1  # tokens the host has seen, the first one included
     scheduled: int = 1  # tokens seen plus tokens being computed
     in_flight: int = 0  # steps submitted and not yet processed that include this row
@@ -132,6 +140,7 @@ class DecodeLoop:
         self._active: dict[int, Sequence] = {}  # slot -> sequence
         self._retiring: list[Sequence] = []
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(device_cpus,))
+        self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-masks")  # the only thread that steps matchers
         self._last_output: torch.Tensor | None = None  # touched only on the device thread
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._stopping = False
@@ -154,6 +163,7 @@ class DecodeLoop:
         self._send("stop", None)
         self._thread.join(timeout=30)
         self._device.shutdown(wait=True)
+        self._masks.shutdown(wait=True)
 
     def device_failed(self, cause: str) -> None:
         """Device work beside the steps (a colocated prefill) says the device cannot be trusted: as a fatal step."""
@@ -364,11 +374,12 @@ class DecodeLoop:
         for s in rows:
             s.scheduled += 1
             s.in_flight += 1
-        output = self._device.submit(self._device_step, inputs, torch.tensor(from_prev), self._resumed_from_idle)
+        matchers = [s.matcher for s in rows] if any(s.matcher is not None for s in rows) else None
+        output = self._device.submit(self._device_step, inputs, torch.tensor(from_prev), self._resumed_from_idle, matchers)
         self._resumed_from_idle = False
         return _Step(rows, output)
 
-    def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool) -> SampleOutput:
+    def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool, matchers: list[RowMatcher | None] | None) -> SampleOutput:
         # Runs on the device thread, in submission order, so _last_output is the
         # previous step's output whenever from_prev points into it.
         start = time.perf_counter()
@@ -383,6 +394,9 @@ class DecodeLoop:
             from_prev = from_prev.to(device)
             carried = last[from_prev.clamp(min=0)]
             inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids.to(device))
+        if matchers is not None:  # the masks are filled on their own thread while the logits compute
+            masks = self._masks.submit(step_bitmask, matchers, inputs.input_ids.tolist(), self.backend.info.vocab_size)
+            inputs.token_bitmask = masks.result
         output = self._decode_step(inputs)
         self._last_output = output.token_ids
         self._last_step_end = time.perf_counter()

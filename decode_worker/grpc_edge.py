@@ -52,7 +52,10 @@ class DecodeServicer:
         worker = await self._ready(context)
         try:
             order = worker_messages.decode_order_from_pb(check_parsed(request), worker.info)
-            stream = worker.open_stream(order.request_id, order.prompt_len, order.sampling, order.stopping, order.first_step, order.context_ids)
+            matcher = await worker.row_matcher(order.sampling, order.prompt_len, order.first_step, order.context_ids)
+            stream = worker.open_stream(
+                order.request_id, order.prompt_len, order.sampling, order.stopping, order.first_step, order.context_ids, matcher
+            )
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
         try:

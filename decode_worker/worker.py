@@ -18,6 +18,8 @@ from typing import AsyncIterator
 import grpc
 
 from disagg.engine.backends import Backend
+from disagg.engine.constraints.compiler import model_compiler
+from disagg.engine.constraints.rows import RowMatcher
 from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_KV_WRITE, DeviceLost, describe, with_injected_faults
 from disagg.engine.kv_blocks import BlockPool, block_hashes, blocks_for, cache_salt
 from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
@@ -46,6 +48,7 @@ class DecodeStream:
     stopping: Stopping
     first_step: int
     context_ids: tuple[int, ...] = ()  # the prompt_len ids behind the KV, when a penalty needs them
+    matcher: RowMatcher | None = None  # a constrained request's, started from the tokens before this worker
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent | RequestError
     transferring: bool = False
 
@@ -94,6 +97,8 @@ class DecodeWorker:
             metrics.watch_blocks(self.blocks)
         self._reaper: asyncio.Task | None = None
         self.nixl = None  # the NIXL sink, with --kv-transport nixl
+        # Constraints compile on threads of their own (the tokenizer's token table is built there now).
+        self.constraints = model_compiler(config.model, self.info.vocab_size, self.info.eos_token_ids)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -117,13 +122,16 @@ class DecodeWorker:
             self._reaper.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.decode_loop.stop)
         self._kv_writer.shutdown(wait=True)
+        self.constraints.close()
         if self.failure is not None:  # non-zero, so the supervisor starts a fresh process on a fresh device
             raise SystemExit(f"decode_worker: stopped serving: {self.failure}")
 
     # -- Decode stream -----------------------------------------------------
     def open_stream(
-        self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0, context_ids: tuple[int, ...] = ()
+        self, request_id: str, prompt_len: int, sampling: Sampling, stopping: Stopping, first_step: int = 0, context_ids: tuple[int, ...] = (),
+        matcher: RowMatcher | None = None,
     ) -> DecodeStream:
+        """matcher: a constrained request's (row_matcher), which the caller starts first."""
         if self.failure is not None:
             raise RequestError(f"decode worker is stopping: {self.failure}", grpc.StatusCode.UNAVAILABLE)
         # The server checked the order already (worker_messages.decode_order_from_pb); in-process callers get the same rules.
@@ -131,7 +139,9 @@ class DecodeWorker:
             check_prompt_len("prompt_len", prompt_len, self.info.max_seq_len)
             if stopping.max_new_tokens < 1:
                 raise InvalidField("stopping.max_new_tokens", f"must be at least 1, got {stopping.max_new_tokens}")
-            worker_messages.checked_context(context_ids, prompt_len, sampling.penalized, self.info.vocab_size)
+            worker_messages.checked_context(context_ids, prompt_len, sampling.needs_history, self.info.vocab_size)
+            if (sampling.constraint is None) != (matcher is None):
+                raise InvalidField("sampling.constraint", "needs its matcher (DecodeWorker.row_matcher)")
         worker_messages.check_sampling(self.backend, sampling)
         hashes, total_blocks = self._blocks_wanted(prompt_len, stopping, context_ids)
         if not self.slots.can_reserve(hashes, total_blocks):
@@ -140,9 +150,19 @@ class DecodeWorker:
                 held = f"{total_blocks} KV blocks are needed and {self.blocks.available()} are free"
             raise RequestError(held, grpc.StatusCode.RESOURCE_EXHAUSTED)
         reservation = self.slots.reserve(request_id, prompt_len, self.config.lease_seconds, hashes, total_blocks)
-        stream = DecodeStream(reservation, sampling, stopping, first_step, tuple(context_ids))
+        stream = DecodeStream(reservation, sampling, stopping, first_step, tuple(context_ids), matcher)
         self._streams[stream.key] = stream
         return stream
+
+    async def row_matcher(self, sampling: Sampling, prompt_len: int, first_step: int, context_ids: tuple[int, ...]) -> RowMatcher | None:
+        """A constrained request's matcher, compiled (or found cached) off the event loop and started
+        from the tokens generated before this worker (the last first_step of the context); None without one."""
+        if sampling.constraint is None:
+            return None
+        worker_messages.check_sampling(self.backend, sampling)
+        with worker_messages.worker_names():
+            worker_messages.checked_context(context_ids, prompt_len, True, self.info.vocab_size)
+            return await self.constraints.row(sampling.constraint, context_ids[prompt_len - first_step :])
 
     def _blocks_wanted(self, prompt_len: int, stopping: Stopping, context_ids) -> tuple[list[bytes], int]:
         """(the prompt's full blocks' hashes, where its ids are known; the blocks the sequence can fill:
@@ -340,6 +360,7 @@ class DecodeWorker:
         return Sequence(
             stream.key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step,
             stream.context_ids if stream.sampling.penalized else (), table=tuple(reservation.table) if self.blocks is not None else (),
+            matcher=stream.matcher,
         )
 
     # -- colocated mode: prefill on this worker's own device thread --------------

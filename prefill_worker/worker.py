@@ -21,6 +21,7 @@ from typing import AsyncIterator
 import grpc
 
 from disagg.engine.backends import Backend, PrefillResult
+from disagg.engine.constraints.compiler import model_compiler
 from disagg.engine.faults import TEST_FAIL_PREFILL_STEP, TEST_HOLD_KV_SEND, FailureStreak, describe, injected_hold, with_injected_faults
 from disagg.engine.kv_blocks import BlockStats
 from disagg.engine.requests import Sampling, TokenLogprobs, check_prompt_len, check_token_ids
@@ -105,6 +106,8 @@ class PrefillWorker:
         # Prompts' KV in blocks, so a prompt that starts with cached blocks computes only the rest.
         # Only the device thread touches it (and the metrics read its counts).
         self.prefix_cache = self._open_prefix_cache()
+        # Constraints compile on threads of their own (the tokenizer's token table is built there now).
+        self.constraints = model_compiler(config.model, self.info.vocab_size, self.info.eos_token_ids)
         self._cache_counted = BlockStats()  # the pool's counts already added to the metrics
         if self.prefix_cache is not None:
             pool = self.prefix_cache.pool
@@ -137,6 +140,7 @@ class PrefillWorker:
             self._refresher.cancel()
         await self._channels.close()
         self._device.shutdown(wait=True)
+        self.constraints.close()
         if self.pull is not None:
             self.pull.close()
         if self.failure is not None:  # non-zero, so the supervisor starts a fresh process on a fresh device
@@ -160,6 +164,7 @@ class PrefillWorker:
         timeout is what is left of the caller's deadline; the KV send inherits it.
         """
         self.validate(token_ids, sampling, target)
+        bitmask = await self.first_bitmask(token_ids, sampling, first_step)
         if target is not None:  # before any device work: nothing is held by a refused target
             target = KvTarget(await self.peers.admit(target.address), target.reservation_id, target.token_start)
         loop = asyncio.get_running_loop()
@@ -179,7 +184,7 @@ class PrefillWorker:
         outcome = "cancelled"
         try:
             token_start = target.token_start if target is not None else len(token_ids)
-            prefilled = await self._run_prefill(token_ids, sampling, on_span if target and not pull else None, first_step, token_start)
+            prefilled = await self._run_prefill(token_ids, sampling, on_span if target and not pull else None, first_step, token_start, bitmask)
             result = prefilled.result
             self.metrics.prefill.observe(time.perf_counter() - started)
             # Each path counts "ok" before its last event: the caller may close the call on
@@ -215,11 +220,19 @@ class PrefillWorker:
             if sender is not None and not sender.done():
                 sender.cancel()  # the decode worker sees the broken transfer and frees the slot
 
-    async def _run_prefill(self, token_ids: list[int], sampling: Sampling, on_span, first_step: int, token_start: int) -> Prefilled:
+    async def first_bitmask(self, token_ids: list[int], sampling: Sampling, first_step: int):
+        """A constrained request's first-token mask, compiled off the event loop and the device thread
+        (INVALID_ARGUMENT when it does not compile); None without a constraint."""
+        if sampling.constraint is None:
+            return None
+        with worker_messages.worker_names():
+            return await self.constraints.first_bitmask(sampling.constraint, token_ids[len(token_ids) - first_step :])
+
+    async def _run_prefill(self, token_ids: list[int], sampling: Sampling, on_span, first_step: int, token_start: int, bitmask=None) -> Prefilled:
         """The prefill on the device thread; one that raises becomes INTERNAL naming the cause."""
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self._device, self._prefill_on_device, token_ids, sampling, on_span, first_step, token_start)
+            result = await loop.run_in_executor(self._device, self._prefill_on_device, token_ids, sampling, on_span, first_step, token_start, bitmask)
         except Exception as raised:
             exc = self.backend.device_error(raised)
             log.error("prefill of %d tokens failed: %s", len(token_ids), describe(exc), exc_info=raised)
@@ -236,7 +249,7 @@ class PrefillWorker:
         log.error("prefill worker failing: %s; draining, then exiting non-zero", cause)
         os.kill(os.getpid(), signal.SIGTERM)  # the one drain path: rpc.serve_until_signal
 
-    def _prefill_on_device(self, token_ids: list[int], sampling: Sampling, on_span, first_step: int, token_start: int) -> Prefilled:
+    def _prefill_on_device(self, token_ids: list[int], sampling: Sampling, on_span, first_step: int, token_start: int, bitmask=None) -> Prefilled:
         """Device thread: the prompt's cached prefix taken from the prefix cache, the rest
         prefilled, its new full blocks stored and published. on_span(layer, span) gets each
         layer's KV of tokens [token_start, prompt_len) as soon as it is computed: from the
@@ -253,6 +266,8 @@ class PrefillWorker:
                     on_span(layer, spans[layer])
 
             with_prefix = {} if prefix_kv is None else {"prefix_kv": prefix_kv}
+            if bitmask is not None:  # only a constrained request's: a backend without constraints refused it
+                with_prefix["bitmask"] = bitmask
             result = self._prefill_step(token_ids, sampling, on_layer, first_step, **with_prefix)
             if plan is not None:  # only once the whole prompt ran: a failed prefill publishes nothing
                 cache.store(plan, result.layers)

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=RouterConfig.prefix_caching,
                         help="cache-aware routing: send a prompt to the prefill and decode workers it sent the same prefix to before,"
                         " unless they are saturated (default on; --no-prefix-caching: by load alone)")
+    parser.add_argument("--max-constraint-chars", type=int, default=Limits.max_constraint_chars,
+                        help="refuse a constraint (JSON schema, regex, grammar, choices, tools' schemas) longer than this many characters"
+                        f" (INVALID_ARGUMENT / 400) before compiling it (default {Limits.max_constraint_chars})")
+    parser.add_argument("--constraint-compile-seconds", type=float, default=RouterConfig.constraint_compile_seconds,
+                        help="refuse a constraint that does not compile within this many seconds (INVALID_ARGUMENT / 400);"
+                        f" compiled constraints are cached by their text (default {RouterConfig.constraint_compile_seconds:g})")
     return parser
 
 
@@ -73,7 +79,9 @@ def _config(args) -> RouterConfig:
         prefill_workers=tuple(args.prefill),
         decode_workers=tuple(args.decode),
         address=address(args),
-        limits=Limits(default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_cap=args.max_new_tokens_cap),
+        limits=Limits(default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_cap=args.max_new_tokens_cap,
+                      max_constraint_chars=args.max_constraint_chars),
+        constraint_compile_seconds=args.constraint_compile_seconds,
         max_queue=args.max_queue,
         worker_wait_seconds=args.worker_wait_seconds,
         resolve_seconds=args.resolve_seconds,

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.engine.constraints.spec import MAX_CONSTRAINT_CHARS
 from disagg.engine.kv_blocks import DEFAULT_BLOCK_SIZE
 from disagg.engine.requests import MAX_REQUEST_ID_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 from disagg.rpc.discovery import parse_target
@@ -21,6 +22,9 @@ class Limits:
     max_request_id_chars: int = MAX_REQUEST_ID_CHARS
     max_top_logprobs: int = MAX_TOP_LOGPROBS
     max_choices: int = 16  # n
+    # A constraint's text (a JSON schema, a regex, a grammar, a choice list; tools' schemas together):
+    # longer is refused before it is compiled. At most the engine's MAX_CONSTRAINT_CHARS.
+    max_constraint_chars: int = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class RouterConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     prefix_caching: bool = True
     prefix_index_tokens: int = PREFIX_INDEX_TOKENS  # per worker
+    constraint_compile_seconds: float = 10.0  # a constraint not compiled by then is refused (INVALID_ARGUMENT)
     test_long_tokenize_gate: str | None = None  # tests only ($DISAGG_TEST_LONG_TOKENIZE_GATE): see router/tokenizing.py
 
     def __post_init__(self):
@@ -68,5 +73,9 @@ class RouterConfig:
             raise ValueError(f"--http-max-body-bytes must be at least 1024, not {self.http_max_body_bytes}")
         if not self.http_timeout_seconds > 0:
             raise ValueError(f"--http-timeout-seconds must be positive, not {self.http_timeout_seconds}")
+        if not 1 <= self.limits.max_constraint_chars <= MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"--max-constraint-chars must be in [1, {MAX_CONSTRAINT_CHARS}], not {self.limits.max_constraint_chars}")
+        if not self.constraint_compile_seconds > 0:
+            raise ValueError(f"--constraint-compile-seconds must be positive, not {self.constraint_compile_seconds}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be at least 1, not {self.block_size}")

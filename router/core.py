@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import logging
 
+from disagg.engine.constraints.compiler import ConstraintCompiler
 from disagg.engine.model_files import eos_token_ids, vocab_size
+from disagg.engine.requests import InvalidField
 from disagg.rpc.metrics import RouterMetrics, outcome_label
 from disagg.rpc.server import RequestError
 
@@ -17,7 +19,7 @@ from .lifecycle import Lifecycle
 from .params import GenerateParams
 from .prompts import prompt_ids
 from .tokenizing import TokenizerThreads, text_chars
-from .validation import GenerationRequest, ModelFacts, build_request, check_params
+from .validation import GenerationRequest, ModelFacts, build_request, check_params, refuse
 from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ class Router:
         self._tokenizer_threads = TokenizerThreads(config.test_long_tokenize_gate)
         # One token decoded alone (logprobs name their tokens): microseconds, and cached.
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+        # Constraints compile here first, so a bad one is refused before any prefill (cached by text).
+        self.constraints = ConstraintCompiler(lambda: tokenizer, facts.vocab_size, facts.eos_token_ids, config.constraint_compile_seconds)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._tokenizer_threads.run(len(text), lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -47,6 +51,11 @@ class Router:
     async def prepare(self, params: GenerateParams) -> GenerationRequest:
         """Validates a request from either edge and tokenizes (or renders) its prompt."""
         check_params(params, self.config.limits, self.facts)
+        if params.constraint is not None:
+            try:
+                await self.constraints.check(params.constraint)
+            except InvalidField as exc:
+                raise refuse(exc.field, exc.rule) from None
         ids, hashes = await self._tokenizer_threads.run(text_chars(params), self._ids_and_hashes, params)
         return build_request(params, ids, self.config.limits, self.facts, hashes)
 

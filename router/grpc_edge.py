@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import grpc
 
+from disagg.engine.constraints import Constraint, ConstraintKind
+from disagg.engine.constraints.spec import choice
 from disagg.engine.requests import TokenLogprobs
 from disagg.rpc.server import RequestError, check_parsed
 from disagg.v1 import generation_pb2 as pb
@@ -47,7 +49,22 @@ def params_from_pb(message: pb.GenerateRequest) -> GenerateParams:
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         n=message.n or 1,
+        constraint=constraint_from_pb(message),
     )
+
+
+def constraint_from_pb(message: pb.GenerateRequest) -> Constraint | None:
+    which = message.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "json_object":
+        if not message.json_object:
+            raise RequestError("constraint.json_object must be true when set", field="constraint.json_object")
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if which == "choice":
+        return choice(list(message.choice.choices))
+    kind = {"json_schema": ConstraintKind.JSON_SCHEMA, "regex": ConstraintKind.REGEX, "grammar": ConstraintKind.GRAMMAR}[which]
+    return Constraint(kind, getattr(message, which))
 
 
 def logprob_to_pb(logprobs: TokenLogprobs, token_text: Callable[[int], str]) -> pb.TokenLogprob:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.engine.constraints import Constraint
+
 # The gRPC field name of each GenerateParams field, as RequestError.field names it.
 FIELD_NAMES = {
     "request_id": "request_id",
@@ -32,6 +34,8 @@ FIELD_NAMES = {
     "logprobs": "logprobs",
     "top_logprobs": "top_logprobs",
     "n": "n",
+    **{f"constraint.{name}": f"constraint.{name}" for name in ("json_object", "json_schema", "regex", "choice", "grammar")},
+    "constraint": "constraint",
 }
 
 
@@ -63,3 +67,5 @@ class GenerateParams:
     logprobs: bool = False  # the sampled token's log-probability with every token
     top_logprobs: int = 0  # that many most likely alternatives too (needs logprobs)
     n: int = 1  # choices generated for this one request
+    # Structured output: the grammar the generated text must follow (disagg/engine/constraints).
+    constraint: Constraint | None = None

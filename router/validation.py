@@ -69,6 +69,7 @@ def check_params(params: GenerateParams, limits: Limits, facts: ModelFacts) -> N
     _check_sampling(params)
     _check_stopping(params, limits, facts)
     _check_output(params, limits)
+    _check_constraint(params, limits)
     _check_backend(params, facts)
 
 
@@ -131,8 +132,15 @@ def _check_output(p: GenerateParams, limits: Limits) -> None:
         raise refuse("n", f"must be in [1, {limits.max_choices}], got {p.n}")
 
 
+def _check_constraint(p: GenerateParams, limits: Limits) -> None:
+    """Its size and form; whether it compiles is asked next (Router.prepare), off the event loop."""
+    if p.constraint is not None:
+        with public_names():
+            p.constraint.check(limits.max_constraint_chars)
+
+
 # What NxDI's on-device sampler cannot do (docs/neuron.md says why).
-NEURON_REFUSES = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+NEURON_REFUSES = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "constraint")
 
 
 def _check_backend(p: GenerateParams, facts: ModelFacts) -> None:
@@ -144,6 +152,7 @@ def _check_backend(p: GenerateParams, facts: ModelFacts) -> None:
         "frequency_penalty": p.frequency_penalty != 0,
         "repetition_penalty": p.repetition_penalty not in (None, 1.0),
         "logprobs": p.logprobs,
+        "constraint": p.constraint is not None,
     }
     for name in NEURON_REFUSES:
         if used[name]:
@@ -178,11 +187,12 @@ def build_request(
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=1.0 if params.repetition_penalty is None else params.repetition_penalty,
         logprobs=params.top_logprobs if params.logprobs else -1,
+        constraint=params.constraint,
     )
     stopping = Stopping(max_new_tokens=max_new, stop_token_ids=frozenset(stop_ids))
     # What the workers will check it by: a request the router sends never comes back refused.
     with public_names():
-        sampling.check(limits.max_top_logprobs)
+        sampling.check(limits.max_top_logprobs, limits.max_constraint_chars)
         stopping.check(len(prompt_ids), facts.vocab_size, facts.max_seq_len, stop_token_bound(len(facts.eos_token_ids)))
     return GenerationRequest(
         request_id=params.request_id or uuid.uuid4().hex,

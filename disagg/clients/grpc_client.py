@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -84,8 +85,14 @@ def build_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     n: int = 0,
+    json_schema: dict | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
 ) -> pb.GenerateRequest:
-    """messages: (role, content) pairs, a chat the server renders with the model's chat template."""
+    """messages: (role, content) pairs, a chat the server renders with the model's chat template.
+    json_schema (a dict or its JSON text), json_object, regex, choice, grammar: at most one, the output's constraint."""
     sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     if top_p is not None:
         sampling.top_p = top_p
@@ -103,7 +110,21 @@ def build_request(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=n,
+        **_constraint(json_schema, json_object, regex, choice, grammar),
     )
+
+
+def _constraint(json_schema, json_object: bool, regex, choice, grammar) -> dict:
+    given = {name: value for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice), ("grammar", grammar)) if value is not None}
+    if json_object:
+        given["json_object"] = True
+    if len(given) > 1:
+        raise ValueError(f"at most one constraint, not {sorted(given)}")
+    if "json_schema" in given and not isinstance(json_schema, str):
+        given["json_schema"] = json.dumps(json_schema)
+    if "choice" in given:
+        given["choice"] = pb.ChoiceConstraint(choices=list(choice))
+    return given
 
 
 def chunk_from_pb(msg: pb.GenerateResponse) -> GenerationChunk:

@@ -10,6 +10,10 @@ import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .constraints.spec import Constraint
 
 # Bounds that hold at every edge. The router may lower them for its clients (router/config.py
 # Limits), never raise them: a worker refuses anything past them whoever sends it.
@@ -45,6 +49,7 @@ class Sampling:
 
     logprobs: -1 returns none; n >= 0 returns each sampled token's logprob and
     its n most likely alternatives (see sampler.py for the distribution).
+    constraint: the grammar every generated token must follow (disagg/engine/constraints), or None.
     """
 
     temperature: float = 0.0
@@ -56,6 +61,12 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int = -1
+    constraint: Constraint | None = None
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether a worker needs the ids of the tokens before it (penalties count them, a matcher replays them)."""
+        return self.penalized or self.constraint is not None
 
     @property
     def is_greedy(self) -> bool:
@@ -73,12 +84,14 @@ class Sampling:
             "frequency_penalty": self.frequency_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0,
             "logprobs": self.logprobs >= 0,
+            "constraint": self.constraint is not None,
         }
         return [name for name, on in used.items() if on]
 
-    def check(self, max_top_logprobs: int = MAX_TOP_LOGPROBS) -> None:
+    def check(self, max_top_logprobs: int = MAX_TOP_LOGPROBS, max_constraint_chars: int | None = None) -> None:
         """Raises InvalidField for the first value the sampler must not be given
-        (a NaN temperature, top_p 7, top_k -5, min_p 3, more alternatives than the bound)."""
+        (a NaN temperature, top_p 7, top_k -5, min_p 3, more alternatives than the bound,
+        a constraint over its size or malformed; whether it compiles is the compiler's to say)."""
         if not _finite(self.temperature) or self.temperature < 0:
             raise InvalidField("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not (_finite(self.top_p) and 0 < self.top_p <= 1):
@@ -97,6 +110,8 @@ class Sampling:
             raise InvalidField("repetition_penalty", f"must be a finite number > 0 (1 turns it off), got {self.repetition_penalty}")
         if self.logprobs != -1:
             check_logprobs(True, self.logprobs, max_top_logprobs)
+        if self.constraint is not None:
+            self.constraint.check() if max_constraint_chars is None else self.constraint.check(max_constraint_chars)
 
 
 def _finite(value) -> bool:

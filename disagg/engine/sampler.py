@@ -7,6 +7,8 @@ uniform draw is a hash of (its seed, its step), so a seeded request gets the
 same tokens alone or in any batch; no shared generator is consumed.
 
 Per row, in order (transformers' and vLLM's order):
+  0. a constraint's bitmask (disagg/engine/constraints): tokens it forbids get -inf,
+     for the whole batch in one op (rows without a constraint are all ones);
   1. penalties on the raw logits: repetition_penalty over the prompt and the
      generated tokens (transformers' RepetitionPenaltyLogitsProcessor: positive
      logits divided, negative multiplied), then OpenAI's
@@ -17,7 +19,8 @@ Per row, in order (transformers' and vLLM's order):
   4. the seeded draw.
 Logprobs are the log-softmax after steps 1 and 2, before truncation: the
 distribution the request's own parameters shape, as vLLM's
-logprobs_mode="processed_logprobs" (vLLM's default is the raw model output).
+logprobs_mode="processed_logprobs" (vLLM's default is the raw model output);
+with a constraint, over the allowed tokens only (the constrained distribution).
 Every step is a tensor op over all rows; only token ids (and the logprobs a
 request asked for) leave this module.
 """
@@ -64,7 +67,10 @@ class SampleOutput:
         logprobs = self.logprobs.tolist()
         top_ids = self.top_ids.tolist() if self.top_ids is not None else [[]] * len(wanted)
         top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else [[]] * len(wanted)
-        return [None if k < 0 else (logprobs[i], list(zip(top_ids[i][:k], top_values[i][:k]))) for i, k in enumerate(wanted)]
+        # A constraint's forbidden tokens (-inf) are no alternatives: a row may list fewer than it asked.
+        return [
+            None if k < 0 else (logprobs[i], [(t, v) for t, v in zip(top_ids[i][:k], top_values[i][:k]) if v != float("-inf")]) for i, k in enumerate(wanted)
+        ]
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +90,19 @@ def uniform_draws(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     low = _mix32(h ^ 0x5BD1E995)
     # 53 random bits: 32 from h, 21 from low.
     return ((h << 21) | (low >> 11)).to(torch.float64) / float(1 << 53)
+
+
+_BIT_SHIFTS: dict = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [n, vocab]; bitmask [n, ceil(vocab / 32)] int32, bit j of word w allows token 32w + j."""
+    device = logits.device
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((bitmask.to(device)[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, params: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor) -> torch.Tensor:
@@ -108,6 +127,7 @@ def sample(
     counts: torch.Tensor | None = None,
     in_prompt: torch.Tensor | None = None,
     top_logprobs: int = -1,
+    bitmask: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Token ids [batch] from logits [batch, vocab].
 
@@ -115,7 +135,10 @@ def sample(
     row's candidates at that many (NxDI's global_topk, a speed/fidelity knob).
     counts/in_prompt: the rows' token counts (given when a row has a penalty).
     top_logprobs: -1 when no row wants logprobs, else the most alternatives any row wants.
+    bitmask: [batch, ceil(vocab / 32)] int32, the tokens each row may produce (None: all).
     """
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
     if counts is not None:
         logits = apply_penalties(logits.float(), params, counts, in_prompt)
     greedy_ids = logits.argmax(dim=-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from disagg.engine.constraints import Constraint, ConstraintKind
 from disagg.engine.memory import read_process_memory
 from disagg.engine.requests import (
     MAX_REQUEST_ID_CHARS,
@@ -34,6 +35,9 @@ from disagg.v1 import worker_pb2 as wpb
 WORKER_FIELDS = {
     **{name: f"sampling.{name}" for name in ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")},
     "top_logprobs": "sampling.top_logprobs",
+    **{f"constraint.{name}": "sampling.constraint.text" for name in ("json_object", "json_schema", "regex", "choice", "grammar")},
+    "constraint": "sampling.constraint",
+    "constraint.kind": "sampling.constraint.kind",
     "max_new_tokens": "stopping.max_new_tokens",
     "stop_token_ids": "stopping.stop_token_ids",
 }
@@ -67,7 +71,20 @@ def sampling_from_pb(msg: wpb.WorkerSampling) -> Sampling:
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
         logprobs=msg.top_logprobs if msg.logprobs else -1,
+        constraint=constraint_from_pb(msg.constraint) if msg.HasField("constraint") else None,
     )
+
+
+def constraint_from_pb(msg: wpb.WorkerConstraint) -> Constraint | None:
+    if msg.kind == wpb.CONSTRAINT_KIND_UNSPECIFIED:
+        return None
+    if msg.kind not in ConstraintKind.__members__.values():
+        raise InvalidField("constraint.kind", f"is {msg.kind}, not a known ConstraintKind")
+    return Constraint(ConstraintKind(msg.kind), msg.text)
+
+
+def constraint_to_pb(constraint: Constraint | None) -> wpb.WorkerConstraint | None:
+    return None if constraint is None else wpb.WorkerConstraint(kind=int(constraint.kind), text=constraint.text)
 
 
 def sampling_to_pb(sampling: Sampling) -> wpb.WorkerSampling:
@@ -82,6 +99,7 @@ def sampling_to_pb(sampling: Sampling) -> wpb.WorkerSampling:
         repetition_penalty=sampling.repetition_penalty,
         logprobs=sampling.logprobs >= 0,
         top_logprobs=max(sampling.logprobs, 0),
+        constraint=constraint_to_pb(sampling.constraint),
     )
 
 
@@ -159,14 +177,15 @@ def decode_order_from_pb(msg: wpb.DecodeRequest, info) -> DecodeOrder:
         stopping = stopping_from_pb(msg.stopping)
         stopping.check(msg.prompt_len, info.vocab_size, info.max_seq_len, stop_bound)
         check_first_step(msg.first_step, msg.prompt_len)
-        context_ids = checked_context(msg.context_token_ids, msg.prompt_len, sampling.penalized, info.vocab_size)
+        context_ids = checked_context(msg.context_token_ids, msg.prompt_len, sampling.needs_history, info.vocab_size)
     return DecodeOrder(msg.request_id, msg.prompt_len, sampling, stopping, msg.first_step, context_ids)
 
 
-def checked_context(context_ids, prompt_len: int, penalized: bool, vocab_size: int) -> tuple[int, ...]:
-    """The ids a penalty counts: none, or all prompt_len of them (a penalized request needs them)."""
-    if (penalized or len(context_ids)) and len(context_ids) != prompt_len:
-        need = "a penalized request needs" if penalized else "when given, it must hold"
+def checked_context(context_ids, prompt_len: int, needed: bool, vocab_size: int) -> tuple[int, ...]:
+    """The ids a penalty counts and a constraint's matcher replays: none, or all prompt_len of them
+    (a penalized or constrained request needs them)."""
+    if (needed or len(context_ids)) and len(context_ids) != prompt_len:
+        need = "a penalized or constrained request needs" if needed else "when given, it must hold"
         raise InvalidField("context_token_ids", f"has {len(context_ids)} ids; {need} its prompt_len {prompt_len}")
     check_token_ids("context_token_ids", context_ids, vocab_size)
     return tuple(context_ids)

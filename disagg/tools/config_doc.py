@@ -48,7 +48,7 @@ PURPOSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "--batch-buckets", "--token-buckets", "--global-topk")),
     ("Quantization", "Weights and KV blocks in fewer bits.", ()),
     ("Speculative decoding", "Proposing several tokens per step and verifying them in one.", ()),
-    ("Structured output", "Grammars, JSON schemas and tool calls.", ()),
+    ("Structured output", "Grammars, JSON schemas and tool calls.", ("--max-constraint-chars", "--constraint-compile-seconds")),
     ("Neuron backend (NxD Inference)", "Trn1, Inf2 and Trn2: NeuronCores per worker, buckets, compiled artifacts, settings files (docs/neuron.md).",
      ("--tp", "--prefill-tp", "--decode-tp", "--neuron-cores", "--tp-degree", "--context-buckets", "--neuron-compiled-path",
       "--k-cache-transposed", "--worker-config", "--serving-properties")),

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64isagg/v1/generation.proto\x12\tdisagg.v1\"\xea\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"d\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x88\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.disagg.v1.StoppingCriteria\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\t\n\x01n\x18\t \x01(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.disagg.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.disagg.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.disagg.v1.Timings\x12\r\n\x05index\x18\x08 \x01(\x05\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.disagg.v1.TokenLogprob\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\\\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"\x15\n\x13GetModelInfoRequest\"\xf7\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12max_new_tokens_cap\x18\x06 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x17\n\x0fprefill_workers\x18\t \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\n \x01(\x05*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xf0\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.disagg.v1.GenerateRequest\x1a\x1b.disagg.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.disagg.v1.TokenizeRequest\x1a\x1b.disagg.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.disagg.v1.GetModelInfoRequest\x1a\x1f.disagg.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64isagg/v1/generation.proto\x12\tdisagg.v1\"\xea\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"d\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x97\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.disagg.v1.StoppingCriteria\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\t\n\x01n\x18\t \x01(\x05\x12\x15\n\x0bjson_object\x18\n \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x0b \x01(\tH\x00\x12\x0f\n\x05regex\x18\x0c \x01(\tH\x00\x12-\n\x06\x63hoice\x18\r \x01(\x0b\x32\x1b.disagg.v1.ChoiceConstraintH\x00\x12\x11\n\x07grammar\x18\x0e \x01(\tH\x00\x42\x0c\n\nconstraint\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.disagg.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.disagg.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.disagg.v1.Timings\x12\r\n\x05index\x18\x08 \x01(\x05\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.disagg.v1.TokenLogprob\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\\\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"\x15\n\x13GetModelInfoRequest\"\xf7\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12max_new_tokens_cap\x18\x06 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x17\n\x0fprefill_workers\x18\t \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\n \x01(\x05*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xf0\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.disagg.v1.GenerateRequest\x1a\x1b.disagg.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.disagg.v1.TokenizeRequest\x1a\x1b.disagg.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.disagg.v1.GetModelInfoRequest\x1a\x1f.disagg.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1680
-  _globals['_FINISHREASON']._serialized_end=1808
+  _globals['_FINISHREASON']._serialized_start=1860
+  _globals['_FINISHREASON']._serialized_end=1988
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=276
   _globals['_STOPPINGCRITERIA']._serialized_start=278
@@ -40,25 +40,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=380
   _globals['_CHATMESSAGE']._serialized_end=424
   _globals['_GENERATEREQUEST']._serialized_start=427
-  _globals['_GENERATEREQUEST']._serialized_end=691
-  _globals['_USAGE']._serialized_start=693
-  _globals['_USAGE']._serialized_end=750
-  _globals['_GENERATERESPONSE']._serialized_start=753
-  _globals['_GENERATERESPONSE']._serialized_end=1022
-  _globals['_TOKENLOGPROB']._serialized_start=1024
-  _globals['_TOKENLOGPROB']._serialized_end=1132
-  _globals['_TOPLOGPROB']._serialized_start=1134
-  _globals['_TOPLOGPROB']._serialized_end=1195
-  _globals['_TIMINGS']._serialized_start=1197
-  _globals['_TIMINGS']._serialized_end=1289
-  _globals['_TOKENIZEREQUEST']._serialized_start=1291
-  _globals['_TOKENIZEREQUEST']._serialized_end=1350
-  _globals['_TOKENIZERESPONSE']._serialized_start=1352
-  _globals['_TOKENIZERESPONSE']._serialized_end=1404
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1406
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1427
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1430
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1677
-  _globals['_GENERATIONSERVICE']._serialized_start=1811
-  _globals['_GENERATIONSERVICE']._serialized_end=2051
+  _globals['_GENERATEREQUEST']._serialized_end=834
+  _globals['_CHOICECONSTRAINT']._serialized_start=836
+  _globals['_CHOICECONSTRAINT']._serialized_end=871
+  _globals['_USAGE']._serialized_start=873
+  _globals['_USAGE']._serialized_end=930
+  _globals['_GENERATERESPONSE']._serialized_start=933
+  _globals['_GENERATERESPONSE']._serialized_end=1202
+  _globals['_TOKENLOGPROB']._serialized_start=1204
+  _globals['_TOKENLOGPROB']._serialized_end=1312
+  _globals['_TOPLOGPROB']._serialized_start=1314
+  _globals['_TOPLOGPROB']._serialized_end=1375
+  _globals['_TIMINGS']._serialized_start=1377
+  _globals['_TIMINGS']._serialized_end=1469
+  _globals['_TOKENIZEREQUEST']._serialized_start=1471
+  _globals['_TOKENIZEREQUEST']._serialized_end=1530
+  _globals['_TOKENIZERESPONSE']._serialized_start=1532
+  _globals['_TOKENIZERESPONSE']._serialized_end=1584
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1586
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1607
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1610
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1857
+  _globals['_GENERATIONSERVICE']._serialized_start=1991
+  _globals['_GENERATIONSERVICE']._serialized_end=2231
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ConstraintKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONSTRAINT_KIND_UNSPECIFIED: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_JSON_OBJECT: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_JSON_SCHEMA: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_REGEX: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_CHOICE: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_GRAMMAR: _ClassVar[ConstraintKind]
+
 class WorkerFinish(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_FINISH_NONE: _ClassVar[WorkerFinish]
@@ -18,6 +27,12 @@ class KvKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_KIND_UNSPECIFIED: _ClassVar[KvKind]
     KV_KIND_KEY: _ClassVar[KvKind]
     KV_KIND_VALUE: _ClassVar[KvKind]
+CONSTRAINT_KIND_UNSPECIFIED: ConstraintKind
+CONSTRAINT_KIND_JSON_OBJECT: ConstraintKind
+CONSTRAINT_KIND_JSON_SCHEMA: ConstraintKind
+CONSTRAINT_KIND_REGEX: ConstraintKind
+CONSTRAINT_KIND_CHOICE: ConstraintKind
+CONSTRAINT_KIND_GRAMMAR: ConstraintKind
 WORKER_FINISH_NONE: WorkerFinish
 WORKER_FINISH_LENGTH: WorkerFinish
 WORKER_FINISH_STOP: WorkerFinish
@@ -26,7 +41,7 @@ KV_KIND_KEY: KvKind
 KV_KIND_VALUE: KvKind
 
 class WorkerSampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "constraint")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +52,7 @@ class WorkerSampling(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -47,7 +63,16 @@ class WorkerSampling(_message.Message):
     repetition_penalty: float
     logprobs: bool
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    constraint: WorkerConstraint
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[WorkerConstraint, _Mapping]] = ...) -> None: ...
+
+class WorkerConstraint(_message.Message):
+    __slots__ = ("kind", "text")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    kind: ConstraintKind
+    text: str
+    def __init__(self, kind: _Optional[_Union[ConstraintKind, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class WorkerLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

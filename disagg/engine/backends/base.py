@@ -72,6 +72,8 @@ class StepInputs:
     min_position: int | None = None  # min(positions), known on the host (sliding windows read from it)
     penalized: bool = False  # some row has a penalty: the slots' token counts are read
     top_logprobs: int = -1  # -1: no row wants logprobs; else the most alternatives a row wants
+    # Some row has a constraint: called after the logits, it returns their [n, ceil(vocab / 32)] int32 bitmask for the sampler.
+    token_bitmask: Callable[[], torch.Tensor] | None = None
 
 
 class Backend(abc.ABC):
@@ -101,6 +103,9 @@ class Backend(abc.ABC):
         on_layer and the result carry the new tokens' K/V only. Penalties still
         count the whole prompt. A backend that cannot take a prefix raises
         ValueError naming prefix_kv.
+
+        bitmask: [1, ceil(vocab / 32)] int32, the tokens a constraint allows (given only
+        for a constrained request, which a backend without constraints refuses).
         """
 
     @property

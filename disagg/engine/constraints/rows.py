@@ -1,0 +1,61 @@
+"""A row's matcher, and a step's bitmask over all rows.
+
+A row's matcher is fed the row's tokens in order: on the decode worker, each step's
+input token just before that step's mask is filled (the input token is the previous
+step's output, so async mode needs no host round trip to know it). It is touched by
+one thread at a time: the compile thread that starts it, then the decode loop's mask
+thread, step after step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import llguidance
+import llguidance.torch
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class RowMatcher:
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+        self._warned = False
+
+    def advance(self, token: int) -> None:
+        """The row produced `token`. A token the grammar refuses (it was masked: only when the
+        matcher is already stopped or failed) leaves the matcher failed, whose mask allows only EOS."""
+        if not self.matcher.consume_token(token) and not self._warned:
+            self._warned = True
+            log.warning("constraint matcher refused token %d: %s", token, self.matcher.get_error().splitlines()[:1])
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the allowed next tokens into bitmask[row] (EOS only once the grammar is done or failed)."""
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+def first_token_bitmask(matcher: RowMatcher, vocab_size: int) -> torch.Tensor:
+    """[1, words] int32: the mask of a prefill's one token."""
+    bitmask = torch.full((1, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    matcher.fill(bitmask, 0)
+    return bitmask
+
+
+def step_bitmask(matchers: list[RowMatcher | None], input_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """[n, words] int32 for one decode step: each constrained row's matcher advanced by its input
+    token, then its mask filled; the unconstrained rows' rows all ones."""
+    bitmask = torch.full((len(matchers), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    for row, (matcher, token) in enumerate(zip(matchers, input_ids)):
+        if matcher is not None:
+            matcher.advance(token)
+            matcher.fill(bitmask, row)
+    return bitmask
