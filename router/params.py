@@ -48,7 +48,10 @@ class GenerateParams:
     # The prompt: exactly one of these three.
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, content), rendered with the chat template
+    # (role, content) or (role, content, extras): rendered with the chat template; extras is the JSON text of what a
+    # message holds beyond them (an assistant's tool_calls, a tool result's tool_call_id), from the HTTP edge.
+    messages: tuple[tuple[str, str] | tuple[str, str, str], ...] | None = None
+    chat_tools: str | None = None  # the JSON text of OpenAI's tools, which the chat template shows the model
     # Sampling (OpenAI's names and meanings; top_k and min_p as vLLM's extensions).
     temperature: float = 0.0  # 0 is greedy
     top_k: int = 0  # 0: off

@@ -49,5 +49,5 @@ def text_chars(params) -> int:
     if params.prompt is not None:
         return len(params.prompt)
     if params.messages is not None:
-        return sum(len(content) for _, content in params.messages)
+        return sum(len(message[1]) for message in params.messages)
     return 0

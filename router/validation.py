@@ -88,7 +88,7 @@ def _check_prompt(params: GenerateParams, facts: ModelFacts) -> None:
     if params.messages is not None:
         if not params.messages:
             raise refuse("messages", "is empty")
-        for i, (role, content) in enumerate(params.messages):
+        for i, (role, content, *_) in enumerate(params.messages):
             if not isinstance(role, str) or not role:
                 raise refuse("messages", f"[{i}] has no role")
             if not isinstance(content, str):

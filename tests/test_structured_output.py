@@ -211,3 +211,148 @@ def test_a_bad_constraint_is_invalid_argument_naming_the_field_before_any_prefil
         assert refused.value.details().startswith(field), refused.value.details()
         assert client.complete(PROMPT, max_new_tokens=3).completion_tokens == 3  # still serving
     assert_nothing_held(cluster)
+
+
+# -- OpenAI's API, through the official `openai` package -------------------------------------------------------------
+
+import openai  # noqa: E402
+
+# Small: the chat template shows the tools to the model, and the tiny model's context is 512 tokens.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"], "additionalProperties": False},
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client, client.models.list().data[0].id
+
+
+def test_response_format_json_schema_validates_100_of_100_at_temperature_1(oai):
+    client, model = oai
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    outputs = []
+    for seed in range(10):
+        reply = client.chat.completions.create(
+            model=model, messages=ASK, response_format=schema_format, temperature=1.0, seed=seed * 10, n=10, max_tokens=200,
+        )
+        outputs += [(c.message.content, c.finish_reason) for c in reply.choices]
+    assert len(outputs) == 100
+    for content, finish in outputs:
+        assert finish == "stop", content
+        jsonschema.validate(json.loads(content), PERSON)
+    free = client.chat.completions.create(model=model, messages=ASK, temperature=1.0, seed=1, n=10, max_tokens=60)
+    assert sum(_parses_as_object(c.message.content) for c in free.choices) == 0  # unconstrained, it writes no JSON
+
+
+def _parses_as_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def test_structured_outputs_on_completions(oai):
+    client, model = oai
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = {"json": PERSON, "regex": REGEX, "choice": CHOICES, "grammar": LARK}[kind]
+        check = CASES[{"json": "json_schema"}.get(kind, kind)][2]
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0.8, seed=3,
+                                          extra_body={"structured_outputs": {kind: value}})
+        assert reply.choices[0].finish_reason == "stop"
+        check(reply.choices[0].text)
+
+
+def _arguments_valid(calls) -> None:
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_choice_required_and_named_give_calls_valid_against_the_tools_schemas(oai):
+    client, model = oai
+    one = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=5, n=4, max_tokens=120)
+    required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **one)
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        _arguments_valid(choice.message.tool_calls)
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "time"}}, **one)
+    for choice in named.choices:
+        assert choice.finish_reason == "stop"  # OpenAI's, for a named tool_choice
+        assert [c.function.name for c in choice.message.tool_calls] == ["time"]
+        _arguments_valid(choice.message.tool_calls)
+    parallel = client.chat.completions.create(tool_choice="required", **one)  # one call or more; a call cut by max_tokens is no call
+    for choice in parallel.choices:
+        assert choice.message.tool_calls and choice.finish_reason in ("tool_calls", "length")
+        _arguments_valid(choice.message.tool_calls if choice.finish_reason == "tool_calls" else choice.message.tool_calls[:-1] or [])
+
+
+def test_a_streamed_tool_call_reassembles_to_the_same_call(oai):
+    client, model = oai
+    params = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**params).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**params, stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            call["name"] = (delta.function.name if delta.function else None) or call["name"]
+            call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_auto_lets_the_model_answer_in_text_and_a_tool_result_continues_the_chat(oai, llama_ref):
+    client, model = oai
+    auto = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=20)
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content  # the tiny model never calls by itself
+    history = ASK + [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"},
+    ]
+    reply = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0, max_tokens=12)
+    rendered = llama_ref.tokenizer.apply_chat_template(history, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "<tool_response>sunny, 21 degrees</tool_response>" in rendered and '"name": "weather"' in rendered
+    assert reply.usage.prompt_tokens == len(llama_ref.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
+
+
+HTTP_BAD = [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}}}), "response_format"),
+    (dict(extra_body={"structured_outputs": {"regex": "[0-9"}}), "structured_outputs.regex"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "rocket"}}), "tool_choice"),
+    (dict(extra_body={"structured_outputs": {"grammar": 'start: "' + "x" * 9000 + '"'}}), "structured_outputs.grammar"),
+    (dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {"regex": "a"}}), "response_format"),
+]
+
+
+@pytest.mark.parametrize("params, param", HTTP_BAD, ids=["schema", "regex", "unknown-tool", "grammar-size", "two-constraints"])
+def test_bad_structured_output_is_400_naming_the_parameter(oai, cluster, params, param):
+    client, model = oai
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=8, **params)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == param, bad.value.body
+    assert client.chat.completions.create(model=model, messages=ASK, max_tokens=2).usage.completion_tokens == 2
+    assert_nothing_held(cluster)

@@ -22,9 +22,20 @@ from disagg.engine.cache_dir import cache_dir
 CORPUS = pathlib.Path(__file__).parents[1] / "data" / "corpus.txt"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 _VERSION = 2  # bump when the recipe changes, so cached models are remade
-# A plain chat template, so the chat APIs (messages) run on the tiny models too.
+# A plain chat template, so the chat APIs (messages) run on the tiny models too. With tools it
+# writes them into a system line and renders tool calls and tool results in Hermes' format
+# (<tool_call>{"name": ..., "arguments": ...}</tool_call>), which the router parses back.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}tools:{% for tool in tools %} {{ tool['function']['name'] }} {{ tool['function']['parameters'] | tojson }}{% endfor %}{{ '\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.get('tool_calls') %}{{ message['role'] }}: {% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}"
+    "}</tool_call>{% endfor %}{{ '\n' }}"
+    "{% elif message['role'] == 'tool' %}tool: <tool_response>{{ message['content'] }}</tool_response>{{ '\n' }}"
+    "{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 

@@ -27,9 +27,10 @@ from . import errors
 from .bodies import OffLoopJsonRoute
 from .convert import chat_params, completion_params, echo_text, openai_param, split_prompts
 from .responses import Choice, Envelope, TokenText, chat_logprobs, completion_logprobs, finish_reason, gather, total_usage, usage
-from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest, TokenizeRequest
+from .schema import ChatCompletionRequest, CommonRequest, CompletionRequest, NamedToolChoice, TokenizeRequest
 from .streams import MergedGenerations, RequestDeadline
 from .token_bytes import TokenBytes
+from .tools import ToolCallParser
 
 
 @dataclass
@@ -294,11 +295,30 @@ def _add_chat_routes(app: FastAPI, state: FrontState, auth: list) -> None:
         return {**envelope.head(streamed=False), "choices": out, "usage": total_usage(choices, body.n)}
 
 
+def tool_parser(body: ChatCompletionRequest) -> ToolCallParser | None:
+    """A parser of the model's tool calls where the request lets it call tools (router/http/tools.py)."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return ToolCallParser(frozenset(t.function.name for t in body.tools), llama3_json=body.tool_choice in (None, "auto"))
+
+
+def tool_finish(body: ChatCompletionRequest, parser: ToolCallParser | None, finish) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when the model called (a named tool_choice ends with "stop", as OpenAI's)."""
+    reason = finish_reason(finish)
+    if reason == "stop" and parser is not None and parser.calls and not isinstance(body.tool_choice, NamedToolChoice):
+        return "tool_calls"
+    return reason
+
+
 def _chat_choices(choices: dict[int, Choice], body: ChatCompletionRequest, text_of: TokenText, bytes_of: TokenBytes) -> list[dict]:
     out = []
     for index, choice in sorted(choices.items()):
         message = {"role": "assistant", "content": choice.text}
-        item = {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
+        parser = tool_parser(body)
+        if parser is not None:
+            content = "".join(delta.get("content", "") for delta in parser.feed(choice.text, final=True))
+            message = {"role": "assistant", "content": content or None, "tool_calls": parser.tool_calls()} if parser.calls else message
+        item = {"index": index, "message": message, "logprobs": None, "finish_reason": tool_finish(body, parser, choice.finish)}
         if body.logprobs:
             item["logprobs"] = chat_logprobs(choice.logprobs, text_of, bytes_of)
         out.append(item)
@@ -349,17 +369,26 @@ async def chat_events(merged, envelope: Envelope, body: ChatCompletionRequest, t
     counts = StreamUsage(body.n)
     extra = {"usage": None} if include_usage else {}
     head = envelope.head(streamed=True)
+    parsers = [tool_parser(body) for _ in range(body.n)]
     for index in range(body.n):  # OpenAI opens each choice with its role
         yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
     try:
         async for tagged in merged:
             chunk, index = tagged.chunk, tagged.index
-            delta = {"content": chunk.text} if chunk.text or not chunk.finish else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(chunk.finish)}
-            if body.logprobs:
-                choice["logprobs"] = chat_logprobs(chunk.logprobs or [], text_of, bytes_of)
+            parser = parsers[index]
+            if parser is None:
+                deltas = [{"content": chunk.text}] if chunk.text or not chunk.finish else []
+            else:  # the tool calls' deltas, and the content around them (router/http/tools.py)
+                deltas = parser.feed(chunk.text, final=bool(chunk.finish))
             counts.add(index, chunk)
-            yield sse({**head, "choices": [choice], **extra})
+            for delta in deltas[:-1]:
+                yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
+            last = deltas[-1] if deltas else {}
+            if last or chunk.finish or body.logprobs:
+                choice = {"index": index, "delta": last, "logprobs": None, "finish_reason": tool_finish(body, parser, chunk.finish)}
+                if body.logprobs:
+                    choice["logprobs"] = chat_logprobs(chunk.logprobs or [], text_of, bytes_of)
+                yield sse({**head, "choices": [choice], **extra})
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(counts.prompt, counts.completion)})
     except RequestError as exc:

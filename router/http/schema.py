@@ -7,6 +7,11 @@ defaults to 1.0), plus vLLM's sampling extensions (`top_k`, `min_p`,
 Unknown fields are refused (400 naming them), as OpenAI refuses them: a
 parameter we do not implement is never silently ignored.
 
+Structured output: OpenAI's `response_format` (json_object, json_schema) and
+vLLM's `structured_outputs` (json, regex, choice, grammar) on both endpoints;
+`tools`, `tool_choice` and `parallel_tool_calls` on chat, whose history may hold
+assistant messages with `tool_calls` and `tool` messages with their results.
+
 Free-form fields have bounds of their own, below the body's (limits.py), so a
 request is refused naming the field rather than the whole body (400):
 `model` at most MAX_MODEL_CHARS characters (a path is accepted as the name),
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 MAX_MODEL_CHARS = 1024
 MAX_USER_CHARS = 256
@@ -60,6 +65,37 @@ def _prompt_form(value):
 Prompt = Annotated[object, AfterValidator(_prompt_form)]
 
 
+MAX_TOOLS = 128
+MAX_CHOICE_STRINGS = 1024
+# OpenAI's rule for function names.
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: FunctionName
+    description: Text | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: StrictBool | None = None  # accepted; the schema is always enforced (OpenAI's strict mode)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(default=None, max_length=MAX_CHOICE_STRINGS)
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
@@ -85,6 +121,8 @@ class CommonRequest(BaseModel):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     user: Annotated[Text, Field(max_length=MAX_USER_CHARS)] | None = None  # accepted, unused (OpenAI's abuse-monitoring tag)
 
 
@@ -111,14 +149,32 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Annotated[Text, Field(max_length=MAX_USER_CHARS)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None  # None only for an assistant message with tool_calls
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # an assistant's calls
+    tool_call_id: Annotated[Text, Field(max_length=MAX_USER_CHARS)] | None = None  # a tool message: the call it answers
+    name: Annotated[Text, Field(max_length=MAX_USER_CHARS)] | None = None
 
     @field_validator("content")
     @classmethod
     def _bounded(cls, content):
+        if content is None:
+            return content
         if not isinstance(content, str) and len(content) > MAX_CONTENT_PARTS:
             raise ValueError(f"has {len(content)} parts; at most {MAX_CONTENT_PARTS} are allowed")
         chars = len(content) if isinstance(content, str) else sum(len(part.text) for part in content)
@@ -126,10 +182,56 @@ class ChatMessage(BaseModel):
             raise ValueError(f"has {chars} characters; at most {MAX_MESSAGE_CHARS} are allowed in one message")
         return content
 
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_extras(self) -> dict | None:
+        """What the chat template gets beyond role and content: an assistant's tool calls, a tool result's id."""
+        extras = {}
+        if self.tool_calls:
+            extras["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            extras["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            extras["name"] = self.name
+        return extras or None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; None: any object
+    strict: StrictBool | None = None  # accepted; a forced call's arguments always follow the schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(CommonRequest):
@@ -138,3 +240,6 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)  # OpenAI refuses an empty list
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools, none without
+    parallel_tool_calls: StrictBool = True
