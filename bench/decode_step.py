@@ -5,7 +5,8 @@ model over the slots, then greedy sampling) with every row at `--context`
 positions, for each of `--variants`, measured interleaved: `eager`
 (transformers' linears, MKL), `native` (the CPU default for Llama, Mistral
 and Qwen2 in float32: the whole step in one call into `native_step.c`, over
-the prepacked weights), `native-1core` (the same on one core), `prepacked`
+the prepacked weights, mapped from the box's packed weights file), `native-unshared` (the same over weights in
+the process's own memory, `--no-share-weights`), `native-1core` (the same on one core), `prepacked`
 (the step through transformers' modules with `packed_linear`'s weights and,
 float32 on one thread, `small_gemm`'s kernel for up to 64 rows: every product
 of up to 64 rows on two cores, the helper at the lowest priority; the default
@@ -173,6 +174,7 @@ def variant_options() -> dict[str, dict]:
         },
         "native": dict(compile=False, prepack=True),
         "native-1core": dict(compile=False, prepack=True),
+        "native-unshared": dict(compile=False, prepack=True, share_weights=False),
         "compiled": dict(compile=True, prepack=False),
         "compiled-prepacked": dict(compile=True, prepack=True),
     }

@@ -104,7 +104,11 @@ class OpenAIClient:
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         body = {"model": await self.served_model(), "prompt": text, "add_special_tokens": add_special_tokens}
-        return list((await self._request("POST", "/tokenize", json=body)).json()["tokens"])
+        tokens = list((await self._request("POST", "/tokenize", json=body)).json()["tokens"])
+        if not tokens and text:  # llama.cpp's server reads "content" (and "add_special"), and answers [] to the above
+            body = {"content": text, "add_special": add_special_tokens}
+            tokens = list((await self._request("POST", "/tokenize", json=body)).json()["tokens"])
+        return tokens
 
     async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
