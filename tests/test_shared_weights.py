@@ -121,12 +121,17 @@ def test_a_torn_changed_or_foreign_file_is_written_anew_and_never_served(weights
     assert decodes_as_generate(backend)
 
 
-def test_another_version_of_the_project_or_dtype_is_another_file(weights_dir, monkeypatch):
+def test_another_version_of_the_project_or_dtype_is_another_file_and_replaces_the_old_one(weights_dir, monkeypatch):
     model = tiny_model("llama")
     key = shared_weights.key_for(model, torch.float32)
     assert key == shared_weights.key_for(model, torch.float32) != shared_weights.key_for(model, torch.bfloat16)
+    old = load()
+    old_file = the_file(weights_dir)
     monkeypatch.setattr(disagg, "__version__", disagg.__version__ + ".post1")
     assert shared_weights.key_for(model, torch.float32) != key
+    new = load()
+    assert new.weights_note.startswith("wrote") and the_file(weights_dir) != old_file  # the older release's file is gone
+    assert decodes_as_generate(old) and decodes_as_generate(new)  # a worker still mapping it keeps its pages
 
 
 WORKER = textwrap.dedent("""

@@ -21,6 +21,7 @@ take turns under a lock on its directory, so a second worker waits for the first
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -151,10 +152,10 @@ def group_spans(listed: list[tuple[str, torch.Tensor]]) -> dict[int, torch.Tenso
 # -- the file ------------------------------------------------------------------------------------
 
 
-def write(model: nn.Module, key: str, path: pathlib.Path) -> None:
+def write(model: nn.Module, key: str, path: pathlib.Path, checkpoint: str = "") -> None:
     """The packed model's tensors into `path`, complete or not at all (written beside it, synced, renamed)."""
     regions, names, payload = layout(entries(model))
-    header = {"format": FORMAT, "key": key, "payload_bytes": payload, "crc32": "00000000", "tensors": names}
+    header = {"format": FORMAT, "key": key, "checkpoint": checkpoint, "payload_bytes": payload, "crc32": "00000000", "tensors": names}
     reserved = len(json.dumps(header).encode())
     start = -(-(HEADER_RESERVE + reserved) // ALIGN) * ALIGN
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
@@ -257,7 +258,34 @@ def adopt(model: nn.Module, mapped: MappedWeights) -> None:
             group.adopt_members()
 
 
-def share(model: nn.Module, key: str, pack, on_wait) -> str:
+def remove_superseded(checkpoint: str, key: str) -> int:
+    """Deletes the files of the same checkpoint under other keys (an older release's, the checkpoint's content before
+    it changed) that no worker is writing; returns how many. A worker that maps one keeps its pages until it exits."""
+    removed = 0
+    for other in directory(key).parent.glob("*/weights.bin"):
+        if other.parent.name == key:
+            continue
+        try:
+            with open(other, "rb") as f:
+                head = f.read(HEADER_RESERVE)
+                header = json.loads(f.read(int.from_bytes(head[8:], "little"))) if head[:8] == MAGIC else {}
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if header.get("checkpoint") != checkpoint:
+            continue
+        fd = os.open(other.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not while another worker writes or checks it
+            other.unlink()
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def share(model: nn.Module, key: str, pack, on_wait, checkpoint: str = "") -> str:
     """The model packed onto the box's file for `key`. pack(tensors) packs and groups the model's
     linears, taking each one's panels from `tensors` (the file's, by name) where given. With a valid
     file: packed from its tensors, and the rest adopted; else packed here, written, and adopted.
@@ -279,10 +307,12 @@ def share(model: nn.Module, key: str, pack, on_wait) -> str:
                 log.warning("packed weights file %s not used: %s; writing it anew", path, exc)
         pack(None)
         try:
-            write(model, key, path)
+            write(model, key, path, checkpoint)
         except OSError as exc:  # a read-only or full cache directory: served from this worker's own memory
             log.warning("packed weights not shared: writing %s failed: %s", path, exc)
             return f"packed weights kept in this worker's memory (writing {path} failed)"
         mapped = read(path, key)
         adopt(model, mapped)
+        if checkpoint and remove_superseded(checkpoint, key):
+            log.info("removed this checkpoint's packed weights files of other keys (another release or content)")
         return f"wrote the box's packed weights file {path} ({mapped.nbytes / 2**30:.2f} GiB) and mapped it"

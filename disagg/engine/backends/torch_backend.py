@@ -9,6 +9,7 @@ masks, while `slot_cache` hands it the engine's slot KV cache as a transformers
 from __future__ import annotations
 
 import logging
+import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -164,7 +165,7 @@ class TorchBackend(Backend):
                 waited.append(True)
                 startup.report(startup.Phase.WAITING_FOR_COMPILE, "waiting for another worker writing this model's packed weights file")
 
-            self.weights_note = shared_weights.share(self.model, key, self._pack_and_group, on_wait)
+            self.weights_note = shared_weights.share(self.model, key, self._pack_and_group, on_wait, str(pathlib.Path(self.config.model).resolve()))
             log.info("%s", self.weights_note)
             if waited:
                 startup.report(startup.Phase.LOADING, "packed weights ready; checking them")
