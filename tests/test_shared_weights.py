@@ -139,7 +139,15 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from disagg.engine.backends import load_backend
     backend = load_backend("torch", model={model!r}, dtype="float32", max_seq_len=128)
-    print(json.dumps({{"note": backend.weights_note}}), flush=True)
+    # Nothing keeps the loaded nn.Linear weights: every live tensor of a linear's shape lies in the file's mapping.
+    import gc, torch
+    from disagg.engine.cpu_kernels.packed_linear import PackedLinear
+    shapes = {{(m.out_features, m.in_features) for m in backend.model.modules() if isinstance(m, PackedLinear)}}
+    maps = [line.split() for line in open("/proc/self/maps")]
+    in_file = lambda t: any(int(m[0].split("-")[0], 16) <= t.data_ptr() < int(m[0].split("-")[1], 16) and m[-1].endswith("weights.bin") for m in maps)
+    gc.collect()
+    loose = [tuple(t.shape) for t in gc.get_objects() if isinstance(t, torch.Tensor) and tuple(t.shape) in shapes and not in_file(t)]
+    print(json.dumps({{"note": backend.weights_note, "loose": loose}}), flush=True)
     sys.stdin.readline()  # both loaded: measure
     fields, inside = {{}}, False
     with open("/proc/self/smaps") as smaps:
@@ -167,8 +175,9 @@ def test_two_worker_processes_started_together_write_once_and_share_the_pages(tm
     workers = [subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                for _ in range(2)]
     try:
-        notes = sorted(json.loads(w.stdout.readline())["note"].split(" the box")[0] for w in workers)
-        assert notes == ["mapped", "wrote"]
+        loaded = [json.loads(w.stdout.readline()) for w in workers]
+        assert sorted(report["note"].split(" the box")[0] for report in loaded) == ["mapped", "wrote"]
+        assert [report["loose"] for report in loaded] == [[], []]
         for w in workers:
             w.stdin.write("measure\n")
             w.stdin.flush()
