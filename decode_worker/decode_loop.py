@@ -28,10 +28,10 @@ or one that raises DeviceLost (disagg/engine/faults.py), put the decode loop in
 the worker, which drains and exits.
 
 A constrained row (Sequence.matcher) gets its mask where its input token is known
-without a host round trip: on the device thread, each step hands the step's input
-tokens to the mask thread, which advances the rows' matchers by them and fills one
-bitmask for the batch while the model computes the logits; the sampler applies it
-(disagg/engine/constraints/rows.py). Unconstrained rows share the step unmasked.
+without a host round trip: on the device thread, each step advances the rows'
+matchers by the step's input tokens and fills one bitmask for the batch (on an
+accelerator on the mask thread, while the model computes the logits); the sampler
+applies it (disagg/engine/constraints/rows.py). Unconstrained rows share the step unmasked.
 
 Nothing here runs on the gRPC event loop: the loop has its own thread and the
 model runs on a single device thread.
@@ -141,6 +141,7 @@ class DecodeLoop:
         self._retiring: list[Sequence] = []
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(device_cpus,))
         self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-masks")  # the only thread that steps matchers
+        self._masks_inline = str(getattr(backend, "device", "cpu")) == "cpu"
         self._last_output: torch.Tensor | None = None  # touched only on the device thread
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._stopping = False
@@ -394,9 +395,8 @@ class DecodeLoop:
             from_prev = from_prev.to(device)
             carried = last[from_prev.clamp(min=0)]
             inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids.to(device))
-        if matchers is not None:  # the masks are filled on their own thread while the logits compute
-            masks = self._masks.submit(step_bitmask, matchers, inputs.input_ids.tolist(), self.backend.info.vocab_size)
-            inputs.token_bitmask = masks.result
+        if matchers is not None:
+            inputs.token_bitmask = self._step_masks(matchers, inputs.input_ids.tolist())
         output = self._decode_step(inputs)
         self._last_output = output.token_ids
         self._last_step_end = time.perf_counter()
@@ -405,6 +405,16 @@ class DecodeLoop:
         self.stats.device_seconds += elapsed
         self.stats.step_seconds = (self.stats.step_seconds + [elapsed])[-256:]
         return output
+
+    def _step_masks(self, matchers: list[RowMatcher | None], input_ids: list[int]) -> Callable[[], torch.Tensor]:
+        """Device thread: the step's bitmask, for the backend to take after the logits. On an
+        accelerator it is filled on the mask thread while the logits compute; on the CPU, here
+        and now: the model shares the cores, and a hand-off between threads costs more than it hides."""
+        vocab = self.backend.info.vocab_size
+        if self._masks_inline:
+            bitmask = step_bitmask(matchers, input_ids, vocab)
+            return lambda: bitmask
+        return self._masks.submit(step_bitmask, matchers, input_ids, vocab).result
 
     def _process(self, step: _Step) -> None:
         try:

@@ -29,7 +29,7 @@ def bitmask_of(allowed_rows: list[list[int]], vocab: int = VOCAB) -> torch.Tenso
 def test_the_bitmask_leaves_only_the_allowed_tokens_in_every_row():
     logits = torch.randn(3, VOCAB)
     allowed = [[0, 33, 69], list(range(VOCAB)), [5]]
-    masked = apply_bitmask(logits, bitmask_of(allowed))
+    masked = apply_bitmask(logits.clone(), bitmask_of(allowed))
     for row, ids in enumerate(allowed):
         finite = torch.isfinite(masked[row]).nonzero().flatten().tolist()
         assert finite == ids
@@ -118,3 +118,22 @@ def test_json_object_allows_any_object(compiler):
     made, tokenizer = compiler
     row = made.start_row(Constraint(ConstraintKind.JSON_OBJECT), tokenizer(json.dumps({"a": [1, {"b": None}]}), add_special_tokens=False)["input_ids"])
     assert row.matcher.is_accepting()
+
+
+def test_a_compile_over_its_time_bound_is_refused_and_the_next_one_compiles(llama_path):
+    import threading
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    made = ConstraintCompiler(lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], compile_seconds=0.05)
+    busy = threading.Event()
+    made._threads.submit(busy.wait)  # the compile thread held: the constraint cannot compile in time
+    try:
+        with pytest.raises(InvalidField) as refused:
+            made.compiled(Constraint(ConstraintKind.REGEX, "[a-z]+"))
+        assert refused.value.field == "constraint.regex" and "did not compile within 0.05 s" in refused.value.rule
+    finally:
+        busy.set()
+    assert made.compiled(Constraint(ConstraintKind.REGEX, "[0-9]+"), timeout=30) is not None
+    made.close()

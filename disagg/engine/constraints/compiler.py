@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
 import llguidance.hf
@@ -91,7 +92,7 @@ class ConstraintCompiler:
         future = self.compile_future(constraint)
         try:
             return future.result(timeout=self.compile_seconds if timeout is None else timeout)
-        except TimeoutError:
+        except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise InvalidField(constraint.field, f"did not compile within {self.compile_seconds:g} s") from None
 
     def start_row(self, constraint: Constraint, history: Sequence[int]) -> RowMatcher:
