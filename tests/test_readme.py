@@ -25,8 +25,8 @@ README = (ROOT / "README.md").read_text()
 API = (ROOT / "docs" / "api.md").read_text()
 GRPC_PORT, HTTP_PORT = 50050, 8000
 # (page, its `## ` section, how many commands of each kind it must hold at least)
-HTTP_SECTIONS = [(README, "Call it over HTTP (OpenAI API)", 2), (API, "OpenAI-compatible HTTP API", 8)]
-GRPC_SECTIONS = [(README, "Call it over gRPC", 2), (API, "gRPC", 9)]
+HTTP_SECTIONS = [(README, "Call it over HTTP (OpenAI API)", 2), (API, "OpenAI-compatible HTTP API", 8), (API, "Structured output and tool calls", 2)]
+GRPC_SECTIONS = [(README, "Call it over gRPC", 4), (API, "gRPC", 9), (API, "Structured output and tool calls", 2)]
 
 
 def section(title: str, page: str = README) -> str:
@@ -138,7 +138,7 @@ def check_http_output(command: str, output: str) -> None:
     assert body["usage"]["completion_tokens"] >= n, output
 
 
-@pytest.mark.parametrize("page, title, at_least", HTTP_SECTIONS, ids=["README", "docs/api.md"])
+@pytest.mark.parametrize("page, title, at_least", HTTP_SECTIONS, ids=["README", "docs/api.md", "docs/api.md-structured"])
 def test_the_curl_examples_as_written(served, page, title, at_least):
     examples = commands(section(title, page), "curl")
     assert len(examples) >= at_least
@@ -165,7 +165,7 @@ def test_the_readme_openai_python_example_as_written(served):
     assert completion.strip() and chat.endswith("\n"), result.stdout
 
 
-@pytest.mark.parametrize("page, title, at_least", GRPC_SECTIONS, ids=["README", "docs/api.md"])
+@pytest.mark.parametrize("page, title, at_least", GRPC_SECTIONS, ids=["README", "docs/api.md", "docs/api.md-structured"])
 def test_the_grpcurl_examples_as_written_with_the_real_grpcurl(served, grpcurl_dir, page, title, at_least):
     assert run("grpcurl -version 2>&1", grpcurl_dir).strip() == "grpcurl v1.8.6"
     examples = commands(section(title, page), "grpcurl")
