@@ -165,6 +165,19 @@ def test_a_mixed_batch_of_32_gives_each_request_what_it_gets_alone(cluster, clus
         second.stop()
 
 
+def test_the_colocated_path_masks_its_prefills_too(cluster, cluster_logs):
+    """A decode worker that prefills itself (--colocated) gives what the split gives."""
+    asks = [MIXED[i % 4] for i in range(1, 4)]
+    with Client(cluster.router_address, timeout=60) as client:
+        split = [client.complete(PROMPT, max_new_tokens=60, **ask).token_ids for ask in asks]
+    colocated = start_cluster(cluster_logs / "structured-colocated", "llama", colocated=True)
+    try:
+        with Client(colocated.router_address, timeout=60) as client:
+            assert [client.complete(PROMPT, max_new_tokens=60, **ask).token_ids for ask in asks] == split
+    finally:
+        colocated.stop()
+
+
 def _active_decode_worker(cluster) -> str | None:
     for name in ("decode-0", "decode-1"):
         with grpc.insecure_channel(cluster.process(name).address) as channel:
@@ -175,11 +188,11 @@ def _active_decode_worker(cluster) -> str | None:
 
 def test_a_constrained_stream_moves_to_another_decode_worker_and_stays_valid(cluster, llama_ref):
     """The matcher is rebuilt from the tokens streamed before: the same tokens as an unbroken run."""
-    words = r"((the|a|cat|dog|sat|on|mat) ){100,200}"
-    expected, _ = constrained_reference(llama_ref, PROMPT, llguidance.LLMatcher.grammar_from_regex(words), 300)
+    words = r"((the|a|cat|dog|sat|on|mat) ){150,250}"
+    expected, _ = constrained_reference(llama_ref, PROMPT, llguidance.LLMatcher.grammar_from_regex(words), 440)
     with Client(cluster.router_address, timeout=120) as client:
-        stream = client.generate(PROMPT, max_new_tokens=300, regex=words)
-        received = [t for _, chunk in zip(range(8), stream) for t in chunk.token_ids]
+        stream = client.generate(PROMPT, max_new_tokens=440, regex=words)
+        received = [t for _, chunk in zip(range(4), stream) for t in chunk.token_ids]
         victim = _active_decode_worker(cluster)
         assert victim is not None
         cluster.signal(victim, signal.SIGKILL)
