@@ -9,6 +9,7 @@ logits processor over llguidance's own matcher and its packed bitmask."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import signal
@@ -151,9 +152,14 @@ def _alone(address: str) -> list[list[int]]:
         return [client.complete(f"{PROMPT} {i % 5}", max_new_tokens=60, **MIXED[i % 4]).token_ids for i in range(20)]
 
 
-def test_a_mixed_batch_of_32_gives_each_request_what_it_gets_alone(cluster, cluster_logs):
+@pytest.fixture(scope="module")
+def alone(cluster) -> list[list[int]]:
+    """The greedy tokens of the 20 distinct (prompt, constraint) pairs of the mixed batch, each asked alone."""
+    return _alone(cluster.router_address)
+
+
+def test_a_mixed_batch_of_32_gives_each_request_what_it_gets_alone(cluster, cluster_logs, alone):
     """Rows with and without constraints share steps: each gets exactly its own greedy output, over both KV transports."""
-    alone = _alone(cluster.router_address)  # 20 distinct (prompt, constraint) pairs: i and i + 20 ask the same
     assert asyncio.run(_mixed_batch(cluster.router_address)) == [alone[i % 20] for i in range(32)]
     other = "grpc" if DEFAULT_TRANSPORT != "grpc" else "nixl"
     if other == "nixl":
@@ -186,8 +192,9 @@ def _active_decode_worker(cluster) -> str | None:
     return None
 
 
-def test_a_constrained_stream_moves_to_another_decode_worker_and_stays_valid(cluster, llama_ref):
-    """The matcher is rebuilt from the tokens streamed before: the same tokens as an unbroken run."""
+def test_a_constrained_stream_moves_to_another_decode_worker_and_stays_valid(cluster, llama_ref, alone):
+    """The matcher is rebuilt from the tokens streamed before: the same tokens as an unbroken run; a mixed
+    batch of 32 sent as the worker dies gets what each of its requests gets alone."""
     words = r"((the|a|cat|dog|sat|on|mat) ){150,250}"
     expected, _ = constrained_reference(llama_ref, PROMPT, llguidance.LLMatcher.grammar_from_regex(words), 440)
     with Client(cluster.router_address, timeout=120) as client:
@@ -195,8 +202,11 @@ def test_a_constrained_stream_moves_to_another_decode_worker_and_stays_valid(clu
         received = [t for _, chunk in zip(range(4), stream) for t in chunk.token_ids]
         victim = _active_decode_worker(cluster)
         assert victim is not None
-        cluster.signal(victim, signal.SIGKILL)
-        rest = list(stream)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            batch = pool.submit(asyncio.run, _mixed_batch(cluster.router_address))
+            cluster.signal(victim, signal.SIGKILL)
+            rest = list(stream)
+            assert batch.result(timeout=300) == [alone[i % 20] for i in range(32)]
         assert received + [t for chunk in rest for t in chunk.token_ids] == expected
         # Cut by max_new_tokens before the grammar's end: still a prefix it accepts.
         assert GrammarMask(llama_ref, llguidance.LLMatcher.grammar_from_regex(words), 0).matcher.consume_tokens(expected)
