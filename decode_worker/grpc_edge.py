@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from disagg.engine.backends import load_backend
-from disagg.engine.memory import read_process_memory
+from disagg.engine.memory import sampled_process_memory
 from disagg.kv_transport.chunk_codec import KvChunkError
 from disagg.kv_transport.grpc_push import PULL_KV, PUSH_KV, chunk_from_pb, split_kv_chunk
 from disagg.rpc import startup, worker_messages
@@ -185,6 +185,6 @@ async def serve(config: DecodeWorkerConfig) -> None:
     startup.report(startup.Phase.SERVING, "serving")
     reporter.stop()  # the launcher reads health from here on
     log.info("decode worker serving on port %d (%s, %d slots, async=%s); memory: %s", server.port, backend.info.dtype, config.batch_size,
-             config.async_mode, read_process_memory().describe())
+             config.async_mode, sampled_process_memory().describe())
     await serve_until_signal(server, config.grace_seconds, busy=worker.busy)
     await worker.stop()

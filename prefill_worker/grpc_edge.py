@@ -7,7 +7,7 @@ import logging
 import grpc
 
 from disagg.engine.backends import load_backend
-from disagg.engine.memory import read_process_memory
+from disagg.engine.memory import sampled_process_memory
 from disagg.rpc import startup, worker_messages
 from disagg.rpc.metrics import PrefillMetrics, serve_metrics
 from disagg.rpc.server import (
@@ -74,6 +74,6 @@ async def serve(config: PrefillWorkerConfig) -> None:
     await server.set_serving(True)
     startup.report(startup.Phase.SERVING, "serving")
     reporter.stop()  # the launcher reads health from here on
-    log.info("prefill worker serving on port %d (%s); memory: %s", server.port, backend.info.dtype, read_process_memory().describe())
+    log.info("prefill worker serving on port %d (%s); memory: %s", server.port, backend.info.dtype, sampled_process_memory().describe())
     await serve_until_signal(server, config.grace_seconds, busy=servicer.worker.busy)
     await servicer.worker.stop()

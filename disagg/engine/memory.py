@@ -11,6 +11,8 @@ counts once in the page cache and in both RSS, half in each PSS). Read from
 from __future__ import annotations
 
 import struct
+import threading
+import time
 from dataclasses import dataclass
 
 
@@ -36,6 +38,29 @@ def read_process_memory(pid: int | str = "self") -> ProcessMemory:
         return ProcessMemory(fields["Rss"] * 1024, fields.get("Pss", 0) * 1024, shared * 1024)
     status = _kib_fields(f"/proc/{pid}/status")
     return ProcessMemory(status.get("VmRSS", 0) * 1024, 0, (status.get("RssFile", 0) + status.get("RssShmem", 0)) * 1024)
+
+
+# How old a sampled reading may be. Why sampled: reading smaps_rollup walks every page the process maps
+# (50 ms for 4 GiB resident here), too long for a worker's event loop, which answers the router's GetLoad every second.
+SAMPLE_SECONDS = 2.0
+_sample: list = []  # [the latest reading], once the sampling thread runs
+_sample_lock = threading.Lock()
+
+
+def sampled_process_memory() -> ProcessMemory:
+    """This process's memory as a thread of its own last read it (at most SAMPLE_SECONDS ago); the first
+    call reads it here (a worker's start-up line) and starts the thread."""
+    with _sample_lock:
+        if not _sample:
+            _sample.append(read_process_memory())
+            threading.Thread(target=_keep_sampling, name="memory-sampler", daemon=True).start()
+        return _sample[0]
+
+
+def _keep_sampling() -> None:
+    while True:
+        time.sleep(SAMPLE_SECONDS)
+        _sample[0] = read_process_memory()
 
 
 def _kib_fields(path: str) -> dict[str, int]:

@@ -44,13 +44,13 @@ class RouterMetrics:
 
 
 def memory_gauges(part: str, registry: CollectorRegistry) -> None:
-    """The process's memory, read when scraped (disagg/engine/memory.py)."""
-    from disagg.engine.memory import read_process_memory
+    """The process's memory as last sampled (disagg/engine/memory.py: at most 2 s old)."""
+    from disagg.engine.memory import sampled_process_memory
 
     for field, what in (("resident", "Resident memory (RSS)"), ("proportional", "Proportional set size (PSS): shared pages divided between their users"),
                         ("shared", "Of the resident memory, pages other processes map too")):
         gauge = Gauge(f"disagg_{part}_{field}_bytes", f"{what} of this worker process", registry=registry)
-        gauge.set_function(lambda field=field: getattr(read_process_memory(), f"{field}_bytes"))
+        gauge.set_function(lambda field=field: getattr(sampled_process_memory(), f"{field}_bytes"))
 
 
 class PrefillMetrics:

@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass
 
 from disagg.engine.constraints import Constraint, ConstraintKind
-from disagg.engine.memory import read_process_memory
+from disagg.engine.memory import sampled_process_memory
 from disagg.engine.requests import (
     MAX_REQUEST_ID_CHARS,
     FinishReason,
@@ -143,7 +143,7 @@ def finish_from_pb(value: int) -> FinishReason:
 
 def worker_load(role: str, info, **counts) -> wpb.WorkerLoad:
     """GetLoad's answer: the model this worker serves, and what it holds now (its memory included)."""
-    memory = read_process_memory()
+    memory = sampled_process_memory()
     return wpb.WorkerLoad(
         role=role, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype,
         resident_bytes=memory.resident_bytes, proportional_bytes=memory.proportional_bytes, shared_bytes=memory.shared_bytes, **counts,
