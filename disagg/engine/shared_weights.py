@@ -36,7 +36,7 @@ from torch import nn
 
 from disagg.engine.cache_dir import cache_dir, exclusive
 from disagg.engine.cpu_kernels import small_gemm
-from disagg.engine.cpu_kernels.packed_linear import PackedLinear, adjacent_span
+from disagg.engine.cpu_kernels.packed_linear import PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,8 @@ def key_for(model: str, dtype: torch.dtype) -> str | None:
 
 
 def file_crc32(path: pathlib.Path) -> int:
-    crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+        return crc_of(f.fileno(), 0, os.fstat(f.fileno()).st_size)
 
 
 def directory(key: str) -> pathlib.Path:
@@ -92,7 +89,6 @@ def weights_path(key: str) -> pathlib.Path:
 class MappedWeights:
     """The tensors of a packed weights file, as views over one private mapping of it."""
 
-    path: pathlib.Path
     tensors: dict[str, torch.Tensor]
     nbytes: int
 
@@ -114,12 +110,11 @@ def entries(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return listed
 
 
-def layout(listed: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[torch.Tensor, int]], dict[str, list], int]:
+def layout(listed: list[tuple[str, torch.Tensor]], spans: dict[int, torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int]], dict[str, list], int]:
     """Where each tensor goes: the regions to write (a tensor, or a group's span whose members
     are views of it, at a file offset) and each name's [dtype, shape, offset]; and the payload's size."""
     regions: list[tuple[torch.Tensor, int]] = []
     placed: dict[tuple[int, int], int] = {}  # (storage pointer, first byte) of a region -> its file offset
-    spans = group_spans(listed)
     names: dict[str, list] = {}
     end = 0
     for name, tensor in listed:
@@ -134,19 +129,9 @@ def layout(listed: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[torch.Ten
     return regions, names, end
 
 
-def group_spans(listed: list[tuple[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
-    """For each panels tensor that is a view into a larger span of panels (a group's), that span, by the view's pointer."""
-    out: dict[int, torch.Tensor] = {}
-    by_storage: dict[int, list[torch.Tensor]] = {}
-    for name, tensor in listed:
-        if name.endswith(".panels"):
-            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
-    for members in by_storage.values():
-        members.sort(key=lambda t: t.data_ptr())
-        span = adjacent_span(members) if len(members) > 1 else None
-        if span is not None:
-            out.update({member.data_ptr(): span for member in members})
-    return out
+def group_spans(model: nn.Module) -> dict[int, torch.Tensor]:
+    """For each grouped linear's panels (a view into its group's), the group's span, by the view's pointer."""
+    return {m.panels.data_ptr(): m.shared.panels for m in model.modules() if isinstance(m, PackedLinear) and m.shared is not None}
 
 
 # -- the file ------------------------------------------------------------------------------------
@@ -154,7 +139,7 @@ def group_spans(listed: list[tuple[str, torch.Tensor]]) -> dict[int, torch.Tenso
 
 def write(model: nn.Module, key: str, path: pathlib.Path, checkpoint: str = "") -> None:
     """The packed model's tensors into `path`, complete or not at all (written beside it, synced, renamed)."""
-    regions, names, payload = layout(entries(model))
+    regions, names, payload = layout(entries(model), group_spans(model))
     header = {"format": FORMAT, "key": key, "checkpoint": checkpoint, "payload_bytes": payload, "crc32": "00000000", "tensors": names}
     reserved = len(json.dumps(header).encode())
     start = -(-(HEADER_RESERVE + reserved) // ALIGN) * ALIGN
@@ -179,7 +164,10 @@ def write(model: nn.Module, key: str, path: pathlib.Path, checkpoint: str = "") 
 
 
 def crc_of(fd: int, start: int, length: int) -> int:
+    """CRC-32 of length bytes of the file from start, read through a mapping (no copy into Python)."""
     crc = 0
+    if start + length == 0:
+        return crc  # an empty file maps nothing
     with mmap.mmap(fd, start + length, access=mmap.ACCESS_READ) as view:
         for first in range(start, start + length, CHUNK):
             crc = zlib.crc32(memoryview(view)[first : min(first + CHUNK, start + length)], crc)
@@ -218,7 +206,7 @@ def read(path: pathlib.Path, key: str) -> MappedWeights:
             count *= n
         first = start + offset
         tensors[name] = whole[first : first + count * dtype.itemsize].view(dtype).view(shape)
-    return MappedWeights(path, tensors, payload)
+    return MappedWeights(tensors, payload)
 
 
 # -- a packed model onto the file's tensors ------------------------------------------------------
