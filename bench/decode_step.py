@@ -37,6 +37,7 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --dtype float32 --batch 1,8,16,32 --variants prepacked-gathered,prepacked --scattered
     python bench/decode_step.py --dtype float32 --batch 1,8,16,32,64 --variants prepacked,native --scattered
     python bench/decode_step.py --batch 1,8,32 --variants prepacked,prepacked-paged --scattered   # the paged KV cache
+    python bench/decode_step.py --batch 1,8,32 --variants native,native-int8,native-fp8 --scattered   # 8-bit weights
 """
 
 from __future__ import annotations
@@ -90,6 +91,22 @@ def step_weight_bytes(path: str, dtype: str) -> int:
     tied = output is not None and output.weight.data_ptr() == embedding.data_ptr()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return total if tied else total - embedding.numel() * embedding.element_size()
+
+
+def served_weight_bytes(backend: TorchBackend) -> int:
+    """The bytes a one-row step reads from the weights as the backend serves them: every packed
+    linear's panels (8-bit ones with their scales) and every other parameter but the input embedding."""
+    from disagg.engine.cpu_kernels.packed_linear import PackedLinear
+
+    model = backend.model
+    embedding = model.get_input_embeddings().weight
+    total = 0
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            total += sum(t.numel() * t.element_size() for t in (module.panels, module.onednn, module.bias) if t is not None)
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if p is not embedding)
+    return total
 
 
 def step_inputs(batch: int, context: int, vocab: int, device: torch.device, scattered: bool = False) -> StepInputs:
@@ -175,6 +192,9 @@ def variant_options() -> dict[str, dict]:
         "native": dict(compile=False, prepack=True),
         "native-1core": dict(compile=False, prepack=True),
         "native-unshared": dict(compile=False, prepack=True, share_weights=False),
+        # 8-bit weights (--quantization), quantized at load; the LM head stays in --dtype.
+        "native-int8": dict(compile=False, prepack=True, quantization="int8"),
+        "native-fp8": dict(compile=False, prepack=True, quantization="fp8"),
         "compiled": dict(compile=True, prepack=False),
         "compiled-prepacked": dict(compile=True, prepack=True),
     }
@@ -264,11 +284,18 @@ def main() -> None:
     roofline, result = roofline_result(args, device, path)
     vocab = backends[names[0]].info.vocab_size
     baseline = names[0]
+    # An 8-bit variant reads fewer bytes: its own roofline, over the bandwidth its step's cores read.
+    bandwidth = result.get("read_bandwidth_two_cores_gbs", result["read_bandwidth_gbs"]) * 1e9
+    rooflines = {name: served_weight_bytes(backend) / bandwidth for name, backend in backends.items() if backend.quantized}
+    for name, seconds in rooflines.items():
+        print(f"{name}: weights {served_weight_bytes(backends[name]) / 1e6:.0f} MB as served: roofline {seconds * 1e3:.2f} ms per step")
+        result[f"{name}_roofline_ms"] = seconds * 1e3
     for batch in batches:
         medians = measure_batch(args, backends, batch, vocab, device)
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
         cells = [
-            f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline)"
+            f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline"
+            + (f", {median / rooflines[name]:4.2f}x its own" if name in rooflines else "") + ")"
             for name, median in medians.items()
         ]
         print(f"batch {batch:3d}: " + "   ".join(cells), flush=True)

@@ -41,7 +41,8 @@ class DecodeWorkerConfig(WorkerConfig):
         dtype = memory.serving_dtype(self.dtype, self.backend, self.device, self.model)
         packed = self.prepack if self.prepack is not None else self.device == "cpu"
         return memory.decode_need(facts, dtype, packed, self.share_weights, facts.max_seq_len(self.max_seq_len), self.kv_cache_gib,
-                                  self.batch_size or self.max_batch_size, self.block_size)
+                                  self.batch_size or self.max_batch_size, self.block_size,
+                                  memory.Quantized.of(self.quantization, self.quantization_skip))
 
     def slots_before_load(self) -> int:
         """The slot count a backend that compiles for its batch needs before loading (0: decide after)."""

@@ -36,7 +36,8 @@ class PrefillWorkerConfig(WorkerConfig):
         dtype = memory.serving_dtype(self.dtype, self.backend, self.device, self.model)
         packed = self.prepack if self.prepack is not None else self.device == "cpu"
         prefix = self.prefix_cache_gib if self.prefix_caching else 0.0
-        return memory.prefill_need(facts, dtype, packed, self.share_weights, facts.max_seq_len(self.max_seq_len), prefix, self.kv_staging_buffers)
+        return memory.prefill_need(facts, dtype, packed, self.share_weights, facts.max_seq_len(self.max_seq_len), prefix, self.kv_staging_buffers,
+                                   memory.Quantized.of(self.quantization, self.quantization_skip))
 
     @property
     def streams_kv_during_prefill(self) -> bool:

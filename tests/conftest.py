@@ -21,6 +21,7 @@ TEST_MODELS = {
     **{name: TinyModelSpec(architecture=name) for name in (*ARCHITECTURES, "gptj", "bloom")},
     "mistral-sw": TinyModelSpec(architecture="mistral", sliding_window=16),
     "gemma2-sw": TinyModelSpec(architecture="gemma2", sliding_window=16),  # sliding and full layers in turn
+    "llama-held-out": TinyModelSpec(held_out_every=5),  # trained on all paragraphs but each fifth: held-out text to evaluate on
 }
 
 
@@ -38,7 +39,7 @@ def checkpoints_root() -> pathlib.Path:
 # checkpoints while the first tests run, on the core they leave idle. In the order
 # the suite first needs them, after llama, which the first test trains itself;
 # a test that needs one being trained waits for it (ensure_tiny_model's lock).
-BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama")
+BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama-held-out", "llama")
 _builder = None
 
 

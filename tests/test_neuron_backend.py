@@ -69,6 +69,98 @@ def test_invalid_options_are_refused(bad):
         NeuronOptions(model="/m", **bad)
 
 
+# -- weight quantization ----------------------------------------------------------------
+def test_quantization_settings_map_onto_nxdis_neuron_config_arguments(tmp_path):
+    sampling = object()
+    int8 = neuron_config_kwargs(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), quantization="int8"), sampling)
+    assert {k: int8[k] for k in ("quantized", "quantization_dtype", "quantization_type", "modules_to_not_convert")} == {
+        "quantized": True, "quantization_dtype": "int8", "quantization_type": "per_channel_symmetric", "modules_to_not_convert": ["lm_head"]}
+    path = pathlib.Path(int8["quantized_checkpoints_path"])
+    assert path.parent == tmp_path / "quantized" and path.name.startswith("llama-int8-per_channel-")
+    fp8 = neuron_config_kwargs(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), quantization="fp8", quantization_type="per_tensor",
+                                             quantization_skip=()), sampling)
+    assert (fp8["quantization_dtype"], fp8["quantization_type"], fp8["modules_to_not_convert"]) == ("f8e4m3", "per_tensor_symmetric", None)
+    assert pathlib.Path(fp8["quantized_checkpoints_path"]) != path  # one state dict per checkpoint and settings
+    skip = neuron_config_kwargs(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), quantization="int8",
+                                              quantization_skip=["lm_head", "mlp.down_proj"]), sampling)  # a worker JSON's list
+    assert skip["modules_to_not_convert"] == ["lm_head", "mlp.down_proj"] and skip["quantized_checkpoints_path"] != str(path)
+    # A tp degree, a batch or buckets of their own share the quantized state dict; no quantization sets none of NxDI's arguments.
+    assert neuron_config_kwargs(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), quantization="int8", tp_degree=8, batch_size=4),
+                                sampling)["quantized_checkpoints_path"] == str(path)
+    assert not {"quantized", "quantization_dtype", "quantized_checkpoints_path"} & set(neuron_config_kwargs(NeuronOptions(model="/m"), sampling))
+
+
+def test_nxdis_neuron_config_takes_the_quantization_arguments_and_checks_them_as_nxdi_does(standin_any_transformers, tmp_path):
+    from neuronx_distributed_inference.models.config import NeuronConfig
+
+    kwargs = neuron_config_kwargs(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), quantization="fp8"), object())
+    config = NeuronConfig(**kwargs)
+    assert (config.quantized, config.quantization_dtype, config.quantization_type, config.modules_to_not_convert) == (
+        True, "f8e4m3", "per_channel_symmetric", ["lm_head"])
+    assert config.quantized_checkpoints_path == kwargs["quantized_checkpoints_path"]
+    with pytest.raises(AssertionError, match="quantized_checkpoints_path is required"):
+        NeuronConfig(quantized=True)
+    with pytest.raises(AssertionError, match="fp8 is not a valid QuantizedDtype"), pytest.warns(UserWarning):  # NxD's name is f8e4m3
+        NeuronConfig(quantized=True, quantized_checkpoints_path=str(tmp_path), quantization_dtype="fp8")
+    with pytest.warns(UserWarning, match="Assuming all modules will be quantized"):
+        NeuronConfig(**neuron_config_kwargs(NeuronOptions(model="/m", compiled_root=str(tmp_path), quantization="int8", quantization_skip=()), object()))
+
+
+def test_a_quantized_compile_never_loads_for_an_unquantized_one(tmp_path):
+    def path(**quantization):
+        return compiled_path(NeuronOptions(model="/models/llama", compiled_root=str(tmp_path), **quantization))
+
+    base = path()
+    variants = [path(quantization="int8"), path(quantization="fp8"), path(quantization="int8", quantization_skip=()),
+                path(quantization="int8", quantization_skip=("lm_head", "mlp")), path(quantization="fp8", quantization_type="per_tensor", quantization_skip=())]
+    assert len({base, *variants}) == 1 + len(variants)
+    assert "-int8-" in variants[0].name and "-fp8-" in variants[1].name
+    # Without quantization its other settings change nothing: the unquantized key is the one from before they existed.
+    assert path(quantization_type="per_tensor", quantization_skip=()) == base
+
+
+@pytest.mark.parametrize("bad,why", [
+    (dict(quantization="int4"), "quantization must be one of"),
+    (dict(quantization="int8", quantization_type="blockwise"), "quantization_type must be one of"),
+    (dict(quantization="int8", quantization_type="per_tensor"), "per_tensor quantizes every linear"),  # the default skip: lm_head
+    (dict(quantization="int8", extra={"on_cpu": True}), "CPU mode"),
+    (dict(quantization="int8", extra={"quantized": True, "quantized_checkpoints_path": "/q"}), "quantized, quantized_checkpoints_path"),
+])
+def test_quantization_nxdi_cannot_serve_as_asked_is_refused(bad, why):
+    with pytest.raises(ValueError, match=why):
+        NeuronOptions(model="/m", **bad)
+
+
+@pytest.mark.parametrize("lines,quantization", [
+    ("option.quantize=static_int8", "int8"), ("option.quantize=bitsandbytes8", "int8"), ("option.load_in_8bit=true", "int8"),
+    ("option.load_in_8bit=True", "int8"), ("option.load_in_8bit=false", None), ("option.quantize=static_int8\noption.load_in_8bit=false", "int8"),
+])
+def test_lmi_quantize_and_load_in_8bit_map_to_int8_weights(tmp_path, lines, quantization):
+    props = tmp_path / "serving.properties"
+    props.write_text(f"option.model_id=/models/llama\n{lines}\n")
+    settings, notes = read_serving_properties(str(props))
+    assert settings.get("quantization") == quantization and not notes
+
+
+@pytest.mark.parametrize("line,option", [("option.quantize=awq", "option.quantize"), ("option.quantize=fp8", "option.quantize"),
+                                         ("option.load_in_8bit=maybe", "option.load_in_8bit")])
+def test_an_lmi_quantization_value_disagg_does_not_know_is_refused_naming_the_option(tmp_path, line, option):
+    props = tmp_path / "serving.properties"
+    props.write_text(f"option.model_id=/models/llama\n{line}\n")
+    with pytest.raises(ValueError, match=f"{option}=.* is not a valid value") as error:
+        read_serving_properties(str(props))
+    if option == "option.quantize":
+        assert "static_int8" in str(error.value) and "--quantization fp8" in str(error.value)
+
+
+def test_a_worker_config_sets_the_quantization_by_our_names(tmp_path):
+    path = tmp_path / "worker.json"
+    path.write_text('{"quantization": "fp8", "quantization_type": "per_channel", "quantization_skip": ["lm_head", "mlp.down_proj"]}')
+    settings, _ = read_worker_config(str(path))
+    options = NeuronOptions(model="/m", **settings)
+    assert (options.quantization, options.quantization_type, options.quantization_skip) == ("fp8", "per_channel", ("lm_head", "mlp.down_proj"))
+
+
 # -- rows, sampling parameters -----------------------------------------------------------
 def test_rows_sort_by_seq_id_and_outputs_go_back():
     slots = [5, 1, 7, 3]
@@ -164,8 +256,8 @@ def test_lmi_serving_properties_map_to_our_settings_and_say_what_is_not_supporte
                      "option.compiled_graph_path=/cache/neuron\noption.neuron_optimize_level=2\noption.load_in_8bit=true\noption.rolling_batch=auto\n")
     settings, notes = read_serving_properties(str(props))
     assert settings == {"model": "/models/llama", "tp_degree": 8, "max_seq_len": 4096, "batch_size": 32, "context_buckets": (512, 1024, 2048),
-                        "dtype": "bfloat16", "compiled_root": "/cache/neuron", "neuron_optimize_level": 2}
-    assert any(n.startswith("option.load_in_8bit: weight quantization") for n in notes)
+                        "dtype": "bfloat16", "compiled_root": "/cache/neuron", "neuron_optimize_level": 2, "quantization": "int8"}
+    assert not any(n.startswith("option.load_in_8bit") for n in notes)
     assert any(n.startswith("option.rolling_batch: ignored") for n in notes) and any(n.startswith("engine: ignored") for n in notes)
 
 
@@ -221,6 +313,36 @@ def test_compiles_once_then_loads_and_prefill_kv_matches_the_torch_backend(stand
         torch.testing.assert_close(v, tv, rtol=1e-4, atol=1e-5)
     again.write_kv([1], 0, KvKind.KEY, 0, torch_result.layers[0][0])
     assert again.layout.read_line(again._caches(0, KvKind.KEY), 1, len(ids)).equal(torch_result.layers[0][0])
+
+
+def test_a_quantized_model_is_quantized_once_by_nxdi_then_compiled_and_served(standin, tmp_path):
+    from neuronx_distributed_inference.models.standin_model import COMPILE_LOG, QUANTIZE_LOG
+    from safetensors.torch import load_file
+
+    from disagg.engine.backends import load_backend
+
+    model = tiny_model("llama")
+    options = dict(model=model, dtype="float32", max_seq_len=64, batch_size=2, quantization="int8", quantization_type="per_channel",
+                   quantization_skip=("lm_head",), neuron={"tp_degree": 2, "compiled_root": str(tmp_path)})  # the WorkerConfig fields
+    first = load_backend("neuron", **options)
+    neuron_config = first.model.config.neuron_config
+    (quantized,) = (tmp_path / "quantized").iterdir()
+    assert (neuron_config.quantized, neuron_config.quantization_dtype, neuron_config.quantization_type, neuron_config.modules_to_not_convert,
+            neuron_config.quantized_checkpoints_path) == (True, "int8", "per_channel_symmetric", ["lm_head"], str(quantized))
+    assert (quantized / "model.safetensors").is_file() and (quantized / "disagg-compiled.json").is_file()
+    state_dict = load_file(str(quantized / "model.safetensors"))
+    assert state_dict["layers.0.mlp.down_proj.weight"].dtype == torch.int8 and "layers.0.mlp.down_proj.scale" in state_dict
+    assert "lm_head.scale" not in state_dict  # quantization_skip
+    (compiled,) = [p for p in tmp_path.iterdir() if p.name != "quantized"]
+    assert "-int8-" in compiled.name and f"weights from {quantized}:" in (compiled / COMPILE_LOG).read_text()
+    assert first.prefill(reference("llama").ids("The baker opens his shop"), Sampling()).first_token >= 0
+
+    load_backend("neuron", **options)  # loads: neither quantized nor compiled again
+    load_backend("neuron", **{**options, "neuron": {"tp_degree": 1, "compiled_root": str(tmp_path)}})  # compiles, same state dict
+    load_backend("neuron", **{**options, "quantization": None})  # an unquantized compile of its own
+    assert (quantized / QUANTIZE_LOG).read_text().count("quantized") == 1
+    compiled_dirs = [p for p in tmp_path.iterdir() if p.name != "quantized"]
+    assert len(compiled_dirs) == 3 and (compiled / COMPILE_LOG).read_text().count("compiled in") == 1
 
 
 @pytest.fixture(scope="module")

@@ -59,8 +59,27 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-buckets", type=bucket_list, default=None,
                         help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the "
                              "last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
+    add_quantization_flags(parser.add_argument_group("quantization"))
     add_torch_backend_flags(parser.add_argument_group("torch backend"))
     add_neuron_backend_flags(parser.add_argument_group("neuron backend (NxD Inference)"))
+
+
+def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--quantization", choices=("int8", "fp8"), default=None,
+                       help="quantize the linear layers' weights to 8 bits at load, as NxDI's quantized=True with quantization_dtype "
+                            "int8 or f8e4m3 (weight-only: activations stay in --dtype); a pre-quantized checkpoint (compressed-tensors, "
+                            "NxDI's quantized state dict) is served as it is without this flag (default: the checkpoint's own weights)")
+    group.add_argument("--quantization-type", choices=("per_channel", "per_tensor"), default="per_channel",
+                       help="symmetric scales per output channel or one per weight, as NxDI's quantization_type "
+                            "per_channel_symmetric / per_tensor_symmetric (default: per_channel)")
+    group.add_argument("--quantization-skip", type=name_list, default=("lm_head",),
+                       help="comma-separated names: linear layers whose name contains one stay in full precision, as NxDI's "
+                            "modules_to_not_convert (default: lm_head; '' quantizes every linear)")
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """'lm_head,mlp.down_proj' -> ('lm_head', 'mlp.down_proj'); '' -> ()."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def add_torch_backend_flags(compiled: argparse._ArgumentGroup) -> None:
@@ -172,7 +191,7 @@ def neuron_settings(args) -> tuple[dict, dict]:
         "k_cache_transposed": args.k_cache_transposed,
     }
     merged.update({k: v for k, v in flags.items() if v is not None})
-    worker_keys = ("model", "dtype", "max_seq_len", "batch_size")
+    worker_keys = ("model", "dtype", "max_seq_len", "batch_size", "quantization", "quantization_type", "quantization_skip")
     worker = {k: merged.pop(k) for k in worker_keys if k in merged}
     optimize = merged.pop("neuron_optimize_level", None)
     if optimize is not None:
@@ -210,6 +229,9 @@ def worker_fields(args) -> tuple[dict, dict]:
         prepack=args.prepack,
         native_step=args.native_step,
         share_weights=args.share_weights,
+        quantization=settings.get("quantization", args.quantization),
+        quantization_type=settings.get("quantization_type", args.quantization_type),
+        quantization_skip=tuple(settings.get("quantization_skip", args.quantization_skip)),
         batch_buckets=args.batch_buckets or (),
         token_buckets=args.token_buckets or (),
     )

@@ -45,7 +45,14 @@ def serve_worker_args(args) -> list[str]:
         out += ["--neuron-compiled-path", args.neuron_compiled_path]
     if not args.share_weights:
         out += ["--no-share-weights"]
-    return out + cache_flags(args)
+    return out + quantization_flags(args) + cache_flags(args)
+
+
+def quantization_flags(args) -> list[str]:
+    """--quantization and its settings, where given: both workers serve the same weights."""
+    if args.quantization is None:
+        return []
+    return ["--quantization", args.quantization, "--quantization-type", args.quantization_type, "--quantization-skip", ",".join(args.quantization_skip)]
 
 
 def cache_flags(args) -> list[str]:
@@ -104,7 +111,8 @@ def check_memory(spec, args) -> None:
     facts = memory.CheckpointFacts.read(spec.model) if spec.neuron is None else None
     if facts is None:
         return
-    flags = {"model": spec.model, "dtype": spec.dtype, "max_seq_len": args.max_seq_len, "share_weights": args.share_weights}
+    flags = {"model": spec.model, "dtype": spec.dtype, "max_seq_len": args.max_seq_len, "share_weights": args.share_weights,
+             "quantization": args.quantization, "quantization_skip": args.quantization_skip}
     flags.update({} if args.block_size is None else {"block_size": args.block_size})
     flags.update({} if args.prefix_caching is None else {"prefix_caching": args.prefix_caching})
     decode = DecodeWorkerConfig(**flags, batch_size=spec.batch_size, kv_cache_gib=args.kv_cache_gib, colocated=spec.colocated)
@@ -278,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_serve_parser(sub) -> None:
     from decode_worker.config import DecodeWorkerConfig
+    from disagg.cli.flags import add_quantization_flags
     from disagg.tools.local_cluster import DECODE_NICE
     from prefill_worker.config import PrefillWorkerConfig
 
@@ -307,6 +316,7 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--share-weights", action=argparse.BooleanOptionalAction, default=True,
                        help="the workers map one file of the prepacked weights, so the machine holds them once (default); "
                             "--no-share-weights gives each worker its own copy")
+    add_quantization_flags(serve)
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="auto: bfloat16 on a CPU with native bf16 (AVX512_BF16, AMX), float32 on others, the checkpoint's own on CUDA, bf16 on Neuron")
     serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES,

@@ -123,6 +123,7 @@ class CheckpointFacts:
     tied_head_values: int  # an LM head that is the embedding (laid out for products as well, where packed)
     kv_values_per_token: int  # 2 x layers x kv heads x head dim
     max_positions: int
+    head_values: int = 0  # an LM head of its own (among linear_values): full precision unless --quantization-skip lets it be quantized
 
     @classmethod
     def read(cls, model: str) -> CheckpointFacts | None:
@@ -144,7 +145,7 @@ class CheckpointFacts:
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
         config = config.get("text_config", config)
-        linear = other = embedding = 0
+        linear = other = embedding = head = 0
         has_head = False
         for name, shape in (item for file in files for item in _safetensors_shapes(os.path.join(model, file))):
             values = _product(shape)
@@ -153,6 +154,7 @@ class CheckpointFacts:
             elif len(shape) == 2:
                 linear += values
                 has_head = has_head or "lm_head" in name
+                head += values if "lm_head" in name else 0
             else:
                 other += values
         tied = config.get("tie_word_embeddings", True) and not has_head
@@ -161,15 +163,32 @@ class CheckpointFacts:
         kv_heads = config.get("num_key_value_heads") or heads
         layers = config.get("num_hidden_layers") or config.get("n_layer") or 0
         positions = config.get("max_position_embeddings") or config.get("n_positions") or 4096
-        return cls(linear, other + embedding, embedding if tied else 0, 2 * layers * kv_heads * head_dim, positions)
+        return cls(linear, other + embedding, embedding if tied else 0, 2 * layers * kv_heads * head_dim, positions, head)
 
     def max_seq_len(self, asked: int) -> int:
         """As the torch backend settles it: the asked length, else the model's, at most 4,096, never past the model's."""
         return min(asked or min(self.max_positions, 4096), self.max_positions)
 
-    def weight_bytes(self, itemsize: int, packed: bool) -> int:
-        """packed: the CPU's PackedLinear keeps one layout of every linear weight, a tied LM head's included."""
-        return (self.linear_values + self.other_values + (self.tied_head_values if packed else 0)) * itemsize
+    def weight_bytes(self, itemsize: int, packed: bool, quantization: Quantized | None = None) -> int:
+        """packed: the CPU's PackedLinear keeps one layout of every linear weight, a tied LM head's included.
+        quantization: the linears in one byte a value (a tied or skipped LM head stays full precision);
+        only where packed do the 8-bit panels replace the full-precision weights."""
+        full = (self.linear_values + self.other_values + (self.tied_head_values if packed else 0)) * itemsize
+        if quantization is None or not packed:
+            return full
+        eight_bit = self.linear_values - (0 if quantization.head else self.head_values)
+        return full - eight_bit * (itemsize - 1)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What --quantization makes 8-bit, as the estimate counts it."""
+
+    head: bool = False  # the LM head too (--quantization-skip does not name it)
+
+    @classmethod
+    def of(cls, method: str | None, skip: tuple[str, ...]) -> Quantized | None:
+        return None if method is None else cls(head=not any(part and part in "lm_head" for part in skip))
 
 
 def _product(shape) -> int:
@@ -233,19 +252,21 @@ def itemsize_of(dtype: str) -> int:
 
 
 def decode_need(facts: CheckpointFacts, dtype: str, packed: bool, shared: bool, max_seq_len: int, kv_cache_gib: float, sequences: int,
-                block_size: int) -> MemoryNeed:
+                block_size: int, quantization: Quantized | None = None) -> MemoryNeed:
     """The KV as the decode worker sizes it: its budget, or less where `sequences` sequences of max_seq_len fill less."""
     itemsize = itemsize_of(dtype)
     per_sequence = -(-max_seq_len // block_size) * block_size * facts.kv_values_per_token * itemsize
     kv = min(int(kv_cache_gib * GIB), sequences * per_sequence)
-    return MemoryNeed("decode", facts.weight_bytes(itemsize, packed), kv, shared=packed and shared)
+    return MemoryNeed("decode", facts.weight_bytes(itemsize, packed, quantization), kv, shared=packed and shared)
 
 
-def prefill_need(facts: CheckpointFacts, dtype: str, packed: bool, shared: bool, max_seq_len: int, prefix_cache_gib: float, staging_buffers: int) -> MemoryNeed:
+def prefill_need(facts: CheckpointFacts, dtype: str, packed: bool, shared: bool, max_seq_len: int, prefix_cache_gib: float, staging_buffers: int,
+                 quantization: Quantized | None = None) -> MemoryNeed:
     """Its KV: the prompts staged for the decode workers (NIXL; the gRPC push holds less) and the prefix cache's budget."""
     itemsize = itemsize_of(dtype)
     staged = staging_buffers * max_seq_len * facts.kv_values_per_token * itemsize
-    return MemoryNeed("prefill", facts.weight_bytes(itemsize, packed), staged, prefix_cache=int(prefix_cache_gib * GIB), shared=packed and shared)
+    return MemoryNeed("prefill", facts.weight_bytes(itemsize, packed, quantization), staged, prefix_cache=int(prefix_cache_gib * GIB),
+                      shared=packed and shared)
 
 
 def checks_host_memory(backend: str, device: str) -> bool:

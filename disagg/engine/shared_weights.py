@@ -51,9 +51,10 @@ class UnusableFile(ValueError):
     """A packed weights file that must not be served: its reason says why (and it is then rebuilt)."""
 
 
-def key_for(model: str, dtype: torch.dtype) -> str | None:
+def key_for(model: str, dtype: torch.dtype, quantization: str = "") -> str | None:
     """The file's key for this checkpoint and dtype, or None where nothing is shared: a checkpoint
-    that is not a local directory of safetensors files, or a dtype the kernel does not pack."""
+    that is not a local directory of safetensors files, or a dtype the kernel does not pack.
+    quantization: how its linears were quantized at load ("" for none; see TorchBackend)."""
     root = pathlib.Path(model)
     kernel = small_gemm.kernel(dtype)
     files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
@@ -66,7 +67,7 @@ def key_for(model: str, dtype: torch.dtype) -> str | None:
     content = {p.name: [p.stat().st_size, file_crc32(p)] for p in files}
     content["config.json"] = hashlib.sha256((root / "config.json").read_bytes()).hexdigest()
     facts = {
-        "checkpoint": content, "dtype": str(dtype), "layout": [kernel.name, small_gemm.PANEL], "format": FORMAT,
+        "checkpoint": content, "dtype": str(dtype), "layout": [kernel.name, small_gemm.PANEL], "format": FORMAT, "quantization": quantization,
         "disagg": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]

@@ -54,6 +54,7 @@ class TinyModelSpec:
     seed: int = 0
     sliding_window: int | None = None  # for architectures that have one
     saved_dtype: str = "float32"  # the checkpoint's tensors (bfloat16 halves a large shape's file)
+    held_out_every: int = 0  # n: every n-th paragraph (0, n, 2n, ...) is left out of training, for held-out evaluations
 
     def cache_key(self) -> str:
         # Fields added since the first checkpoints count only when set, so those keep their keys.
@@ -62,7 +63,7 @@ class TinyModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-LATER_FIELDS = {"saved_dtype": "float32"}
+LATER_FIELDS = {"saved_dtype": "float32", "held_out_every": 0}
 
 # A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks.
 SMOLLM_135M_SHAPE = TinyModelSpec(
@@ -150,7 +151,9 @@ def _train(model, tokenizer, spec: TinyModelSpec) -> None:
 
     # One stream of paragraphs, each followed by EOS, so the model learns to stop.
     stream: list[int] = []
-    for text in paragraphs():
+    for index, text in enumerate(paragraphs()):
+        if spec.held_out_every and index % spec.held_out_every == 0:
+            continue
         stream += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
     data = torch.tensor(stream)
     window, batch = 64, 16

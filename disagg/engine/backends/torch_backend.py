@@ -23,6 +23,9 @@ from ..cpu_kernels import native_step, prefill_attention, slot_attention
 from ..cpu_kernels.packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
 from ..faults import DeviceLost
 from ..model_files import eos_token_ids
+from ..quantization import QuantizationSettings
+from ..quantization.loading import LoadedWeights, load_weights
+from ..quantization.model import DEFAULT_SKIP
 from ..requests import Sampling, TokenLogprobs
 from ..sampler import SampleOutput, SlotTokenCounts, params_tensor, sample, token_rows
 from ..threads import on_the_teams_cpu
@@ -55,10 +58,18 @@ class TorchBackendConfig:
     native_step: bool | None = None
     # Prepacked weights in one file per box, mapped by every worker that serves the same checkpoint (`shared_weights`).
     share_weights: bool = True
+    # Linear weights in 8 bits, quantized at load (disagg/engine/quantization): "int8", "fp8", or None.
+    quantization: str | None = None
+    quantization_type: str = "per_channel"
+    quantization_skip: tuple[str, ...] = DEFAULT_SKIP
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self.quantization_settings()  # a bad method or type fails here, before the model loads
+
+    def quantization_settings(self) -> QuantizationSettings:
+        return QuantizationSettings(self.quantization, self.quantization_type, tuple(self.quantization_skip))
 
 
 def describe(model_path: str, config, backend: str, dtype: torch.dtype, max_seq_len: int, kv_shape: tuple[int, int], eos: tuple[int, ...]) -> ModelInfo:
@@ -123,7 +134,16 @@ class TorchBackend(Backend):
         self.dtype = DTYPES[config.dtype]
         self.loaded_here = model is None  # a model handed in is used as it is: its weights are not shared
         self.weights_note = "not shared"  # what became of the box's packed weights file (shared_weights.share)
-        self.model = model if model is not None else load_model(config.model, self.dtype, self.device)
+        # The model, its linears set to their dequantized values where they are 8-bit (`quantized`: those weights, by name).
+        if model is None:  # a pre-quantized checkpoint is built from its config, so its verdict is checked here
+            architectures.check_verdict(AutoConfig.from_pretrained(config.model))
+        if model is not None:
+            loaded = LoadedWeights(model, {}, "")
+        else:
+            loaded = load_weights(config.model, self.dtype, self.device, config.quantization_settings(), load_model)
+        self.model, self.quantized, self.quantization_note = loaded.model, loaded.quantized, loaded.note
+        if self.quantization_note:
+            log.info("%s", self.quantization_note)
         architectures.check_structure(self.model)
         row_masks.install()
         self.plans = layer_plans(self.model.config)
@@ -155,7 +175,7 @@ class TorchBackend(Backend):
         # the kernel's shared blocks, or oneDNN, as this thread may use one core or more).
         prompts = ([0], [0, 1, 2, 3], [0] * min(SMALL_ROWS + 1, self.info.max_seq_len))
         plain = [self.prefill_logits(prompt, lambda *kv: None) for prompt in prompts]
-        key = shared_weights.key_for(self.config.model, self.dtype) if self.config.share_weights and self.loaded_here else None
+        key = shared_weights.key_for(self.config.model, self.dtype, self.quantization_note) if self.config.share_weights and self.loaded_here else None
         if key is None:
             self._pack_and_group(None)
         else:
@@ -173,7 +193,7 @@ class TorchBackend(Backend):
             architectures.refuse(self.model.config, "its logits change with prepacked linear layers (run with --no-prepack)")
 
     def _pack_and_group(self, panels: dict[str, torch.Tensor] | None) -> None:
-        log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model, panels))
+        log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model, panels, self.quantized))
         groups = group_shared_inputs(self.model, lambda: self.prefill_logits([0], lambda *kv: None))
         if groups:
             log.info("%d groups of linear layers read the same input: each group is one product", groups)

@@ -76,10 +76,14 @@ typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_he
 
 /* One product's weights: panels of NR columns (small_gemm's layout), N output columns, an optional bias. */
 struct weights {
-    const void *panels; /* float32 or bf16, as the product function reads them */
+    const void *panels; /* float32, bf16 or 8-bit, as the product functions read them */
     const float *bias;
     long n;
     int shared; /* shared with the kernel's helper thread (small_gemm_split) where the caller may */
+    /* The build of small_gemm that reads these panels, where it is not the model's own (8-bit weights
+     * beside a full-precision LM head); NULL: the model's product and split_product. */
+    product_fn product;
+    split_product_fn split_product;
 };
 
 struct layer {
@@ -120,9 +124,9 @@ static void product(const struct model *m, int may_share, const float *x, long r
     for (long r = 0; r < rows; r += BLOCK_ROWS) {
         long n = rows - r < BLOCK_ROWS ? rows - r : BLOCK_ROWS;
         if (may_share && w->shared)
-            m->split_product(x + r * k, n, k, w->panels, w->n, w->bias, y + r * w->n);
+            (w->split_product ? w->split_product : m->split_product)(x + r * k, n, k, w->panels, w->n, w->bias, y + r * w->n);
         else
-            m->product(x + r * k, n, k, w->panels, w->n, w->bias, y + r * w->n);
+            (w->product ? w->product : m->product)(x + r * k, n, k, w->panels, w->n, w->bias, y + r * w->n);
     }
 }
 

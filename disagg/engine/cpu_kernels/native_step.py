@@ -75,7 +75,8 @@ def prefill_max_rows(dtype: torch.dtype, threads: int) -> int:
 
 
 class _Weights(ctypes.Structure):
-    _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_long), ("shared", ctypes.c_int)]
+    _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_long), ("shared", ctypes.c_int),
+                ("product", ctypes.c_void_p), ("split_product", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -150,8 +151,9 @@ def unserved(model, plans: list[LayerPlan]) -> str | None:
     dtype = inner.embed_tokens.weight.dtype
     if dtype not in MODEL_FLAGS:
         return f"it runs in {dtype}, not float32 or bfloat16"
-    if not all(isinstance(linear, PackedLinear) and linear.panels is not None and linear.panels.dtype == dtype for linear in linears):
-        return f"its linears are not packed for the few-row kernel ({dtype} on an AVX2 CPU with a C compiler)"
+    if not all(isinstance(linear, PackedLinear) and linear.panels is not None and linear.panels.dtype in (dtype, *small_gemm.QUANTIZED_DTYPES)
+               for linear in linears):
+        return f"its linears are not packed for the few-row kernel ({dtype} or 8-bit on an AVX2 CPU with a C compiler)"
     if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
         return "it has layers that are neither full nor sliding-window attention"
     if len({layer.self_attn.scaling for layer in layers}) != 1 or len(
@@ -179,7 +181,11 @@ def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int, keep: list
         bias = bias.float().contiguous()
         keep.append(bias)
     shared = int(panels.numel() * panels.element_size() >= small_gemm.SPLIT_MIN_BYTES)
-    return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, shared)
+    functions = (None, None)
+    if panels.dtype in small_gemm.QUANTIZED_DTYPES:  # the 8-bit build's products (the model's are its own dtype's)
+        kernel = small_gemm.kernel(panels.dtype)
+        functions = tuple(ctypes.cast(function, ctypes.c_void_p).value for function in (kernel._call, kernel._split))
+    return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, shared, *functions)
 
 
 def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype) -> _KvCache:

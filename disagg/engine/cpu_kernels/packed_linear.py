@@ -66,6 +66,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..quantization.schemes import QuantizedWeight
 from . import small_gemm
 
 # Up to this many rows go through small_gemm's kernel (faster than oneDNN at 64 rows
@@ -91,15 +92,24 @@ class PackedLinear(nn.Module):
     """`nn.Linear`'s product over weights prepared once at load (see the module's text).
 
     panels: the kernel's layout of this weight, when it was made elsewhere (a view
-    into the box's shared weights file); else it is packed here from the linear."""
+    into the box's shared weights file); else it is packed here from the linear.
+    quantized: the weight in 8 bits (disagg/engine/quantization), whose panels the
+    8-bit kernel reads; the linear's own weight then holds its dequantized values,
+    which a CPU without the kernel keeps in oneDNN's layout (correct, not smaller)."""
 
-    def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None, quantized: QuantizedWeight | None = None):
         super().__init__()
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        kernel = small_gemm.kernel(weight.dtype)
+        self.dtype = weight.dtype  # the model's: what its rows and outputs are
+        kernel = small_gemm.kernel(quantized.values.dtype if quantized is not None else weight.dtype)
         if kernel is None or not fits_panels(panels, kernel, weight):
-            panels = kernel.pack(weight) if kernel is not None else None
+            if kernel is None:
+                panels = None
+            elif quantized is not None:
+                panels = kernel.pack_quantized(quantized.values, quantized.scale)
+            else:
+                panels = kernel.pack(weight)
         # Buffers, not parameters: the model's own weights stay what was loaded. One of the two is kept.
         self.register_buffer("panels", panels, persistent=False)  # [ceil(out / 24), in, 24], or None
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if panels is None else None
@@ -115,7 +125,7 @@ class PackedLinear(nn.Module):
         values: a copy unpacked from the panels (oneDNN's layout does not unpack)."""
         if self.panels is None:
             raise AttributeError("this linear's weight is kept only in oneDNN's packed layout, which does not unpack")
-        return small_gemm.kernel(self.panels.dtype).unpack(self.panels, self.out_features, self.in_features)
+        return small_gemm.kernel(self.panels.dtype).unpack(self.panels, self.out_features, self.in_features).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -132,8 +142,8 @@ class PackedLinear(nn.Module):
 def fits_panels(panels: torch.Tensor | None, kernel: small_gemm.SmallGemm, weight: torch.Tensor) -> bool:
     """Whether panels made elsewhere have the shape and dtype the kernel packs this weight into."""
     out_features, in_features = weight.shape
-    expected = (-(-out_features // small_gemm.PANEL), kernel.packed_k(in_features), small_gemm.PANEL)
-    return panels is not None and tuple(panels.shape) == expected and panels.dtype == weight.dtype and panels.is_contiguous()
+    expected = (-(-out_features // small_gemm.PANEL), kernel.panel_rows(in_features), small_gemm.PANEL)
+    return panels is not None and tuple(panels.shape) == expected and panels.dtype == kernel.weight_dtype and panels.is_contiguous()
 
 
 # From this many rows, a caller that keeps to one core derives oneDNN's layout for the
@@ -154,7 +164,7 @@ def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torc
     kernel = small_gemm.kernel(panels.dtype)
     n = rows.shape[0]
     if n >= DERIVED_MIN_ROWS and not kernel.shares(panels):
-        derived = torch.ops.mkldnn._reorder_linear_weight(kernel.unpack(panels, out_features, rows.shape[1]).contiguous(), None)
+        derived = torch.ops.mkldnn._reorder_linear_weight(kernel.unpack(panels, out_features, rows.shape[1]).to(rows.dtype).contiguous(), None)
         return torch.ops.mkldnn._linear_pointwise(rows, derived, bias, "none", [], "")
     kernel_bias = None if bias is None else bias.float()
     if n <= SMALL_ROWS:
@@ -279,7 +289,8 @@ def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
             hook.remove()
     groups: list[list[PackedLinear]] = []
     for (module, x), (previous, previous_x) in zip(calls[1:], calls[:-1]):
-        if x is not None and x is previous_x and module.in_features == previous.in_features:
+        # One product reads one kernel's panels: an 8-bit member and a full-precision one stay apart.
+        if x is not None and x is previous_x and module.in_features == previous.in_features and module.panels.dtype == previous.panels.dtype:
             if groups and groups[-1][-1] is previous:
                 groups[-1].append(module)
             else:
@@ -295,15 +306,16 @@ def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
     return len(distinct)
 
 
-def prepack_linears(model: nn.Module, panels: dict[str, torch.Tensor] | None = None) -> int:
+def prepack_linears(model: nn.Module, panels: dict[str, torch.Tensor] | None = None, quantized: dict[str, QuantizedWeight] | None = None) -> int:
     """Replaces every `nn.Linear` of the model by a `PackedLinear`; returns how many. panels: each
     linear's panels by its name + ".panels" (the box's shared weights file), used where they fit;
-    without them, the weights left as loaded are then copied out of the loader's storage (release_loaded_storage)."""
+    without them, the weights left as loaded are then copied out of the loader's storage (release_loaded_storage).
+    quantized: the 8-bit weights of the linears so named (their panels are the 8-bit kernel's)."""
     targets = [(parent, prefix, name, child) for prefix, parent in model.named_modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
     for parent, prefix, name, child in targets:
-        given = (panels or {}).get(f"{prefix}.{name}.panels" if prefix else f"{name}.panels")
-        setattr(parent, name, PackedLinear(child, given))
+        full_name = f"{prefix}.{name}" if prefix else name
+        setattr(parent, name, PackedLinear(child, (panels or {}).get(f"{full_name}.panels"), (quantized or {}).get(full_name)))
     if panels is None:
         release_loaded_storage(model)
     return len(targets)

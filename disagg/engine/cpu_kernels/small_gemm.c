@@ -42,14 +42,44 @@
  * is that float exactly). The rows, the sums and y stay float32 either way, so a bf16
  * weight reads half the bytes and each output is still one float32 sum of exact
  * products (what oneDNN's bf16 products accumulate in, before their one rounding). */
-#ifdef WEIGHT_BF16
+#if defined(WEIGHT_BF16)
 typedef unsigned short weight_t;
 static inline __m256 load_weights(const weight_t *w) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
 }
+#elif defined(WEIGHT_INT8)
+/* 8-bit weights (built with -DWEIGHT_INT8 or -DWEIGHT_FP8): each widened to float32 exactly as
+ * it is read (a quarter of float32's bytes), multiplied as float32; the weight's scale, one per
+ * output column, multiplies each chunk's sums before they are added into y (SCALED). */
+typedef signed char weight_t;
+static inline __m256 load_weights(const weight_t *w) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w))); }
+#elif defined(WEIGHT_FP8)
+/* e4m3 (no infinities; the loader refuses NaN): a normal's exponent and mantissa bits, shifted into
+ * a float32's place, rebiased by 127 - 7; a subnormal (exponent 0) is its mantissa times 2^-9. */
+typedef unsigned char weight_t;
+static inline __m256 load_weights(const weight_t *w) {
+    __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w));
+    __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7f));
+    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+    __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(1.0f / 512.0f));
+    __m256 is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude));
+    __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x80)), 24));
+    return _mm256_or_ps(_mm256_blendv_ps(normal, subnormal, is_subnormal), sign);
+}
 #else
 typedef float weight_t;
 static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w); }
+#endif
+
+/* An 8-bit build's panel ends with its 24 columns' float32 scales: 96 bytes, 4 more rows of
+ * the panel's 24 one-byte weights, so a panel is [K + 4][24] and carries its own scales
+ * (groups of linears laid end to end keep each member's). */
+#if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
+#define SCALE_ROWS 4
+#define SCALED(a, j) _mm256_mul_ps(a, _mm256_loadu_ps(scales + 8 * (j)))
+#else
+#define SCALE_ROWS 0
+#define SCALED(a, j) (a)
 #endif
 
 /* The rows as the blocks read them. Built with -DDOT_BF16 as well (AVX512_BF16 CPUs):
@@ -117,7 +147,7 @@ static inline __attribute__((always_inline)) void store_row(__m256 a0, __m256 a1
         a##i##1 = _mm256_fmadd_ps(xi, w1, a##i##1);                    \
         a##i##2 = _mm256_fmadd_ps(xi, w2, a##i##2);                    \
     }
-#define STORE(i) store_row(a##i##0, a##i##1, a##i##2, y + (i) * ldy, bias, ncols, first);
+#define STORE(i) store_row(SCALED(a##i##0, 0), SCALED(a##i##1, 1), SCALED(a##i##2, 2), y + (i) * ldy, bias, ncols, first);
 /* One chunk row of the panel (24 weights: 96 bytes in float32, 48 in bf16). */
 #define LOAD_W                                                         \
     const weight_t *w = chunk + k * NR;                                \
@@ -130,8 +160,8 @@ static inline __attribute__((always_inline)) void store_row(__m256 a0, __m256 a1
 
 #define BLOCK(rows, load, declare, accumulate, store)                                                        \
     static void block##rows(const input_t *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,     \
-                            long ldy, const float *bias, int ncols, int first) {                            \
-        (void)ahead;                                                                                         \
+                            long ldy, const float *bias, int ncols, int first, const float *scales) {       \
+        (void)ahead, (void)scales;                                                                           \
         declare for (long k = 0; k < kn; k++) { load accumulate } store                                     \
     }
 
@@ -175,7 +205,7 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
 }
 #define BLOCK_CALL(rows) dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0)
 #else
-#define BLOCK_CALL(rows) block##rows(xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0)
+#define BLOCK_CALL(rows) block##rows(xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
 #endif
 
 /* Panels [first, last) of the product (see small_gemm); x prepared (prepare_input). */
@@ -184,9 +214,12 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
     for (long p = first; p < last; p++) {
         int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
         const float *b = bias ? bias + p * NR : 0;
+        const weight_t *panel = panels + p * (kp + SCALE_ROWS) * NR;
+        const float *scales = (const float *)(panel + kp * NR); /* an 8-bit build's (SCALE_ROWS); unread otherwise */
+        (void)scales;
         for (long k0 = 0; k0 < kp; k0 += KC) {
             long kn = kp - k0 < KC ? kp - k0 : KC;
-            const weight_t *chunk = panels + (p * kp + k0) * NR;
+            const weight_t *chunk = panel + k0 * NR;
             long ahead = kn * NR; /* the next chunk, or the next panel's first: the next bytes in memory */
             for (long m = 0; m < M; m += 4) {
                 const input_t *xm = x + m * ldx + k0;

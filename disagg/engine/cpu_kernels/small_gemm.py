@@ -47,7 +47,12 @@ BUILDS = {
     "float32": (torch.float32, (), ()),
     "bf16-widen": (torch.bfloat16, ("-DWEIGHT_BF16",), ()),
     "bf16-dot": (torch.bfloat16, ("-DWEIGHT_BF16", "-DDOT_BF16", "-mavx512f", "-mavx512bf16", "-mavx512vl"), ("avx512f", "avx512vl", "avx512_bf16")),
+    # 8-bit weights (disagg/engine/quantization), widened to float32 as they are read; each panel carries its scales.
+    "int8": (torch.int8, ("-DWEIGHT_INT8",), ()),
+    "fp8": (torch.float8_e4m3fn, ("-DWEIGHT_FP8",), ()),
 }
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+SCALE_ROWS = 4  # an 8-bit panel's last rows: its 24 columns' float32 scales (96 bytes)
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: SmolLM-135M's
 # q, o, gate, up, down and LM head (1.3-113 MB) are; its k and v alone (442 KB,
@@ -84,6 +89,7 @@ class SmallGemm:
         self.name = name
         self.weight_dtype = BUILDS[name][0]
         self.pairs = name == "bf16-dot"  # panels hold pairs of k; the rows are rounded to bf16
+        self.scale_rows = SCALE_ROWS if self.weight_dtype in QUANTIZED_DTYPES else 0  # each panel's scales, after its K rows
         arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
         self._call.argtypes, self._call.restype = arguments, None
@@ -155,6 +161,34 @@ class SmallGemm:
         """The panels' K: in_features, or (pairs) rounded up to a multiple of 4."""
         return -(-in_features // 4) * 4 if self.pairs else in_features
 
+    def panel_rows(self, in_features: int) -> int:
+        """A panel's rows: packed_k, and an 8-bit build's scales."""
+        return self.packed_k(in_features) + self.scale_rows
+
+    def pack_quantized(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """An 8-bit weight (values [out, in], int8 or float8_e4m3fn; scale [out] float32) -> panels
+        [ceil(out / 24), in + 4, 24] of the values' dtype: each panel's [in][24] values, then its
+        columns' 24 float32 scales as 96 bytes (small_gemm.c, SCALE_ROWS); columns past `out` zero."""
+        if values.dtype != self.weight_dtype or not self.scale_rows:
+            raise ValueError(f"small_gemm {self.name}: cannot pack {values.dtype} values")
+        out_features, in_features = values.shape
+        panels = -(-out_features // PANEL)
+        padded = values.new_zeros(panels * PANEL, in_features)
+        padded[:out_features] = values
+        scales = torch.zeros(panels * PANEL, dtype=torch.float32)
+        scales[:out_features] = scale
+        body = padded.view(torch.uint8).view(panels, PANEL, in_features).transpose(1, 2)
+        tail = scales.view(torch.uint8).view(panels, SCALE_ROWS, PANEL)
+        return torch.cat([body, tail], dim=1).contiguous().view(values.dtype)
+
+    def unpack_quantized(self, panels: torch.Tensor, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [out, in], scale [out] float32) back from `pack_quantized`'s panels (copies)."""
+        count = panels.shape[0]
+        raw = panels.view(torch.uint8)
+        values = raw[:, :in_features].transpose(1, 2).reshape(count * PANEL, in_features)[:out_features].contiguous().view(panels.dtype)
+        scale = raw[:, in_features:].contiguous().view(torch.float32).reshape(count * PANEL)[:out_features].clone()
+        return values, scale
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """nn.Linear's weight [out, in] -> panels [ceil(out / 24), K, 24], the columns past `out`
         zero; in the pairs layout K is in rounded up to a multiple of 4 (zero rows) and each
@@ -171,7 +205,10 @@ class SmallGemm:
         return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
     def unpack(self, panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-        """The weight [out, in] back from `pack`'s panels (a copy)."""
+        """The weight [out, in] back from `pack`'s panels (a copy); an 8-bit build's dequantized, in float32."""
+        if self.scale_rows:
+            values, scale = self.unpack_quantized(panels, out_features, in_features)
+            return values.float() * scale[:, None]
         count, k = panels.shape[0], panels.shape[1]
         if self.pairs:
             quads = panels.reshape(count, k // 4, 4 * PANEL)  # per quad: 64 elements of columns 0-15, 32 of 16-23 (see pack)
@@ -187,7 +224,7 @@ class SmallGemm:
         n, in_features = rows.shape
         # The C side reads raw pointers: a shape it was not packed for would read past the buffers, not fail.
         bias_fits = bias is None or (bias.shape == (out_features,) and bias.dtype == torch.float32)
-        fits = panels.shape[1] == self.packed_k(in_features) and out_features <= panels.shape[0] * PANEL and bias_fits
+        fits = panels.shape[1] == self.panel_rows(in_features) and out_features <= panels.shape[0] * PANEL and bias_fits
         if not fits or rows.dtype != torch.float32 or panels.dtype != self.weight_dtype or not panels.is_contiguous():
             raise ValueError(
                 f"small_gemm: rows {tuple(rows.shape)} {rows.dtype} x {out_features} outputs do not fit panels {tuple(panels.shape)} {panels.dtype}"
@@ -202,7 +239,7 @@ class SmallGemm:
 
 
 def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
-    """The kernel for weights of this dtype (float32 or bfloat16), or None where none runs here (logged once)."""
+    """The kernel for weights of this dtype (float32, bfloat16, or 8-bit: int8, float8_e4m3fn), or None where none runs here (logged once)."""
     return _kernel(weight_dtype)  # one object per dtype, however it is asked for
 
 
@@ -210,6 +247,8 @@ def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
 def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
     if weight_dtype == torch.float32:
         return build_kernel("float32")
+    if weight_dtype in QUANTIZED_DTYPES:
+        return build_kernel("int8" if weight_dtype == torch.int8 else "fp8")
     if weight_dtype != torch.bfloat16:
         return None
     named = os.environ.get("DISAGG_BF16_KERNEL")

@@ -47,6 +47,18 @@ def toolchain(nxdi: str | None = None) -> dict:
     return {"nxdi": nxdi or nxdi_version(), "neuronx-cc": compiler, "NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS", "")}
 
 
+def quantizer() -> dict:
+    """What makes a quantized state dict besides the checkpoint and the settings: NxDI's
+    generate_quantized_state_dict over NxD's quantize_pytorch_model_* (torch's quantize_dynamic)."""
+    versions = {"nxdi": nxdi_version()}
+    for package in ("neuronx-distributed", "torch"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "none"
+    return versions
+
+
 def checkpoint_fingerprint(model: str) -> dict:
     """The checkpoint's config and weight files (name, size, mtime): the weights are sharded
     into the compiled directory, so a checkpoint replaced at the same path compiles again."""

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import shutil
 import time
 
 from disagg.rpc import startup
@@ -24,6 +25,9 @@ from .packages import INSTALL, NeuronPackagesMissing, UnsupportedNxdi, import_nx
 log = logging.getLogger(__name__)
 
 COMPILE_WORK_DIR_ENV = "BASE_COMPILE_WORK_DIR"  # read by NxDI's get_builder when compile() runs
+# What NxDI's inference_demo sets for an f8e4m3 model before it compiles and loads (torch-xla's
+# handling of the fp8 casts); NxDI's ModelWrapper adds the compiler's fp8 option itself.
+FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}
 
 
 def model_class(architecture: str):
@@ -66,7 +70,16 @@ def build_config(cls, options: NeuronOptions):
 
 def describe(options: NeuronOptions) -> str:
     model = pathlib.Path(options.model.rstrip("/")).name
-    return f"{model} for Neuron (tp {options.tp_degree}, {compiled_lines(options)} KV lines, seq {options.seq_len}, {options.dtype})"
+    weights = f", {options.quantization} {options.quantization_type} weights" if options.quantization else ""
+    return f"{model} for Neuron (tp {options.tp_degree}, {compiled_lines(options)} KV lines, seq {options.seq_len}, {options.dtype}{weights})"
+
+
+def set_quantization_env(options: NeuronOptions) -> None:
+    """The environment an fp8 model compiles and runs under, as NxDI's inference_demo sets it
+    (values already in the environment are kept)."""
+    if options.quantization == "fp8":
+        for name, value in FP8_ENV.items():
+            os.environ.setdefault(name, value)
 
 
 def compile_or_load(options: NeuronOptions):
@@ -78,6 +91,7 @@ def compile_or_load(options: NeuronOptions):
     config = build_config(cls, options)
     nxdi = artifacts.nxdi_version()
     path = compiled_path(options, nxdi)
+    set_quantization_env(options)
     ensure_compiled(cls, options, config, path, nxdi)
     startup.report(startup.Phase.LOADING, f"loading {describe(options)} from {path}")
     model = cls(options.model, config)
@@ -95,6 +109,7 @@ def ensure_compiled(cls, options: NeuronOptions, config, path: pathlib.Path, nxd
         if artifacts.is_complete(path):  # the process we waited for finished it
             return
         artifacts.clear_leftovers(path)
+        ensure_quantized(cls, options, config)  # read by the compile's weight sharding; a load reads the sharded weights only
         partial = artifacts.partial_path(path)
         started = time.monotonic()
         with startup.phase(startup.Phase.COMPILING, f"compiling {describe(options)} into {path}", after=f"compiled {describe(options)}"):
@@ -104,3 +119,39 @@ def ensure_compiled(cls, options: NeuronOptions, config, path: pathlib.Path, nxd
         record = {"nxdi": nxdi, "options": dataclasses.asdict(options), "compile_seconds": round(seconds, 1)}
         artifacts.install_complete(partial, path, record)
         log.info("compiled %s in %.0f s into %s", describe(options), seconds, path)
+
+
+def ensure_quantized(cls, options: NeuronOptions, config) -> None:
+    """NxDI's quantized state dict at config.neuron_config.quantized_checkpoints_path, made once
+    per checkpoint and settings (config.quantized_path) as NxDI's inference_demo makes it before
+    compiling: the model class's save_quantized_state_dict(model_path, config), which loads the
+    Hugging Face model (load_hf_model), quantizes its linears (generate_quantized_state_dict) and,
+    the path being a directory, saves safetensors there. Made in a partial directory renamed
+    into place when complete, under a lock, as a compile is (artifacts.py)."""
+    if not options.quantization:
+        return
+    neuron_config = config.neuron_config
+    path = pathlib.Path(neuron_config.quantized_checkpoints_path)
+    if artifacts.is_complete(path):
+        return
+    what = f"{options.quantization} {options.quantization_type} weights of {pathlib.Path(options.model.rstrip('/')).name}"
+    waiting = f"waiting for another process quantizing the {what} into {path}"
+    with artifacts.exclusive(path, on_wait=lambda: startup.report(startup.Phase.WAITING_FOR_COMPILE, waiting)):
+        if artifacts.is_complete(path):
+            return
+        partial = artifacts.partial_path(path)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)  # a directory: save_quantized_state_dict saves safetensors into it (a file path: torch.save)
+        started = time.monotonic()
+        with startup.phase(startup.Phase.COMPILING, f"quantizing the {what} into {path}", after=f"quantized the {what}"):
+            neuron_config.quantized_checkpoints_path = str(partial)
+            try:
+                cls.save_quantized_state_dict(options.model, config)
+            finally:
+                neuron_config.quantized_checkpoints_path = str(path)
+        seconds = time.monotonic() - started
+        record = {"nxdi": artifacts.nxdi_version(), "quantizer": artifacts.quantizer(), "model": options.model,
+                  "quantization": options.quantization, "quantization_type": options.quantization_type,
+                  "quantization_skip": list(options.quantization_skip), "quantize_seconds": round(seconds, 1)}
+        artifacts.install_complete(partial, path, record)
+        log.info("quantized the %s in %.0f s into %s", what, seconds, path)

@@ -16,10 +16,23 @@ MODEL_CLASSES = {
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "float32": "float32", "fp32": "float32"}
 
+# --quantization -> NeuronConfig.quantization_dtype (a QuantizedDtype member name of NxD's
+# quantization_config, which NeuronConfig._verify_quantized_config checks).
+QUANTIZATION_DTYPES = {"int8": "int8", "fp8": "f8e4m3"}
+# --quantization-type -> NeuronConfig.quantization_type (NxD's QuantizationType values; the two that
+# both NxDI's generate_quantized_state_dict and its model conversion take).
+QUANTIZATION_TYPES = {"per_channel": "per_channel_symmetric", "per_tensor": "per_tensor_symmetric"}
+# The fields that mean nothing without `quantization`: left out of the compiled key then, so an
+# unquantized configuration keeps the directory it compiled into before they existed.
+QUANTIZATION_FIELDS = ("quantization", "quantization_type", "quantization_skip")
+# NeuronConfig's own quantization arguments: set from `quantization`, never also through `extra`.
+NXDI_QUANTIZATION_KWARGS = ("quantized", "quantized_checkpoints_path", "quantization_dtype", "quantization_type", "modules_to_not_convert")
+
 
 @dataclass(frozen=True)
 class NeuronOptions:
-    """What a worker asks of NxDI; every field here goes into the compiled artifacts' key."""
+    """What a worker asks of NxDI; every field here goes into the compiled artifacts' key (the
+    quantization settings where quantization is on: compiled_key_options)."""
 
     model: str
     tp_degree: int = 1
@@ -35,6 +48,9 @@ class NeuronOptions:
     global_topk: int = 256
     k_cache_transposed: bool = False  # refused: a transposed K splits every KV write into head_dim copies
     compiled_root: str = ""  # default: ~/.cache/disagg/neuron
+    quantization: str | None = None  # int8 or fp8 weights (NxDI's quantized=True), quantized once before the compile
+    quantization_type: str = "per_channel"  # per_channel or per_tensor (symmetric)
+    quantization_skip: tuple[str, ...] = ("lm_head",)  # module-name substrings kept in full precision (modules_to_not_convert)
     extra: dict = field(default_factory=dict)  # other NeuronConfig keyword arguments, passed through
 
     def __post_init__(self):
@@ -47,6 +63,32 @@ class NeuronOptions:
         if self.k_cache_transposed:
             raise ValueError("k_cache_transposed is not supported: each KV write would become head_dim copies of a few bytes (docs/neuron.md)")
         self._check_buckets()
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        object.__setattr__(self, "quantization_skip", tuple(self.quantization_skip))  # a JSON list -> a hashable, keyed tuple
+        if self.quantization is None:
+            return
+        if self.quantization not in QUANTIZATION_DTYPES:
+            raise ValueError(f"quantization must be one of {sorted(QUANTIZATION_DTYPES)} or None, got {self.quantization!r}")
+        if self.quantization_type not in QUANTIZATION_TYPES:
+            raise ValueError(f"quantization_type must be one of {sorted(QUANTIZATION_TYPES)}, got {self.quantization_type!r}")
+        both = sorted(key for key in NXDI_QUANTIZATION_KWARGS if key in self.extra)
+        if both:
+            raise ValueError(f"quantization {self.quantization!r} sets NeuronConfig's {', '.join(both)}: leave them out of the pass-through settings")
+        if self.extra.get("on_cpu"):
+            # application_base.to_cpu builds the float model and loads the state dict into it
+            # without NxD's convert(): the 8-bit weights would be read as plain numbers.
+            raise ValueError("quantization is not supported in NxDI's CPU mode (on_cpu): to_cpu() never converts the linears to quantized ones")
+        if self.quantization_type == "per_tensor" and self.quantization_skip:
+            # NxDI's generate_quantized_state_dict quantizes every linear per tensor (NxD's
+            # quantize_pytorch_model_per_tensor_symmetric takes no modules_to_not_convert), while
+            # the compiled model keeps the skipped ones in full precision: their weights would
+            # load as unscaled 8-bit numbers.
+            raise ValueError(
+                f"quantization_type per_tensor quantizes every linear in NxDI's quantized state dict, so quantization_skip "
+                f"{list(self.quantization_skip)} cannot be kept in full precision: use per_channel, or an empty --quantization-skip ''"
+            )
 
     @property
     def context_limit(self) -> int:
@@ -125,8 +167,50 @@ def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
         kwargs["context_encoding_buckets"] = options.context_encoding_buckets
     if options.token_buckets:
         kwargs["token_generation_buckets"] = list(options.token_buckets)
+    kwargs.update(quantization_kwargs(options))
     kwargs.update(options.extra)
     return kwargs
+
+
+def quantization_kwargs(options: NeuronOptions) -> dict:
+    """NeuronConfig's weight quantization: NxDI converts the linears (NxD's convert) at trace time
+    and reads their 8-bit weights and scales from quantized_checkpoints_path, a state dict made
+    before the compile by the model class's save_quantized_state_dict (compile.ensure_quantized).
+    modules_to_not_convert: NxD matches each entry as a substring of the module's name, as ours;
+    a list, since NxDI's Llama extends it in place. None (quantize everything) when empty."""
+    if options.quantization is None:
+        return {}
+    return dict(
+        quantized=True,
+        quantization_dtype=QUANTIZATION_DTYPES[options.quantization],
+        quantization_type=QUANTIZATION_TYPES[options.quantization_type],
+        modules_to_not_convert=list(options.quantization_skip) or None,
+        quantized_checkpoints_path=str(quantized_path(options)),
+    )
+
+
+def compiled_root(options: NeuronOptions) -> pathlib.Path:
+    return pathlib.Path(options.compiled_root) if options.compiled_root else pathlib.Path.home() / ".cache" / "disagg" / "neuron"
+
+
+def compiled_key_options(options: NeuronOptions) -> dict:
+    """The options a compile depends on: not the decode loop's async_mode, and the quantization
+    settings only where quantization is on (unquantized keys stay as they were before them)."""
+    skipped = {"async_mode"} | (set(QUANTIZATION_FIELDS) if options.quantization is None else set())
+    return {k: v for k, v in asdict(options).items() if k not in skipped}
+
+
+def quantized_path(options: NeuronOptions) -> pathlib.Path:
+    """The quantized state dict's directory, shared by every compile of the same checkpoint and
+    quantization settings (tp degree, batch and buckets do not change it): under the compiled
+    root, keyed by the checkpoint's files, the settings and the NxDI and NxD releases that
+    quantize (artifacts.quantizer)."""
+    from .artifacts import checkpoint_fingerprint, digest, quantizer
+
+    settings = {k: getattr(options, k) for k in QUANTIZATION_FIELDS}
+    key = digest({"quantization": settings, "checkpoint": checkpoint_fingerprint(options.model), "quantizer": quantizer()})
+    name = pathlib.Path(options.model.rstrip("/")).name or "model"
+    return compiled_root(options) / "quantized" / f"{name}-{options.quantization}-{options.quantization_type}-{key}"
 
 
 def compiled_path(options: NeuronOptions, nxdi_version: str | None = None) -> pathlib.Path:
@@ -135,12 +219,11 @@ def compiled_path(options: NeuronOptions, nxdi_version: str | None = None) -> pa
     change in any compiles into a new directory and never loads a stale one."""
     from .artifacts import checkpoint_fingerprint, digest, toolchain
 
-    compiled = {k: v for k, v in asdict(options).items() if k != "async_mode"}  # the decode loop's setting changes no artifact
     tools = toolchain(nxdi_version)
-    key = digest({"options": compiled, "checkpoint": checkpoint_fingerprint(options.model), "toolchain": tools})
-    root = pathlib.Path(options.compiled_root) if options.compiled_root else pathlib.Path.home() / ".cache" / "disagg" / "neuron"
+    key = digest({"options": compiled_key_options(options), "checkpoint": checkpoint_fingerprint(options.model), "toolchain": tools})
     name = pathlib.Path(options.model.rstrip("/")).name or "model"
-    return root / f"{name}-nxdi{tools['nxdi']}-tp{options.tp_degree}-b{options.batch_size}-s{options.seq_len}-{key}"
+    quantized = f"-{options.quantization}" if options.quantization else ""
+    return compiled_root(options) / f"{name}-nxdi{tools['nxdi']}-tp{options.tp_degree}-b{options.batch_size}-s{options.seq_len}{quantized}-{key}"
 
 
 def full_attention_window(inference_config, seq_len: int) -> None:

@@ -9,7 +9,29 @@ from __future__ import annotations
 import json
 import pathlib
 
-# LMI option -> (our setting, converter)
+# option.quantize values LMI's Neuron engines accept (djl_python's TnXQuantizeMethods: static_int8,
+# bitsandbytes8 in LMI releases before it), each of which LMI turns into load_in_8bit=True:
+# int8 weights. Ours: NxDI's int8 weights, per channel unless --quantization-type says otherwise.
+LMI_QUANTIZE = {"static_int8": "int8", "bitsandbytes8": "int8"}
+# The strings LMI's properties (pydantic) read as booleans.
+LMI_BOOLEANS = {**dict.fromkeys(("true", "1", "yes", "on", "t", "y"), True), **dict.fromkeys(("false", "0", "no", "off", "f", "n"), False)}
+
+
+def lmi_quantize(value: str) -> str:
+    if value.lower() not in LMI_QUANTIZE:
+        raise ValueError(f"LMI's Neuron engines quantize with {' or '.join(LMI_QUANTIZE)} (int8 weights); for fp8 weights "
+                         f"set --quantization fp8 (or \"quantization\": \"fp8\" in a --worker-config file)")
+    return LMI_QUANTIZE[value.lower()]
+
+
+def lmi_load_in_8bit(value: str) -> str | None:
+    """true: int8 weights; false: no setting (LMI's default), so it never undoes option.quantize."""
+    if value.lower() not in LMI_BOOLEANS:
+        raise ValueError("a boolean: true or false")
+    return "int8" if LMI_BOOLEANS[value.lower()] else None
+
+
+# LMI option -> (our setting, converter; a converter's None sets nothing)
 LMI_OPTIONS = {
     "option.model_id": ("model", str),
     "option.tensor_parallel_degree": ("tp_degree", int),
@@ -21,10 +43,10 @@ LMI_OPTIONS = {
     "option.compiled_graph_path": ("compiled_root", str),
     "option.neuron_optimize_level": ("neuron_optimize_level", int),
     "option.max_input_len": ("max_context_length", int),
+    "option.quantize": ("quantization", lmi_quantize),
+    "option.load_in_8bit": ("quantization", lmi_load_in_8bit),
 }
 LMI_UNSUPPORTED = {
-    "option.load_in_8bit": "weight quantization needs a pre-quantized checkpoint and NxDI's quantized settings; not wired yet",
-    "option.quantize": "weight quantization needs a pre-quantized checkpoint and NxDI's quantized settings; not wired yet",
     "option.rolling_batch": "ignored: disagg always batches continuously",
     "option.entryPoint": "ignored: disagg is its own server",
     "engine": "ignored: disagg is its own server",
@@ -44,9 +66,12 @@ def read_serving_properties(path: str) -> tuple[dict, list[str]]:
         if key in LMI_OPTIONS:
             name, convert = LMI_OPTIONS[key]
             try:
-                settings[name] = convert(value)
+                converted = convert(value)
             except (KeyError, ValueError) as exc:
-                raise ValueError(f"{path}: {key}={value!r} is not a valid value") from exc
+                reason = f": {exc}" if isinstance(exc, ValueError) and str(exc) else ""
+                raise ValueError(f"{path}: {key}={value!r} is not a valid value{reason}") from exc
+            if converted is not None:
+                settings[name] = converted
         else:
             notes.append(f"{key}: {LMI_UNSUPPORTED.get(key, 'not supported by disagg')}")
     return settings, notes

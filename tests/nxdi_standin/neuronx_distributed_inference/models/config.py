@@ -7,6 +7,12 @@ default and each check below is the one NxDI 0.9.0's models/config.py has:
   one log line ("NeuronConfig init: Unexpected keyword arguments: ..."), in every
   release from 0.3 to 0.9. apply_seq_ids_mask is known from 0.4 (release 2.22) on:
   before, it is one of the dropped arguments and the config has no such attribute.
+- Weight quantization (NeuronConfig.__init__ and _verify_quantized_config): quantized=True
+  asserts a quantized_checkpoints_path (its existence is checked only when the weights are
+  read: application_base.checkpoint_loader_fn); quantization_dtype must name a member of NxD's
+  QuantizedDtype (upper-cased); quantization_type is read later (QuantizationType, when the
+  model is converted or the state dict quantized); no modules_to_not_convert warns that
+  every module will be quantized. Same in 0.7.0 and 0.8.0.
 - InferenceConfig.__init__ runs load_config, then the keyword overrides, then
   add_derived_config, then validate_config, which asserts every attribute of the
   model's get_required_attributes() is set ("Config must define [...]").
@@ -18,6 +24,7 @@ import json
 import logging
 import pathlib
 import re
+import warnings
 
 import torch
 
@@ -30,22 +37,24 @@ KNOWN_UNMODELLED = frozenset("""
     attn_block_tkg_nki_kernel_cascaded_attention attn_block_tkg_nki_kernel_disable_gpsimd_sb2sb attn_block_tkg_nki_kernel_enabled
     attn_block_tkg_nki_kernel_use_online_softmax attn_cls attn_kernel_enabled attn_tkg_builtin_kernel_enabled attn_tkg_nki_kernel_enabled
     bucket_n_active_tokens buckets cast_type cc_pipeline_tiling_factor chunked_prefill_config cp_degree disable_argmax_kernel
-    disable_kv_cache_tiling disable_numeric_cc_token dma_order_config draft_model_modules_to_not_convert eagle_rolling_buffer_kernel_enabled
+    disable_kv_cache_tiling disable_numeric_cc_token dma_order_config eagle_rolling_buffer_kernel_enabled
     enable_cte_modular_flow enable_eagle_draft_input_norm enable_eagle_speculation enable_fused_speculation enable_output_completion_notifications
     enable_spill_reload_dge enable_ve_data_parallel ep_degree ep_dispatch_cc_option expert_mlp_nki_kernel_enabled flash_decoding_enabled
     fused_qkv fused_rmsnorm_skip_gamma is_block_kv_layout is_eagle3 is_eagle_draft is_full_model_shuffled is_medusa is_mxfp4_compute
     is_prefix_caching layer_boundary_markers lm_head_pad lm_head_pad_alignment_size local_ranks_size logical_nc_config logical_neuron_cores
     lora_config max_new_tokens medusa_speculation_length medusa_tree mlp_cp_degree mlp_kernel_enabled mlp_kernel_fuse_residual_add
-    mlp_tkg_nki_kernel_enabled modules_to_not_convert moe_fused_nki_kernel_enabled n_active_tokens n_positions num_medusa_heads on_cpu
+    mlp_tkg_nki_kernel_enabled moe_fused_nki_kernel_enabled n_active_tokens n_positions num_medusa_heads on_cpu
     out_proj_kernel_enabled output_logits pa_block_size pa_num_blocks padded_hidden_size padded_intermediate_size padding_side pp_degree
     pre_rope_rmsnorm prefix_buckets qk_layernorm qkv_cte_nki_kernel_fuse_rope qkv_kernel_enabled qkv_kernel_fuse_residual_add
-    qkv_kernel_nbsd_layout qkv_nki_kernel_enabled quantization_block_axis quantization_block_size quantization_dtype quantization_scale_dtype
-    quantization_type quantize_clamp_bound quantized quantized_checkpoints_path quantized_mlp_kernel_enabled rmsnorm_quantize_kernel_enabled
+    qkv_kernel_nbsd_layout qkv_nki_kernel_enabled quantize_clamp_bound quantized_mlp_kernel_enabled rmsnorm_quantize_kernel_enabled
     router_topk_nki_kernel_enabled rpl_reduce_dtype scratchpad_page_size seq_len_threshold_for_cc_tiling sequence_parallel_enabled
     shared_mlp_nki_kernel_enabled skip_sharding skip_warmup spec_batch_size speculation_length start_rank_id strided_context_parallel_kernel_enabled
     switch_cc target tensor_capture_config tensor_replacement_config token_generation_batches token_tree_config vocab_parallel
     weight_gather_seq_len_threshold weights_to_skip_layout_optimization windowed_context_encoding_size world_size
 """.split())
+# neuronx_distributed.quantization.quantization_config.QuantizedDtype.__members__ (NxD 2.29, torch >= 2.1;
+# the aliases F8E4M3FN and F8E5M2_X4 included): what has_dtype accepts, upper-cased.
+QUANTIZED_DTYPES = frozenset({"INT8", "F8E4M3", "F8E4M3FN", "F8E5M2", "F4E2M1FN_X4", "F8E4M3FN_X4", "F8E5M2_X4"})
 SEQ_IDS_MASK_SINCE = (0, 4)  # NeuronConfig pops apply_seq_ids_mask from 0.4.7422 (release 2.22) on; 0.3.5591 does not
 
 
@@ -94,10 +103,12 @@ class NeuronConfig:
         self.save_sharded_checkpoint = kwargs.pop("save_sharded_checkpoint", False)
         self._pop_kv_cache(kwargs)
         self._pop_buckets(kwargs)
+        self._pop_quantization(kwargs)
         if release() >= SEQ_IDS_MASK_SINCE:
             self.apply_seq_ids_mask = kwargs.pop("apply_seq_ids_mask", False)
         for key in [k for k in kwargs if k in KNOWN_UNMODELLED]:
             setattr(self, key, kwargs.pop(key))
+        self._check_quantization()
         if kwargs:  # NeuronConfig.__init__, end: dropped, with a log line only
             logging.warning(f"NeuronConfig init: Unexpected keyword arguments: {kwargs}")
 
@@ -122,6 +133,41 @@ class NeuronConfig:
         self.k_cache_transposed = kwargs.pop("k_cache_transposed", False)
         if self.attention_dp_degree > 1:  # NeuronConfig: one KV batch per data-parallel attention group
             self.kv_cache_batch_size = self.tkg_batch_size // self.attention_dp_degree
+
+    def _pop_quantization(self, kwargs):
+        # NeuronConfig.__init__, "# Quantization".
+        self.quantized = kwargs.pop("quantized", False)
+        self.quantized_checkpoints_path = kwargs.pop("quantized_checkpoints_path", None)
+        if self.quantized is True:
+            assert self.quantized_checkpoints_path is not None, "quantized_checkpoints_path is required"
+        self.quantization_type = kwargs.pop("quantization_type", "per_tensor_symmetric")
+        self.quantization_dtype = kwargs.pop("quantization_dtype", "int8")
+        self.quantization_block_size = kwargs.pop("quantization_block_size", None)
+        self.quantization_block_axis = kwargs.pop("quantization_block_axis", None)
+        self.quantization_scale_dtype = kwargs.pop("quantization_scale_dtype", "f32")
+        self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)
+        self.draft_model_modules_to_not_convert = kwargs.pop("draft_model_modules_to_not_convert", None)
+
+    def is_mlp_quantized(self):
+        return getattr(self, "quantized_mlp_kernel_enabled", False) or getattr(self, "activation_quantization_type", None)
+
+    def _check_quantization(self):
+        """NeuronConfig.__init__ after the kernels' settings are read, then _verify_quantized_config."""
+        if self.quantized or self.is_mlp_quantized():
+            if getattr(self, "qkv_kernel_enabled", False) or getattr(self, "qkv_nki_kernel_enabled", False):
+                assert self.modules_to_not_convert, "Could not find modules_to_not_convert for quantized model."
+            elif not self.modules_to_not_convert:
+                warnings.warn("modules_to_not_convert is not provided. Assuming all modules will be quantized.", UserWarning)
+        if self.is_mlp_quantized():
+            self.quantization_type = "per_channel_symmetric"
+            self.quantization_dtype = "f8e4m3"
+        if not self.quantized:
+            return
+        assert self.quantized_checkpoints_path is not None, "quantized_checkpoints_path is required"
+        # QuantizedDtype.has_dtype
+        assert self.quantization_dtype.upper() in QUANTIZED_DTYPES, f"{self.quantization_dtype} is not a valid QuantizedDtype."
+        if self.is_mlp_quantized():
+            assert self.quantization_dtype == "f8e4m3"
 
     def _pop_buckets(self, kwargs):
         # NeuronConfig.__init__ sorts the lists and asserts their ends.

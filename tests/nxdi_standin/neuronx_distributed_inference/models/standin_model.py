@@ -7,6 +7,11 @@ ranks when they divide by tp, else replicated one per rank. The sharding here is
 written independently of disagg's layout module, so the tests compare two
 implementations. Each strictness rule names the NxDI function it stands for; the
 rules read at 0.9.0 hold at 0.7.0 and 0.8.0 too unless a docstring says otherwise.
+
+Weight quantization: save_quantized_state_dict writes where NxDI writes and in its format
+(safetensors in a directory, 8-bit weights with their scales); a quantized compile reads it
+where NxDI does (shard_weights). The stand-in still computes with the checkpoint's own
+weights: what it checks is the settings and the files, not 8-bit numerics.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .model_wrapper import (
 COMPILE_LOG = "standin_compiles.txt"
 COMPILED_MODEL_FILE_NAME = "model.pt"  # application_base.COMPILED_MODEL_FILE_NAME
 SHARDED_WEIGHTS = "weights/tp{}_sharded_checkpoint.safetensors"  # application_base.shard_weights / load_weights
+QUANTIZE_LOG = "standin_quantized.txt"  # stand-in only: one line per save_quantized_state_dict into that directory
 DEFAULT_COMPILE_WORK_DIR = "/tmp/nxd_model/"  # application_base.get_builder's default; tests point it elsewhere
 KV_CACHE_PAD_FOR_SEQ_IDS_MASKING = 128  # modules/kvcache/kv_cache_manager.py, 0.7.0 to 0.9.0
 TRACING_MARK = "tracing-"
@@ -69,6 +75,33 @@ def rolled_window_positions(last_position: int, window: int) -> list[int]:
     return by_slot
 
 
+# neuronx_distributed.quantization.quantization_config: QuantizationType values, and the
+# bounds (DtypeBound) its quantize functions scale to.
+QUANTIZATION_TYPES = ("per_tensor_symmetric", "per_channel_symmetric", "per_key_symmetric", "blockwise_symmetric", "expert_wise_per_channel_symmetric")
+QUANTIZED_TORCH_DTYPES = {"INT8": (torch.int8, 127.0), "F8E4M3": (torch.float8_e4m3fn, 240.0), "F8E4M3FN": (torch.float8_e4m3fn, 240.0),
+                          "F8E5M2": (torch.float8_e5m2, torch.finfo(torch.float8_e5m2).max)}
+
+
+def quantization_type(name: str) -> str:
+    """QuantizationType(name): ValueError for a value it does not have."""
+    if name not in QUANTIZATION_TYPES:
+        raise ValueError(f"{name!r} is not a valid QuantizationType")
+    return name
+
+
+def quantize_linear(weight: torch.Tensor, dtype_name: str, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric abs-max quantization of one linear's weight: (8-bit weight, fp32 scale), the scale
+    per output channel ([out, 1]) or per tensor ([1])."""
+    if dtype_name.upper() not in QUANTIZED_TORCH_DTYPES:
+        raise ValueError(f"dtype: {dtype_name} is not supported to quantize model on CPU")  # quantize_pytorch_model_*
+    dtype, bound = QUANTIZED_TORCH_DTYPES[dtype_name.upper()]
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().max().reshape(1)
+    scale = (absmax / bound).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale).round().clamp(-128, 127).to(dtype) if dtype == torch.int8 else (w / scale).clamp(-bound, bound).to(dtype)
+    return q, scale
+
+
 class _NxdModel:
     def __init__(self, state):
         self.state = state
@@ -93,6 +126,79 @@ class StandInCausalLM:
     def _check_config(self):
         pass
 
+    # -- weight quantization (application_base) ------------------------------------------
+    @staticmethod
+    def load_hf_model(model_path, **kwargs):
+        """Each NxDI model class's load_hf_model: <Architecture>ForCausalLM.from_pretrained (float32)."""
+        return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+    @classmethod
+    def save_quantized_state_dict(cls, model_path: str, config: InferenceConfig):
+        """application_base.save_quantized_state_dict: the state dict quantized, None values pruned,
+        then saved to neuron_config.quantized_checkpoints_path: as safetensors shards
+        (save_state_dict_safetensors: huggingface_hub.save_torch_state_dict, model{suffix}.safetensors)
+        where that path is an existing directory, else torch.save to that file."""
+        from huggingface_hub import save_torch_state_dict
+
+        path = config.neuron_config.quantized_checkpoints_path
+        state_dict = {k: v for k, v in cls.generate_quantized_state_dict(model_path, config).items() if v is not None}
+        if os.path.isdir(path):
+            save_torch_state_dict(state_dict, save_directory=path, filename_pattern="model{suffix}.safetensors", max_shard_size="10GB")
+            with open(pathlib.Path(path) / QUANTIZE_LOG, "a") as log:
+                log.write(f"quantized {model_path} ({config.neuron_config.quantization_dtype} {config.neuron_config.quantization_type})\n")
+        else:
+            torch.save(state_dict, path)
+
+    @classmethod
+    def generate_quantized_state_dict(cls, model_path: str, config: InferenceConfig) -> dict:
+        """application_base.generate_quantized_state_dict: every nn.Linear of the Hugging Face model
+        quantized per tensor (NxD's quantize_pytorch_model_per_tensor_symmetric: modules_to_not_convert
+        NOT applied) or per channel (quantize_pytorch_model_per_channel_symmetric: a module whose
+        name contains an entry of modules_to_not_convert stays in full precision); any other
+        QuantizationType raises RuntimeError. NeuronBaseForCausalLM.prepare_quantized_state_dict:
+        the decoder's state dict (no "model." prefix) and lm_head's under "lm_head."."""
+        nc = config.neuron_config
+        kind = quantization_type(nc.quantization_type)
+        if kind not in ("per_tensor_symmetric", "per_channel_symmetric"):
+            raise RuntimeError(f"{nc.quantization_type} not supported")
+        if nc.quantization_dtype.upper() not in QUANTIZED_TORCH_DTYPES and nc.quantization_dtype.upper() not in ("F4E2M1FN_X4", "F8E4M3FN_X4", "F8E5M2_X4"):
+            raise AssertionError(f"{nc.quantization_dtype} is not a valid QuantizedDtype.")  # QuantizedDtype.get_dtype
+        hf = cls.load_hf_model(model_path)
+        skip = (nc.modules_to_not_convert or []) if kind == "per_channel_symmetric" else []
+        quantized = {}
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and not any(entry in name for entry in skip):
+                quantized[name] = quantize_linear(module.weight, nc.quantization_dtype, kind == "per_channel_symmetric")
+        state_dict = {}
+        for prefix, part in (("model.", hf.model), ("lm_head.", hf.lm_head)):
+            for key, value in part.state_dict().items():
+                full = prefix + key
+                owner, _, leaf = full.rpartition(".")
+                out = full.removeprefix("model.")
+                if owner in quantized and leaf == "weight":
+                    state_dict[out], state_dict[out.removesuffix("weight") + "scale"] = quantized[owner]
+                else:
+                    state_dict[out] = value
+        return state_dict
+
+    def checkpoint_loader_fn(self):
+        """application_base.checkpoint_loader_fn, quantized: the state dict at quantized_checkpoints_path
+        (FileNotFoundError when missing), read by get_state_dict (a directory: load_state_dict)."""
+        from safetensors.torch import load_file
+
+        path = self.neuron_config.quantized_checkpoints_path
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Quantized checkpoint file not found: {path}")
+        if not os.path.isdir(path):
+            return torch.load(path)
+        files = sorted(pathlib.Path(path).glob("model*.safetensors"))
+        if not (pathlib.Path(path) / "model.safetensors").is_file() and not (pathlib.Path(path) / "model.safetensors.index.json").is_file():
+            raise FileNotFoundError(f"Can not find model.safetensors or pytorch_model.bin in {path}")  # modules/checkpoint.load_state_dict
+        state_dict = {}
+        for file in files:
+            state_dict.update(load_file(str(file)))
+        return state_dict
+
     # -- compile and load -----------------------------------------------------------
     def compile(self, compiled_model_path):
         """application_base.compile: the config saved, the model traced, model.pt written,
@@ -102,9 +208,11 @@ class StandInCausalLM:
         self.config.save(path)
         work = self._trace()
         (path / COMPILED_MODEL_FILE_NAME).write_text("traced (stand-in)")
-        self._shard_weights(path)
+        quantized = self._shard_weights(path)
         with open(path / COMPILE_LOG, "a") as log:
             log.write(f"compiled in {work}\n")
+            if quantized:
+                log.write(f"{quantized}\n")
 
     def _trace(self):
         # get_builder reads BASE_COMPILE_WORK_DIR when compile runs; ModelBuilder.trace
@@ -119,6 +227,10 @@ class StandInCausalLM:
         if fail_next_trace:
             fail_next_trace = False
             raise KeyboardInterrupt("compile interrupted while tracing (stand-in)")
+        if self.neuron_config.quantized:  # ModelWrapper.input_generator / get_trace_callable: convert() with NxD's qconfig
+            kind = quantization_type(self.neuron_config.quantization_type)
+            if kind not in ("per_channel_symmetric", "per_tensor_symmetric"):
+                raise RuntimeError(f"{self.neuron_config.quantization_type} is not supported")
         (work / f"{TRACING_MARK}{os.getpid()}-{id(self)}").write_text("")
         shutil.rmtree(work)
         return work
@@ -129,13 +241,19 @@ class StandInCausalLM:
 
         global fail_next_shard
         if not self.neuron_config.save_sharded_checkpoint:
-            return  # "SKIPPING pre-sharding the checkpoints": load() shards them
+            return None  # "SKIPPING pre-sharding the checkpoints": load() shards them
+        quantized = None
+        if self.neuron_config.quantized:  # the weights sharded are the quantized state dict's
+            state_dict = self.checkpoint_loader_fn()
+            eight_bit = sum(1 for v in state_dict.values() if v.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2))
+            quantized = f"weights from {self.neuron_config.quantized_checkpoints_path}: {eight_bit} 8-bit tensors"
         (path / "weights").mkdir(exist_ok=True)
         for rank in range(self.neuron_config.tp_degree):
             if fail_next_shard and rank == self.neuron_config.tp_degree - 1:
                 fail_next_shard = False
                 raise KeyboardInterrupt(f"compile interrupted while sharding the weights of rank {rank} (stand-in)")
             save_file({"standin.rank": torch.tensor([rank])}, str(path / SHARDED_WEIGHTS.format(rank)))
+        return quantized
 
     def load(self, compiled_model_path):
         """application_base.load: torch.jit.load(model.pt), then load_weights, which reads every

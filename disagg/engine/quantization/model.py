@@ -1,0 +1,66 @@
+"""Which of a model's linears are quantized, and the model set to their dequantized weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .schemes import GRANULARITIES, METHODS, QuantizedWeight, quantize
+
+# As NxDI's modules_to_not_convert is commonly set: the LM head stays in full precision
+# (the embeddings are not linears and are never quantized).
+DEFAULT_SKIP = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class QuantizationSettings:
+    method: str | None = None  # None: full precision; "int8" or "fp8"
+    granularity: str = "per_channel"
+    skip: tuple[str, ...] = DEFAULT_SKIP  # a linear whose name contains one of these stays in full precision
+
+    def __post_init__(self):
+        if self.method is not None and self.method not in METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"quantization granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+
+    def skips(self, name: str) -> bool:
+        return any(part and part in name for part in self.skip)
+
+
+def quantized_linears(model: nn.Module, settings: QuantizationSettings) -> list[tuple[str, nn.Linear]]:
+    """The model's nn.Linear modules that settings quantize, by name."""
+    return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear and not settings.skips(name)]
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, settings: QuantizationSettings) -> dict[str, QuantizedWeight]:
+    """Quantizes every linear settings name (a tied weight is never quantized: its other user,
+    an embedding, stays full precision) and sets each weight to its dequantized values, in
+    the model's dtype; returns the 8-bit weights by linear name."""
+    if settings.method is None:
+        return {}
+    tied = {id(p) for name, module in model.named_modules() if not isinstance(module, nn.Linear) for p in module.parameters(recurse=False)}
+    quantized: dict[str, QuantizedWeight] = {}
+    for name, linear in quantized_linears(model, settings):
+        if id(linear.weight) in tied:
+            continue
+        weight = quantize(linear.weight, settings.method, settings.granularity)
+        linear.weight.copy_(weight.dequantized(linear.weight.dtype))
+        quantized[name] = weight
+    return quantized
+
+
+def apply_prequantized(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
+    """Sets each named linear's weight to the dequantized values of a pre-quantized checkpoint's."""
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, weight in weights.items():
+            linear = modules.get(name)
+            if type(linear) is not nn.Linear:
+                raise ValueError(f"{name}: the checkpoint quantizes a module the model does not have as a linear layer")
+            if tuple(weight.values.shape) != tuple(linear.weight.shape):
+                raise ValueError(f"{name}.weight: quantized shape {tuple(weight.values.shape)} is not the layer's {tuple(linear.weight.shape)}")
+            linear.weight.copy_(weight.dequantized(linear.weight.dtype))

@@ -1,0 +1,196 @@
+"""8-bit weights (disagg/engine/quantization, small_gemm.c's int8 and fp8 builds): NxDI's numbers,
+the kernels against the dequantized weights, and the whole service against transformers
+generate() run on the dequantized checkpoint (the numbers the kernels multiply)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+
+import pytest
+import torch
+from conftest import DEFAULT_TRANSPORT, TEST_MODELS, Reference, assert_nothing_held, kv_bytes_received, start_cluster, tiny_model
+from test_prefix_cache_e2e import decode_metric
+
+from disagg.clients.grpc_client import AsyncClient, Client
+from disagg.engine.cpu_kernels import small_gemm
+from disagg.engine.cpu_kernels.packed_linear import PackedLinear
+from disagg.engine.quantization import QuantizationSettings, quantize, quantize_model
+from disagg.tools.tinymodel import paragraphs
+
+needs_kernel = pytest.mark.skipif(small_gemm.kernel(torch.int8) is None, reason="no AVX2 CPU or C compiler: the 8-bit kernels are not built here")
+VALUE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+# -- the numbers --------------------------------------------------------------------------------------
+
+
+def test_per_channel_int8_is_nxdis_observer_and_torchs_rounding():
+    weight = torch.randn(48, 40, generator=torch.Generator().manual_seed(0))
+    weight[3] = 0.0  # an all-zero row: NxD's observer floors its scale at float32's eps
+    q = quantize(weight, "int8", "per_channel")
+    # PerChannelAbsMaxObserver: scale = max(amax / quant_max, eps); torch.quantize_per_channel rounds half to even.
+    scale = torch.clamp(weight.abs().amax(dim=1) / 127, min=torch.finfo(torch.float32).eps)
+    expected = torch.quantize_per_channel(weight, scale.double(), torch.zeros(48, dtype=torch.long), 0, torch.qint8).int_repr()
+    assert torch.equal(q.values, expected) and torch.equal(q.scale, scale)
+    assert int(q.values.abs().max()) == 127
+
+
+def test_per_tensor_int8_is_torchs_min_max_observer():
+    from torch.ao.quantization.observer import MinMaxObserver
+
+    weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    q = quantize(weight, "int8", "per_tensor")
+    observer = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    observer(weight)
+    scale, zero = observer.calculate_qparams()
+    expected = torch.quantize_per_tensor(weight, float(scale), int(zero), torch.qint8).int_repr()
+    assert torch.equal(q.values, expected) and bool((q.scale == float(scale)).all())
+
+
+def test_fp8_values_are_the_casts_of_the_scaled_rows():
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
+    q = quantize(weight, "fp8")
+    assert q.values.dtype == torch.float8_e4m3fn and torch.equal(q.scale, torch.clamp(weight.abs().amax(dim=1) / 448, min=1e-5))
+    assert torch.equal(q.values.float(), (weight / q.scale[:, None]).to(torch.float8_e4m3fn).float())
+
+
+# -- the kernels ---------------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_the_kernel_multiplies_the_dequantized_weight(method):
+    kernel = small_gemm.kernel(VALUE_DTYPES[method])
+    generator = torch.Generator().manual_seed(3)
+    for out_features, in_features in ((50, 300), (24, 8), (97, 576)):  # a partial panel, one panel, several chunks of K
+        q = quantize(torch.randn(out_features, in_features, generator=generator), method)
+        panels = kernel.pack_quantized(q.values, q.scale)
+        values, scale = kernel.unpack_quantized(panels, out_features, in_features)
+        assert torch.equal(values.view(torch.uint8), q.values.view(torch.uint8)) and torch.equal(scale, q.scale)
+        bias = torch.randn(out_features, generator=generator)
+        for rows in (1, 2, 3, 4, 5, 64, 65):
+            x = torch.randn(rows, in_features, generator=generator)
+            expected = x.double() @ q.dequantized().double().T + bias.double()
+            got = kernel.product(x, panels, out_features, bias).double()
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), (out_features, in_features, rows)
+
+
+@needs_kernel
+def test_every_fp8_code_is_read_as_its_value():
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # all but NaN
+    values = codes.view(torch.float8_e4m3fn).reshape(-1, 1)
+    kernel = small_gemm.kernel(torch.float8_e4m3fn)
+    out = kernel.product(torch.ones(1, 1), kernel.pack_quantized(values, torch.ones(len(codes))), len(codes), None)
+    assert torch.equal(out[0], values[:, 0].float())
+
+
+@needs_kernel
+def test_8_bit_panels_take_at_most_0_55x_of_bf16s_bytes():
+    linear = torch.nn.Linear(576, 1536, bias=False)
+    for method in ("int8", "fp8"):
+        q = quantize(linear.weight, method)
+        packed = PackedLinear(linear, quantized=q)
+        assert packed.panels.dtype == VALUE_DTYPES[method]
+        assert packed.panels.numel() * packed.panels.element_size() <= 0.55 * linear.weight.numel() * 2
+
+
+# -- quality: negative log-likelihood on held-out text ------------------------------------------------
+
+
+
+def mean_nll(model, texts: list[str], tokenizer) -> float:
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tokenizer(text)["input_ids"][:256]])
+            logits = model(ids).logits[0, :-1].float()
+            total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+            count += ids.shape[1] - 1
+    return total / count
+
+
+def test_held_out_nll_within_1_percent_for_int8_and_3_for_fp8():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model("llama-held-out")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    held_out = paragraphs()[:: TEST_MODELS["llama-held-out"].held_out_every]
+    plain = mean_nll(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), held_out, tokenizer)
+    for method, bound in (("int8", 0.01), ("fp8", 0.03)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        assert quantize_model(model, QuantizationSettings(method))
+        nll = mean_nll(model, held_out, tokenizer)
+        assert nll <= plain * (1 + bound), f"{method}: {nll:.4f} against {plain:.4f} unquantized"
+        assert nll != plain  # the weights did change
+    # The model learned its text (far below a uniform guess there), so a quantization that broke it would show.
+    trained = [text for index, text in enumerate(paragraphs()) if index % TEST_MODELS["llama-held-out"].held_out_every]
+    assert mean_nll(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), trained[:20], tokenizer) < 0.5 * math.log(len(tokenizer))
+
+
+# -- the whole service ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def dequantized_reference(architecture: str, method: str) -> Reference:
+    """generate() on the checkpoint with its linears (all but the LM head) set to their dequantized 8-bit values."""
+    ref = Reference(tiny_model(architecture))
+    assert quantize_model(ref.model, QuantizationSettings(method))
+    return ref
+
+
+BLOCK = 16
+CONTEXT = "Every spring the school holds a fair. There are games, music, and a long table of cakes that the parents bake the night before. "
+QUESTIONS = ["Who bakes the cakes?", "What is there at the fair?", "When is the fair held?"]
+# (architecture, method, transport): each method on Llama over both transports, and the other architectures
+# (Qwen2's biases, Mistral's sliding window; every tiny model is GQA: 4 query heads, 2 KV heads) on the default.
+CASES = [
+    ("llama", "int8", "grpc"), ("llama", "int8", "nixl"), ("qwen2", "fp8", DEFAULT_TRANSPORT), ("mistral-sw", "int8", DEFAULT_TRANSPORT),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def quantized_cluster(request, cluster_logs):
+    architecture, method, transport = request.param
+    if transport == "nixl":
+        from disagg.kv_transport.nixl_transport import available
+
+        if not available():
+            pytest.skip("NIXL is not installed")
+    cluster = start_cluster(cluster_logs / f"quantized-{method}", architecture, transport=transport, batch_size=8,
+                            worker_args=["--quantization", method, "--block-size", str(BLOCK)])
+    yield architecture, method, transport, cluster
+    cluster.stop()
+
+
+@needs_kernel
+def test_greedy_tokens_equal_generate_on_the_dequantized_checkpoint(quantized_cluster):
+    """A mixed batch of different lengths, and prompts that share whole blocks (prefix hits), served side by side."""
+    architecture, method, transport, cluster = quantized_cluster
+    ref = dequantized_reference(architecture, method)
+    texts = paragraphs()
+    cases = [(" ".join(texts[i].split()[: 3 + (i * 7) % 30]), 6 + (i * 5) % 20) for i in range(8)]
+    before = kv_bytes_received(cluster, transport)
+    with Client(cluster.router_address, timeout=60) as client:  # the context's blocks published first
+        assert client.complete(CONTEXT + QUESTIONS[0], max_new_tokens=12).token_ids == ref.greedy(CONTEXT + QUESTIONS[0], 12)
+    hits = decode_metric(cluster, "disagg_decode_prefix_hit_tokens_total")
+    cases += [(CONTEXT + question, 12) for question in QUESTIONS[1:]]
+
+    async def run():
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            return await asyncio.gather(*(client.complete(prompt, max_new_tokens=n) for prompt, n in cases))
+
+    for (prompt, n), result in zip(cases, asyncio.run(run())):
+        assert result.token_ids == ref.greedy(prompt, n), prompt
+    assert decode_metric(cluster, "disagg_decode_prefix_hit_tokens_total") - hits >= 2 * BLOCK * 2  # both later questions hit the context
+    assert kv_bytes_received(cluster, transport) > before, f"the KV did not move through {transport}"
+    assert_nothing_held(cluster)
+
+
+def test_an_unknown_quantization_is_refused_by_the_flags():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "decode_worker", "--quantization", "int4"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--quantization" in result.stderr and "int4" in result.stderr
