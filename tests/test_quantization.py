@@ -59,19 +59,27 @@ def test_fp8_values_are_the_casts_of_the_scaled_rows():
 # -- the kernels ---------------------------------------------------------------------------------------
 
 
+# Each 8-bit build this host runs (a test forces each): weights widened to float32 (AVX2, and AVX-512VL's
+# blocks of 4 rows), and int8 widened to bf16 for VDPBF16PS (bf16 rows: a bf16 model's).
+BUILDS = [name for name in ("int8", "int8-avx512", "fp8", "fp8-avx512", "int8-dot") if small_gemm.build_kernel(name) is not None]
+
+
 @needs_kernel
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_the_kernel_multiplies_the_dequantized_weight(method):
-    kernel = small_gemm.kernel(VALUE_DTYPES[method])
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_kernel_multiplies_the_dequantized_weight(build):
+    kernel = small_gemm.build_kernel(build)
+    method = "fp8" if build.startswith("fp8") else "int8"
     generator = torch.Generator().manual_seed(3)
     for out_features, in_features in ((50, 300), (24, 8), (97, 576)):  # a partial panel, one panel, several chunks of K
         q = quantize(torch.randn(out_features, in_features, generator=generator), method)
         panels = kernel.pack_quantized(q.values, q.scale)
         values, scale = kernel.unpack_quantized(panels, out_features, in_features)
         assert torch.equal(values.view(torch.uint8), q.values.view(torch.uint8)) and torch.equal(scale, q.scale)
+        assert panels.dtype == kernel.weight_dtype
         bias = torch.randn(out_features, generator=generator)
         for rows in (1, 2, 3, 4, 5, 64, 65):
             x = torch.randn(rows, in_features, generator=generator)
+            x = x.bfloat16().float() if kernel.pairs else x  # the dot build's rows are a bf16 model's
             expected = x.double() @ q.dequantized().double().T + bias.double()
             got = kernel.product(x, panels, out_features, bias).double()
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), (out_features, in_features, rows)
@@ -84,6 +92,19 @@ def test_every_fp8_code_is_read_as_its_value():
     kernel = small_gemm.kernel(torch.float8_e4m3fn)
     out = kernel.product(torch.ones(1, 1), kernel.pack_quantized(values, torch.ones(len(codes))), len(codes), None)
     assert torch.equal(out[0], values[:, 0].float())
+
+
+@needs_kernel
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
+    """Every build sums a row in one order whatever the batch's rows (seeded sampling stays batch-invariant)."""
+    generator = torch.Generator().manual_seed(4)
+    for build in BUILDS:
+        kernel = small_gemm.build_kernel(build)
+        q = quantize(torch.randn(72, 600, generator=generator), "fp8" if build.startswith("fp8") else "int8")
+        panels = kernel.pack_quantized(q.values, q.scale)
+        rows = torch.randn(9, 600, generator=generator).bfloat16().float()
+        together = kernel.product(rows, panels, 72, None)
+        assert all(torch.equal(kernel.product(rows[i : i + 1], panels, 72, None)[0], together[i]) for i in range(9)), build
 
 
 @needs_kernel

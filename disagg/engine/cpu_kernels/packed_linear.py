@@ -102,7 +102,7 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = weight.dtype  # the model's: what its rows and outputs are
-        kernel = small_gemm.kernel(quantized.values.dtype if quantized is not None else weight.dtype)
+        kernel = small_gemm.quantized_kernel(quantized.values.dtype, weight.dtype) if quantized is not None else small_gemm.kernel(weight.dtype)
         if kernel is None or not fits_panels(panels, kernel, weight):
             if kernel is None:
                 panels = None

@@ -165,7 +165,7 @@ static inline __attribute__((always_inline)) void store_row(__m256 a0, __m256 a1
         declare for (long k = 0; k < kn; k++) { load accumulate } store                                     \
     }
 
-#ifndef DOT_BF16 /* the float32 rows' blocks (the dot build's are dot_block) */
+#if !defined(DOT_BF16) && !SCALE_ROWS /* the float32 rows' blocks over float32 or bf16 weights (the dot build's are dot_block, 8-bit's eight_bit_block) */
 BLOCK(4, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3), ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3), STORE(0) STORE(1) STORE(2) STORE(3))
 BLOCK(3, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1) DECLARE(2), ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2), STORE(0) STORE(1) STORE(2))
 BLOCK(2, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1), ACCUMULATE(0) ACCUMULATE(1), STORE(0) STORE(1))
@@ -174,9 +174,21 @@ BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
 #endif
 
 #ifdef DOT_BF16
+/* The dot build's weights as bf16 pairs: bf16 loaded as they are; int8 (-DWEIGHT_INT8 as well) widened
+ * to bf16 exactly (every integer of -128..127 is a bf16), so each product is an int8 weight times the
+ * row's bf16 value, exact, summed in float32 (the scale applied to the sums, SCALED). */
+#ifdef WEIGHT_INT8
+static inline __m512 int8_floats16(const weight_t *w) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w))); }
+static inline __m512bh dot_weights32(const weight_t *w) { return _mm512_cvtne2ps_pbh(int8_floats16(w + 16), int8_floats16(w)); }
+static inline __m256bh dot_weights16(const weight_t *w) { return _mm512_cvtneps_pbh(int8_floats16(w)); }
+#else
+static inline __m512bh dot_weights32(const weight_t *w) { return (__m512bh)_mm512_loadu_si512((const void *)w); }
+static inline __m256bh dot_weights16(const weight_t *w) { return (__m256bh)_mm256_loadu_si256((const void *)w); }
+#endif
 /* Up to 4 rows over a chunk of quads of k: per row, columns 0-15 in a zmm and 16-23 in a ymm of sums. */
 static inline __attribute__((always_inline)) void dot_block(int rows, const input_t *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,
-                                                            long ldy, const float *bias, int ncols, int first) {
+                                                            long ldy, const float *bias, int ncols, int first, const float *scales) {
+    (void)scales;
     __m512 lo[4];
     __m256 hi[4];
     for (int r = 0; r < 4; r++)
@@ -188,8 +200,8 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
             _mm_prefetch((const char *)(w + ahead + 32), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
         }
-        __m512bh lo0 = (__m512bh)_mm512_loadu_si512((const void *)w), lo1 = (__m512bh)_mm512_loadu_si512((const void *)(w + 32));
-        __m256bh hi0 = (__m256bh)_mm256_loadu_si256((const void *)(w + 64)), hi1 = (__m256bh)_mm256_loadu_si256((const void *)(w + 80));
+        __m512bh lo0 = dot_weights32(w), lo1 = dot_weights32(w + 32);
+        __m256bh hi0 = dot_weights16(w + 64), hi1 = dot_weights16(w + 80);
         for (int r = 0; r < rows; r++) {
             int pairs[2];
             memcpy(pairs, x + r * ldx + k, sizeof pairs); /* x[k] in the low half: each pair's first element */
@@ -201,11 +213,68 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
         }
     }
     for (int r = 0; r < rows; r++)
-        store_row(_mm512_castps512_ps256(lo[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo[r]), 1)), hi[r], y + r * ldy, bias, ncols, first);
+        store_row(SCALED(_mm512_castps512_ps256(lo[r]), 0), SCALED(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo[r]), 1)), 1),
+                  SCALED(hi[r], 2), y + r * ldy, bias, ncols, first);
 }
-#define BLOCK_CALL(rows) dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0)
+#define BLOCK_CALL(rows) dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
+#define BLOCK_ROWS 4
+#elif SCALE_ROWS
+/* Up to EIGHT_BIT_ROWS rows over a chunk of 8-bit weights. Widening a weight costs about what its FMA
+ * does, so a single row's three chains of FMAs (each waiting for the last's 4-cycle latency) would
+ * leave the core idle: each row sums even k and odd k into two sets of accumulators (six chains a
+ * row), added at the chunk's end. Every row is summed so whatever the block's rows, as the other
+ * builds do. Blocks of 4 rows where AVX-512VL gives 32 vector registers (24 accumulators, the
+ * weights, a broadcast), else of 2 (12 accumulators in 16 registers). */
+#ifdef __AVX512VL__
+#define EIGHT_BIT_ROWS 4
+#else
+#define EIGHT_BIT_ROWS 2
+#endif
+static inline __attribute__((always_inline)) void eight_bit_block(int rows, const input_t *x, long ldx, const weight_t *chunk, long kn, long ahead,
+                                                                  float *y, long ldy, const float *bias, int ncols, int first, const float *scales) {
+    __m256 even[EIGHT_BIT_ROWS][3], odd[EIGHT_BIT_ROWS][3];
+    for (int r = 0; r < EIGHT_BIT_ROWS; r++)
+        for (int j = 0; j < 3; j++)
+            even[r][j] = odd[r][j] = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 2 <= kn; k += 2) {
+        const weight_t *w = chunk + k * NR; /* two rows of the panel: 48 bytes */
+        if (rows > 1)
+            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+        __m256 e0 = load_weights(w), e1 = load_weights(w + 8), e2 = load_weights(w + 16);
+        for (int r = 0; r < rows; r++) {
+            __m256 xe = _mm256_broadcast_ss(x + r * ldx + k);
+            even[r][0] = _mm256_fmadd_ps(xe, e0, even[r][0]);
+            even[r][1] = _mm256_fmadd_ps(xe, e1, even[r][1]);
+            even[r][2] = _mm256_fmadd_ps(xe, e2, even[r][2]);
+        }
+        __m256 o0 = load_weights(w + 24), o1 = load_weights(w + 32), o2 = load_weights(w + 40);
+        for (int r = 0; r < rows; r++) {
+            __m256 xo = _mm256_broadcast_ss(x + r * ldx + k + 1);
+            odd[r][0] = _mm256_fmadd_ps(xo, o0, odd[r][0]);
+            odd[r][1] = _mm256_fmadd_ps(xo, o1, odd[r][1]);
+            odd[r][2] = _mm256_fmadd_ps(xo, o2, odd[r][2]);
+        }
+    }
+    if (k < kn) { /* an odd chunk's last row of the panel */
+        const weight_t *w = chunk + k * NR;
+        __m256 e0 = load_weights(w), e1 = load_weights(w + 8), e2 = load_weights(w + 16);
+        for (int r = 0; r < rows; r++) {
+            __m256 xe = _mm256_broadcast_ss(x + r * ldx + k);
+            even[r][0] = _mm256_fmadd_ps(xe, e0, even[r][0]);
+            even[r][1] = _mm256_fmadd_ps(xe, e1, even[r][1]);
+            even[r][2] = _mm256_fmadd_ps(xe, e2, even[r][2]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        store_row(SCALED(_mm256_add_ps(even[r][0], odd[r][0]), 0), SCALED(_mm256_add_ps(even[r][1], odd[r][1]), 1),
+                  SCALED(_mm256_add_ps(even[r][2], odd[r][2]), 2), y + r * ldy, bias, ncols, first);
+}
+#define BLOCK_CALL(rows) eight_bit_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
+#define BLOCK_ROWS EIGHT_BIT_ROWS
 #else
 #define BLOCK_CALL(rows) block##rows(xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
+#define BLOCK_ROWS 4
 #endif
 
 /* Panels [first, last) of the product (see small_gemm); x prepared (prepare_input). */
@@ -221,12 +290,14 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
             long kn = kp - k0 < KC ? kp - k0 : KC;
             const weight_t *chunk = panel + k0 * NR;
             long ahead = kn * NR; /* the next chunk, or the next panel's first: the next bytes in memory */
-            for (long m = 0; m < M; m += 4) {
+            for (long m = 0; m < M; m += BLOCK_ROWS) {
                 const input_t *xm = x + m * ldx + k0;
                 float *ym = y + m * N + p * NR;
-                switch (M - m >= 4 ? 4 : M - m) {
+                switch (M - m >= BLOCK_ROWS ? BLOCK_ROWS : M - m) {
+#if BLOCK_ROWS == 4
                 case 4: BLOCK_CALL(4); break;
                 case 3: BLOCK_CALL(3); break;
+#endif
                 case 2: BLOCK_CALL(2); break;
                 default: BLOCK_CALL(1); break;
                 }

@@ -50,8 +50,15 @@ BUILDS = {
     # 8-bit weights (disagg/engine/quantization), widened to float32 as they are read; each panel carries its scales.
     "int8": (torch.int8, ("-DWEIGHT_INT8",), ()),
     "fp8": (torch.float8_e4m3fn, ("-DWEIGHT_FP8",), ()),
+    # The same with AVX-512VL's 32 vector registers: blocks of 4 rows (small_gemm.c, EIGHT_BIT_ROWS).
+    "int8-avx512": (torch.int8, ("-DWEIGHT_INT8", "-mavx512f", "-mavx512vl"), ("avx512f", "avx512vl")),
+    "fp8-avx512": (torch.float8_e4m3fn, ("-DWEIGHT_FP8", "-mavx512f", "-mavx512vl"), ("avx512f", "avx512vl")),
+    # int8 weights for a bf16 model on an AVX512_BF16 CPU: widened to bf16 (exactly) in registers and
+    # multiplied by the bf16 rows with VDPBF16PS, as bf16-dot multiplies bf16 weights. Its panels are
+    # uint8 tensors (the int8 values' bytes in the pairs layout), so that no other build reads them.
+    "int8-dot": (torch.uint8, ("-DWEIGHT_INT8", "-DDOT_BF16", "-mavx512f", "-mavx512bf16", "-mavx512vl"), ("avx512f", "avx512vl", "avx512_bf16")),
 }
-QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
 SCALE_ROWS = 4  # an 8-bit panel's last rows: its 24 columns' float32 scales (96 bytes)
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: SmolLM-135M's
@@ -88,7 +95,7 @@ class SmallGemm:
     def __init__(self, library: ctypes.CDLL, name: str = "float32"):
         self.name = name
         self.weight_dtype = BUILDS[name][0]
-        self.pairs = name == "bf16-dot"  # panels hold pairs of k; the rows are rounded to bf16
+        self.pairs = name in ("bf16-dot", "int8-dot")  # panels hold pairs of k; the rows are rounded to bf16
         self.scale_rows = SCALE_ROWS if self.weight_dtype in QUANTIZED_DTYPES else 0  # each panel's scales, after its K rows
         arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
@@ -169,25 +176,23 @@ class SmallGemm:
         """An 8-bit weight (values [out, in], int8 or float8_e4m3fn; scale [out] float32) -> panels
         [ceil(out / 24), in + 4, 24] of the values' dtype: each panel's [in][24] values, then its
         columns' 24 float32 scales as 96 bytes (small_gemm.c, SCALE_ROWS); columns past `out` zero."""
-        if values.dtype != self.weight_dtype or not self.scale_rows:
+        if values.element_size() != 1 or not self.scale_rows or (values.dtype == torch.float8_e4m3fn) != (self.weight_dtype == torch.float8_e4m3fn):
             raise ValueError(f"small_gemm {self.name}: cannot pack {values.dtype} values")
         out_features, in_features = values.shape
-        panels = -(-out_features // PANEL)
-        padded = values.new_zeros(panels * PANEL, in_features)
-        padded[:out_features] = values
+        body = self.pack(values.view(torch.uint8))  # [panels, K, 24] bytes, in this build's layout
+        panels = body.shape[0]
         scales = torch.zeros(panels * PANEL, dtype=torch.float32)
         scales[:out_features] = scale
-        body = padded.view(torch.uint8).view(panels, PANEL, in_features).transpose(1, 2)
         tail = scales.view(torch.uint8).view(panels, SCALE_ROWS, PANEL)
-        return torch.cat([body, tail], dim=1).contiguous().view(values.dtype)
+        return torch.cat([body, tail], dim=1).contiguous().view(self.weight_dtype)
 
     def unpack_quantized(self, panels: torch.Tensor, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(values [out, in], scale [out] float32) back from `pack_quantized`'s panels (copies)."""
-        count = panels.shape[0]
+        count, k = panels.shape[0], self.packed_k(in_features)
         raw = panels.view(torch.uint8)
-        values = raw[:, :in_features].transpose(1, 2).reshape(count * PANEL, in_features)[:out_features].contiguous().view(panels.dtype)
-        scale = raw[:, in_features:].contiguous().view(torch.float32).reshape(count * PANEL)[:out_features].clone()
-        return values, scale
+        values = self.unpack(raw[:, :k].contiguous(), out_features, in_features, values_only=True).contiguous()
+        scale = raw[:, k:].contiguous().view(torch.float32).reshape(count * PANEL)[:out_features].clone()
+        return values.view(torch.float8_e4m3fn if panels.dtype == torch.float8_e4m3fn else torch.int8), scale
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """nn.Linear's weight [out, in] -> panels [ceil(out / 24), K, 24], the columns past `out`
@@ -204,9 +209,10 @@ class SmallGemm:
             return torch.cat([low, high], dim=2).view(panels, k, PANEL)
         return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
-    def unpack(self, panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-        """The weight [out, in] back from `pack`'s panels (a copy); an 8-bit build's dequantized, in float32."""
-        if self.scale_rows:
+    def unpack(self, panels: torch.Tensor, out_features: int, in_features: int, values_only: bool = False) -> torch.Tensor:
+        """The weight [out, in] back from `pack`'s panels (a copy); an 8-bit build's dequantized, in float32
+        (values_only: the layout undone over the K rows given, nothing else)."""
+        if self.scale_rows and not values_only:
             values, scale = self.unpack_quantized(panels, out_features, in_features)
             return values.float() * scale[:, None]
         count, k = panels.shape[0], panels.shape[1]
@@ -238,6 +244,15 @@ class SmallGemm:
         return out
 
 
+def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype) -> SmallGemm | None:
+    """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype: int8 for a bf16 model
+    through VDPBF16PS where the CPU has it (its rows are bf16 already: the products stay exact), else
+    the weights widened to float32."""
+    if values_dtype == torch.int8 and rows_dtype == torch.bfloat16 and build_kernel("int8-dot") is not None:
+        return build_kernel("int8-dot")
+    return kernel(values_dtype)
+
+
 def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
     """The kernel for weights of this dtype (float32, bfloat16, or 8-bit: int8, float8_e4m3fn), or None where none runs here (logged once)."""
     return _kernel(weight_dtype)  # one object per dtype, however it is asked for
@@ -247,8 +262,11 @@ def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
 def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
     if weight_dtype == torch.float32:
         return build_kernel("float32")
+    if weight_dtype == torch.uint8:
+        return build_kernel("int8-dot")
     if weight_dtype in QUANTIZED_DTYPES:
-        return build_kernel("int8" if weight_dtype == torch.int8 else "fp8")
+        name = "int8" if weight_dtype == torch.int8 else "fp8"
+        return build_kernel(f"{name}-avx512") or build_kernel(name)  # the wider build where the CPU has it
     if weight_dtype != torch.bfloat16:
         return None
     named = os.environ.get("DISAGG_BF16_KERNEL")
