@@ -185,13 +185,21 @@ static inline __m256bh dot_weights16(const weight_t *w) { return _mm512_cvtneps_
 static inline __m512bh dot_weights32(const weight_t *w) { return (__m512bh)_mm512_loadu_si512((const void *)w); }
 static inline __m256bh dot_weights16(const weight_t *w) { return (__m256bh)_mm256_loadu_si256((const void *)w); }
 #endif
-/* Up to 4 rows over a chunk of quads of k: per row, columns 0-15 in a zmm and 16-23 in a ymm of sums. */
+/* Up to DOT_ROWS rows over a chunk of quads of k: per row, columns 0-15 in a zmm and 16-23 in a ymm of
+ * sums. int8 weights in blocks of 8 rows: widening them costs more than their dot products, so a block
+ * of more rows widens each weight for more of them (32 registers hold 8 rows' sums, the weights and a
+ * broadcast); each row's sums run in the same order at any block size. */
+#ifdef WEIGHT_INT8
+#define DOT_ROWS 8
+#else
+#define DOT_ROWS 4
+#endif
 static inline __attribute__((always_inline)) void dot_block(int rows, const input_t *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,
                                                             long ldy, const float *bias, int ncols, int first, const float *scales) {
     (void)scales;
-    __m512 lo[4];
-    __m256 hi[4];
-    for (int r = 0; r < 4; r++)
+    __m512 lo[DOT_ROWS];
+    __m256 hi[DOT_ROWS];
+    for (int r = 0; r < DOT_ROWS; r++)
         lo[r] = _mm512_setzero_ps(), hi[r] = _mm256_setzero_ps();
     for (long k = 0; k < kn; k += 4) {
         const weight_t *w = chunk + k * NR; /* one quad: 4 k x 24 columns = 192 bytes */
@@ -217,7 +225,7 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
                   SCALED(hi[r], 2), y + r * ldy, bias, ncols, first);
 }
 #define BLOCK_CALL(rows) dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
-#define BLOCK_ROWS 4
+#define BLOCK_ROWS DOT_ROWS
 #elif SCALE_ROWS
 /* Up to EIGHT_BIT_ROWS rows over a chunk of 8-bit weights. Widening a weight costs about what its FMA
  * does, so a single row's three chains of FMAs (each waiting for the last's 4-cycle latency) would
@@ -294,7 +302,13 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
                 const input_t *xm = x + m * ldx + k0;
                 float *ym = y + m * N + p * NR;
                 switch (M - m >= BLOCK_ROWS ? BLOCK_ROWS : M - m) {
-#if BLOCK_ROWS == 4
+#if BLOCK_ROWS == 8
+                case 8: BLOCK_CALL(8); break;
+                case 7: BLOCK_CALL(7); break;
+                case 6: BLOCK_CALL(6); break;
+                case 5: BLOCK_CALL(5); break;
+#endif
+#if BLOCK_ROWS >= 4
                 case 4: BLOCK_CALL(4); break;
                 case 3: BLOCK_CALL(3); break;
 #endif
