@@ -358,3 +358,31 @@ def test_the_backoff_doubles_and_a_bad_policy_is_refused():
     for bad in ({"limit": 0}, {"window": 0}, {"silence": -1}):
         with pytest.raises(ValueError):
             RestartPolicy(**bad)
+
+
+def test_a_start_interrupted_while_the_router_binds_leaves_no_part_running(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM to `disagg serve` while its router starts: the router is stopped with the rest, never left
+    holding the port (gRPC's SO_REUSEPORT would let the next router share it, half its calls going to the orphan)."""
+    cluster = LocalCluster(ClusterSpec(model="unused", log_dir=str(tmp_path)))
+    started: dict[str, subprocess.Popen] = {}
+
+    def popen(name, command):  # each part a real process that never serves; the workers announce ports at once
+        started[name] = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        if name != "router":
+            pathlib.Path(cluster.port_file(name)).write_text('{"port": 1, "metrics_port": 2}')
+        return started[name]
+
+    bound = cluster._bound
+
+    def bound_until_the_router(launched, silence=None):
+        if launched.name == "router":
+            raise KeyboardInterrupt  # the signal arrives while the router's port is awaited
+        return bound(launched, silence)
+
+    monkeypatch.setattr(cluster, "_popen", popen)
+    monkeypatch.setattr(cluster, "_bound", bound_until_the_router)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.start()
+    cluster.stop(timeout=5.0)
+    assert set(started) == {"decode-0", "prefill-0", "router"}
+    assert all(process.poll() is not None for process in started.values()), {name: p.poll() for name, p in started.items()}

@@ -72,7 +72,7 @@ def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--quantization-type", choices=("per_channel", "per_tensor"), default="per_channel",
                        help="symmetric scales per output channel or one per weight, as NxDI's quantization_type "
                             "per_channel_symmetric / per_tensor_symmetric (default: per_channel)")
-    group.add_argument("--quantization-skip", type=name_list, default=("lm_head",),
+    group.add_argument("--quantization-skip", type=name_list, default="lm_head",
                        help="comma-separated names: linear layers whose name contains one stay in full precision, as NxDI's "
                             "modules_to_not_convert (default: lm_head; '' quantizes every linear)")
 

@@ -221,7 +221,10 @@ class LocalCluster:
             router_args += ["--http-port", str(spec.http_port)]
         router_args += [a for p in prefill for a in ("--prefill", p.address)]
         router_args += [a for d in decode for a in ("--decode", d.address)]
-        router = self._bound(self._launch("router", "router", router_args, port=spec.router_port), silence)
+        # Through _bind_all as the workers: a start interrupted while the router binds (Ctrl-C, SIGTERM to
+        # `disagg serve`) must not leave it running unknown to stop(), holding the port (gRPC binds with
+        # SO_REUSEPORT, so the next cluster's router would share the port with it, half the calls going nowhere).
+        (router,) = self._bind_all([self._launch("router", "router", router_args, port=spec.router_port)], silence)
         self.router_address = router.address
         if router.http_port is not None:
             self.http_url = f"{'https' if spec.public_tls_ca else 'http'}://127.0.0.1:{router.http_port}"
