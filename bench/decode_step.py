@@ -286,7 +286,7 @@ def main() -> None:
     baseline = names[0]
     # An 8-bit variant reads fewer bytes: its own roofline, over the bandwidth its step's cores read.
     bandwidth = result.get("read_bandwidth_two_cores_gbs", result["read_bandwidth_gbs"]) * 1e9
-    rooflines = {name: served_weight_bytes(backend) / bandwidth for name, backend in backends.items() if backend.quantized}
+    rooflines = {name: served_weight_bytes(backend) / bandwidth for name, backend in backends.items() if backend.quantization_note}
     for name, seconds in rooflines.items():
         print(f"{name}: weights {served_weight_bytes(backends[name]) / 1e6:.0f} MB as served: roofline {seconds * 1e3:.2f} ms per step")
         result[f"{name}_roofline_ms"] = seconds * 1e3

@@ -55,19 +55,30 @@ def prompts() -> list[str]:
 
 
 @functools.cache
-def bf16_reference():
+def bf16_reference(quantization: str | None = None):
+    """The tokenizer and the bf16 model; quantization: its linears (not the LM head) set to their dequantized
+    8-bit values in bf16, as the service's int8 kernels (int8-dot on an AVX512_BF16 CPU) multiply them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from disagg.engine.quantization import QuantizationSettings, quantize_model
+
     path = tiny_model("llama")
-    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    if quantization:
+        assert quantize_model(model, QuantizationSettings(quantization))
+    return AutoTokenizer.from_pretrained(path), model
 
 
-@pytest.fixture(scope="module")
-def bf16_cluster(cluster_logs):
+# bf16 as it is, and with int8 weights (the checks hold the same: the 8-bit kernels' sums differ from the
+# dequantized bf16 reference's by rounding alone).
+@pytest.fixture(scope="module", params=[None, "int8"], ids=["bf16", "bf16-int8"])
+def bf16_cluster(request, cluster_logs):
     from disagg.tools.local_cluster import ClusterSpec, LocalCluster
 
-    log_dir = cluster_logs / "llama-bf16"
-    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="bfloat16", threads_per_worker=1, log_dir=str(log_dir)))
+    quantization = request.param
+    log_dir = cluster_logs / ("llama-bf16" + (f"-{quantization}" if quantization else ""))
+    worker_args = ["--quantization", quantization] if quantization else []
+    cluster = LocalCluster(ClusterSpec(model=tiny_model("llama"), dtype="bfloat16", threads_per_worker=1, log_dir=str(log_dir), worker_args=worker_args))
     try:
         cluster.start(timeout=180.0)
     except Exception:
@@ -75,7 +86,7 @@ def bf16_cluster(cluster_logs):
         for log in sorted(log_dir.glob("*.log")):
             print(f"--- {log.name}\n{log.read_text()[-3000:]}")
         raise
-    yield cluster
+    yield cluster, quantization
     cluster.stop()
 
 
@@ -87,36 +98,37 @@ def served(cluster, texts: list[str]):
     return asyncio.run(run())
 
 
-def teacher_forced_logits(prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+def teacher_forced_logits(prompt_ids: list[int], tokens: list[int], quantization: str | None) -> torch.Tensor:
     """[len(tokens), vocab] float32: the bf16 reference's logits for each token, given the prompt and the tokens before it."""
-    _, model = bf16_reference()
+    _, model = bf16_reference(quantization)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + tokens])).logits[0].float()
     return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)]
 
 
-def generate_bf16(prompt_ids: list[int]) -> list[int]:
-    tokenizer, model = bf16_reference()
+def generate_bf16(prompt_ids: list[int], quantization: str | None) -> list[int]:
+    tokenizer, model = bf16_reference(quantization)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
     return out[0, len(prompt_ids) :].tolist()
 
 
 def test_bf16_greedy_tokens_agree_with_generate_in_bf16_wherever_rounding_cannot_decide(bf16_cluster):
-    tokenizer, _ = bf16_reference()
+    bf16_cluster, quantization = bf16_cluster
+    tokenizer, _ = bf16_reference(quantization)
     texts = prompts()
     decisive = steps = 0
     for text, result in zip(texts, served(bf16_cluster, texts)):
         ids, tokens = tokenizer(text)["input_ids"], result.token_ids
         assert len(tokens) == NEW_TOKENS, text
-        logits = teacher_forced_logits(ids, tokens)
+        logits = teacher_forced_logits(ids, tokens, quantization)
         best, runner_up = logits.topk(2).values.unbind(-1)
         picked = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (best - picked).max().item() <= TOL, (text, tokens, (best - picked).tolist())
 
         leads = (best - runner_up).tolist()
         agreed = next((i for i, lead in enumerate(leads) if lead <= TOL), NEW_TOKENS)  # up to the first near-tie
-        assert tokens[:agreed] == generate_bf16(ids)[:agreed], (text, leads)
+        assert tokens[:agreed] == generate_bf16(ids, quantization)[:agreed], (text, leads)
         decisive, steps = decisive + sum(lead > TOL for lead in leads), steps + len(leads)
 
         reference_logprobs = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]

@@ -18,9 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from disagg.kv_transport.chunk_codec import KvKind, dtype_name
 from disagg.rpc import startup
 
-from .. import shared_weights
-from ..cpu_kernels import native_step, prefill_attention, slot_attention
-from ..cpu_kernels.packed_linear import SMALL_ROWS, can_prepack, group_shared_inputs, prepack_linears
+from .. import memory, shared_weights
+from ..cpu_kernels import native_step, prefill_attention, slot_attention, small_gemm
+from ..cpu_kernels.packed_linear import SMALL_ROWS, PackedLinear, can_prepack, group_shared_inputs, prepack_linears
 from ..faults import DeviceLost
 from ..model_files import eos_token_ids
 from ..quantization import QuantizationSettings
@@ -147,6 +147,7 @@ class TorchBackend(Backend):
         else:
             loaded = load_weights(config.model, self.dtype, self.device, config.quantization_settings(), load_model)
         self.model, self.quantized, self.quantization_note = loaded.model, loaded.quantized, loaded.note
+        del loaded  # its 8-bit weights are dropped once packed (below): nothing else may hold them
         if self.quantization_note:
             log.info("%s", self.quantization_note)
         architectures.check_structure(self.model)
@@ -166,12 +167,18 @@ class TorchBackend(Backend):
             self._prepack()
         elif config.prepack is not False and self.device.type == "cpu":
             log.info("linear layers not prepacked: oneDNN does not pack %s on this CPU", config.dtype)
+        if self.quantized and not any(isinstance(m, PackedLinear) and m.panels is not None and m.panels.dtype in small_gemm.QUANTIZED_DTYPES
+                                      for m in self.model.modules()):
+            log.warning("8-bit weights held dequantized in %s: no 8-bit kernel runs here (served exactly, in full precision's memory)", config.dtype)
+        # The 8-bit values now live in the panels (or the box's file): the loader's copies would double them (0.91 GiB for Llama-3.2-1B).
+        self.quantized = {}
         # native_step.c over the prepacked weights, where it serves the model: prompts now, decode steps with the slots.
         self.native_model = self._native_model() if config.native_step is not False else None
         if self.native_model is not None:
             self.native_prefill = self._check_native_prefill()
         self.prefill_attention = self._check_prefill_attention()  # long bf16 prompts' attention in prefill_attention.c
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
+        memory.return_freed_memory()  # what loading and the checks freed, given back (1.35 GiB for Llama-3.2-1B quantized at load)
 
     def _prepack(self) -> None:
         """Prepacks the linears; refuses a model whose logits they change (one that
