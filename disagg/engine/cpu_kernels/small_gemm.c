@@ -177,10 +177,31 @@ BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
 /* The dot build's weights as bf16 pairs: bf16 loaded as they are; int8 (-DWEIGHT_INT8 as well) widened
  * to bf16 exactly (every integer of -128..127 is a bf16), so each product is an int8 weight times the
  * row's bf16 value, exact, summed in float32 (the scale applied to the sums, SCALED). */
-#ifdef WEIGHT_INT8
+#if defined(WEIGHT_INT8)
 static inline __m512 int8_floats16(const weight_t *w) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w))); }
 static inline __m512bh dot_weights32(const weight_t *w) { return _mm512_cvtne2ps_pbh(int8_floats16(w + 16), int8_floats16(w)); }
 static inline __m256bh dot_weights16(const weight_t *w) { return _mm512_cvtneps_pbh(int8_floats16(w)); }
+#elif defined(WEIGHT_FP8)
+/* e4m3 to bf16, exactly (3 mantissa bits and exponents 2^-9..2^8 all fit bf16), in 16-bit lanes: a normal's
+ * exponent and mantissa bits shifted into bf16's place and rebiased by 127 - 7; a subnormal (exponent 0:
+ * its mantissa m times 2^-9) looked up among the eight; then the sign. */
+static const unsigned short FP8_SUBNORMALS[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+static inline __m512bh dot_weights32(const weight_t *w) {
+    __m512i bits = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
+    __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi16(0x7f));
+    __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
+    __m512i subnormal = _mm512_permutexvar_epi16(magnitude, _mm512_loadu_si512((const void *)FP8_SUBNORMALS));
+    __m512i value = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)), normal, subnormal);
+    return (__m512bh)_mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(bits, _mm512_set1_epi16(0x80)), 8));
+}
+static inline __m256bh dot_weights16(const weight_t *w) {
+    __m256i bits = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
+    __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi16(0x7f));
+    __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(magnitude, 4), _mm256_set1_epi16(120 << 7));
+    __m256i subnormal = _mm256_permutexvar_epi16(magnitude, _mm256_loadu_si256((const __m256i *)FP8_SUBNORMALS));
+    __m256i value = _mm256_mask_blend_epi16(_mm256_cmplt_epu16_mask(magnitude, _mm256_set1_epi16(8)), normal, subnormal);
+    return (__m256bh)_mm256_or_si256(value, _mm256_slli_epi16(_mm256_and_si256(bits, _mm256_set1_epi16(0x80)), 8));
+}
 #else
 static inline __m512bh dot_weights32(const weight_t *w) { return (__m512bh)_mm512_loadu_si512((const void *)w); }
 static inline __m256bh dot_weights16(const weight_t *w) { return (__m256bh)_mm256_loadu_si256((const void *)w); }
@@ -189,7 +210,7 @@ static inline __m256bh dot_weights16(const weight_t *w) { return (__m256bh)_mm25
  * sums. int8 weights in blocks of 8 rows: widening them costs more than their dot products, so a block
  * of more rows widens each weight for more of them (32 registers hold 8 rows' sums, the weights and a
  * broadcast); each row's sums run in the same order at any block size. */
-#ifdef WEIGHT_INT8
+#if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
 #define DOT_ROWS 8
 #else
 #define DOT_ROWS 4

@@ -57,8 +57,12 @@ BUILDS = {
     # multiplied by the bf16 rows with VDPBF16PS, as bf16-dot multiplies bf16 weights. Its panels are
     # uint8 tensors (the int8 values' bytes in the pairs layout), so that no other build reads them.
     "int8-dot": (torch.uint8, ("-DWEIGHT_INT8", "-DDOT_BF16", "-mavx512f", "-mavx512bf16", "-mavx512vl"), ("avx512f", "avx512vl", "avx512_bf16")),
+    # The same for e4m3 weights (exact in bf16 too), widened in 16-bit lanes (AVX-512BW); its panels are tagged
+    # float8_e4m3fnuz, a dtype no other build reads (the bytes are e4m3fn's: only unpack_quantized reads them).
+    "fp8-dot": (torch.float8_e4m3fnuz, ("-DWEIGHT_FP8", "-DDOT_BF16", "-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"),
+                ("avx512f", "avx512vl", "avx512bw", "avx512_bf16")),
 }
-QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 SCALE_ROWS = 4  # an 8-bit panel's last rows: its 24 columns' float32 scales (96 bytes)
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: SmolLM-135M's
@@ -95,7 +99,7 @@ class SmallGemm:
     def __init__(self, library: ctypes.CDLL, name: str = "float32"):
         self.name = name
         self.weight_dtype = BUILDS[name][0]
-        self.pairs = name in ("bf16-dot", "int8-dot")  # panels hold pairs of k; the rows are rounded to bf16
+        self.pairs = name.endswith("-dot")  # panels hold pairs of k; the rows are rounded to bf16
         self.scale_rows = SCALE_ROWS if self.weight_dtype in QUANTIZED_DTYPES else 0  # each panel's scales, after its K rows
         arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
@@ -176,7 +180,7 @@ class SmallGemm:
         """An 8-bit weight (values [out, in], int8 or float8_e4m3fn; scale [out] float32) -> panels
         [ceil(out / 24), in + 4, 24] of the values' dtype: each panel's [in][24] values, then its
         columns' 24 float32 scales as 96 bytes (small_gemm.c, SCALE_ROWS); columns past `out` zero."""
-        if values.element_size() != 1 or not self.scale_rows or (values.dtype == torch.float8_e4m3fn) != (self.weight_dtype == torch.float8_e4m3fn):
+        if values.element_size() != 1 or not self.scale_rows or (values.dtype == torch.float8_e4m3fn) != self.name.startswith("fp8"):
             raise ValueError(f"small_gemm {self.name}: cannot pack {values.dtype} values")
         out_features, in_features = values.shape
         body = self.pack(values.view(torch.uint8))  # [panels, K, 24] bytes, in this build's layout
@@ -192,7 +196,7 @@ class SmallGemm:
         raw = panels.view(torch.uint8)
         values = self.unpack(raw[:, :k].contiguous(), out_features, in_features, values_only=True).contiguous()
         scale = raw[:, k:].contiguous().view(torch.float32).reshape(count * PANEL)[:out_features].clone()
-        return values.view(torch.float8_e4m3fn if panels.dtype == torch.float8_e4m3fn else torch.int8), scale
+        return values.view(torch.float8_e4m3fn if self.name.startswith("fp8") else torch.int8), scale
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """nn.Linear's weight [out, in] -> panels [ceil(out / 24), K, 24], the columns past `out`
@@ -245,11 +249,12 @@ class SmallGemm:
 
 
 def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype) -> SmallGemm | None:
-    """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype: int8 for a bf16 model
+    """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype: int8 or fp8 for a bf16 model
     through VDPBF16PS where the CPU has it (its rows are bf16 already: the products stay exact), else
     the weights widened to float32."""
-    if values_dtype == torch.int8 and rows_dtype == torch.bfloat16 and build_kernel("int8-dot") is not None:
-        return build_kernel("int8-dot")
+    dot = {torch.int8: "int8-dot", torch.float8_e4m3fn: "fp8-dot"}.get(values_dtype)
+    if dot and rows_dtype == torch.bfloat16 and build_kernel(dot) is not None:
+        return build_kernel(dot)
     return kernel(values_dtype)
 
 
@@ -262,8 +267,8 @@ def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
 def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
     if weight_dtype == torch.float32:
         return build_kernel("float32")
-    if weight_dtype == torch.uint8:
-        return build_kernel("int8-dot")
+    if weight_dtype in (torch.uint8, torch.float8_e4m3fnuz):
+        return build_kernel("int8-dot" if weight_dtype == torch.uint8 else "fp8-dot")
     if weight_dtype in QUANTIZED_DTYPES:
         name = "int8" if weight_dtype == torch.int8 else "fp8"
         return build_kernel(f"{name}-avx512") or build_kernel(name)  # the wider build where the CPU has it
