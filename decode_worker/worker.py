@@ -106,6 +106,7 @@ class DecodeWorker:
         cache_bytes = await self._loop.run_in_executor(
             None, self.backend.allocate_slots, config.batch_size, config.num_blocks, config.block_size if config.num_blocks else 0
         )
+        await self._loop.run_in_executor(None, self.constraints.wait_ready)  # before serving: its build stops every thread (compiler.wait_ready)
         if config.num_blocks:
             blocks, mib = config.num_blocks - 1, cache_bytes / 2**20
             log.info("KV cache: %d blocks x %d positions for %d sequences, %.1f MiB", blocks, config.block_size, config.batch_size, mib)

@@ -126,7 +126,9 @@ class PrefillWorker:
         return PrefixCache.sized(info, getattr(self.backend, "device", "cpu"), config.prefix_cache_gib, config.block_size)
 
     async def start(self) -> None:
-        """Resolves the decode pool, and keeps following it where DNS can change it."""
+        """Resolves the decode pool, and keeps following it where DNS can change it; waits for the constraint
+        tokenizer, whose build stops every thread of the process (compiler.wait_ready), before serving."""
+        await asyncio.get_running_loop().run_in_executor(None, self.constraints.wait_ready)
         await self.peers.refresh()
         if self.peers.dynamic:
             self._refresher = asyncio.create_task(self.peers.refresh_forever())

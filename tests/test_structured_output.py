@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import pathlib
 import re
 import signal
 
@@ -379,3 +380,15 @@ def test_bad_structured_output_is_400_naming_the_parameter(oai, cluster, params,
     assert bad.value.status_code == 400 and bad.value.body["param"] == param, bad.value.body
     assert client.chat.completions.create(model=model, messages=ASK, max_tokens=2).usage.completion_tokens == 2
     assert_nothing_held(cluster)
+
+
+def test_each_worker_has_its_constraint_tokenizer_before_it_serves(cluster):
+    """llguidance builds its tokenizer holding the GIL (seconds for a large vocabulary): a worker that served
+    first would answer no health check or load poll meanwhile, so each waits for it before it serves."""
+    for process in cluster.processes:
+        if process.name == "router":
+            continue
+        lines = pathlib.Path(cluster.log_path(process.name)).read_text().splitlines()
+        ready = next(i for i, line in enumerate(lines) if "constraint tokenizer ready" in line)
+        serving = next(i for i, line in enumerate(lines) if "worker serving on port" in line)
+        assert ready < serving, process.name

@@ -59,6 +59,16 @@ class ConstraintCompiler:
         log.info("constraint tokenizer ready in %.2f s", time.perf_counter() - started)
         return tokenizer
 
+    def wait_ready(self) -> None:
+        """Returns once the tokenizer is built (a build that failed says why with the first constraint).
+        A worker waits for it before it serves: llguidance's constructor holds the GIL throughout (6.2 s
+        for a 49,152-token vocabulary on this project's CPU, the worker's every thread stopped meanwhile),
+        so a worker that served first would answer no health check, load poll or step until it ends."""
+        try:
+            self._tokenizer.result()
+        except Exception:  # noqa: BLE001 - reported where a constraint needs it
+            pass
+
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
