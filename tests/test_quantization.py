@@ -109,6 +109,31 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_a_packed_8_bit_linear_is_the_dequantized_linear_for_a_decode_step_and_a_prefill(dtype, method):
+    """A decode step's rows (the kernel), a prefill's (in blocks of 64) and a long one's (oneDNN over the
+    layout derived from the panels) all multiply the dequantized weight."""
+    from disagg.engine.cpu_kernels.packed_linear import DERIVED_MIN_ROWS, can_prepack
+
+    if not can_prepack(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
+    generator = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(96, 72, bias=True).to(dtype)
+    q = quantize(linear.weight, method)
+    with torch.no_grad():
+        linear.weight.copy_(q.dequantized(dtype))
+    packed = PackedLinear(linear, quantized=q)
+    assert packed.panels.dtype in small_gemm.QUANTIZED_DTYPES
+    for rows in (1, 7, 65, DERIVED_MIN_ROWS):
+        x = torch.randn(rows, 96, generator=generator).to(dtype)
+        expected = torch.nn.functional.linear(x.float(), q.dequantized(), linear.bias.float())
+        got = packed(x).float()
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output, and of the derived weight
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max(), (rows, dtype, method)
+
+
+@needs_kernel
 def test_8_bit_panels_take_at_most_0_55x_of_bf16s_bytes():
     linear = torch.nn.Linear(576, 1536, bias=False)
     for method in ("int8", "fp8"):
