@@ -180,7 +180,7 @@ def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int, keep: list
     if bias is not None:
         bias = bias.float().contiguous()
         keep.append(bias)
-    shared = int(panels.numel() * panels.element_size() >= small_gemm.SPLIT_MIN_BYTES)
+    shared = int(small_gemm.worth_sharing(panels))
     functions = (None, None)
     if panels.dtype in small_gemm.QUANTIZED_DTYPES:  # the 8-bit build's products (the model's are its own dtype's)
         kernel = small_gemm.kernel(panels.dtype)

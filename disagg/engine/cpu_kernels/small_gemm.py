@@ -72,6 +72,18 @@ PANEL = 24  # NR in small_gemm.c: output columns per panel
 # costs about what reading it does, and the helper then spins on a core that
 # other processes want.
 SPLIT_MIN_BYTES = 1 << 20
+
+
+def worth_sharing(panels: torch.Tensor) -> bool:
+    """Whether a product over these panels is large enough to share with the helper (SPLIT_MIN_BYTES). An
+    8-bit weight counts at bf16's size: widening its values costs the reading cores more than reading them,
+    so it pays to share from as many weights as a bf16 one. SmolLM-135M's q, o and down products (0.3-0.9 MB
+    in int8) ran on one core; shared, its int8 decode step takes 5.63 ms at one row against 6.40, 11.2 against
+    12.6 at 8 rows and 40.2 against 43.6 at 32 (`bench/decode_step.py --variants native,native-int8`, two
+    rounds each, alternately; bf16's step meanwhile 7.4, 12.5-13.1 and 41-42 ms)."""
+    return panels.numel() * max(panels.element_size(), 2) >= SPLIT_MIN_BYTES
+
+
 # Products of up to this many rows are shared: every product the kernel computes.
 # The helper runs at the lowest priority (SCHED_IDLE), so it only takes a core
 # nothing else wants: in `disagg serve` the decode worker's steps use the prefill
@@ -166,7 +178,7 @@ class SmallGemm:
 
     def shares(self, panels: torch.Tensor) -> bool:
         """Whether a product over these panels of up to SPLIT_MAX_ROWS rows, from this thread, is shared with the helper."""
-        return panels.numel() * panels.element_size() >= SPLIT_MIN_BYTES and self.splits_here()
+        return worth_sharing(panels) and self.splits_here()
 
     def packed_k(self, in_features: int) -> int:
         """The panels' K: in_features, or (pairs) rounded up to a multiple of 4."""
