@@ -23,7 +23,7 @@
 #   then only fetches the sources (for the converter) and skips the build;
 # - the converter's requirements pin torch==2.11.0 and PyTorch's CPU index;
 #   torch==$GGUF_TORCH_VERSION (2.13.0, CPU) goes in first and those two lines
-#   are dropped (TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where
+#   are dropped (TORCH_INDEX_URL=<PyTorch's CPU wheel index> where
 #   PyPI's default torch would be a CUDA build);
 # - our tiny models' tokenizer (byte-level BPE with GPT-2's split regex) has a
 #   pre-tokenizer hash the converter does not know (46714a20...). The converter
