@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,11 +42,12 @@ CACHE_SIZE = 256
 
 class ConstraintCompiler:
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: Sequence[int] = (),
-                 compile_seconds: float = COMPILE_SECONDS, cache_size: int = CACHE_SIZE, threads: int = 1):
+                 compile_seconds: float = COMPILE_SECONDS, cache_size: int = CACHE_SIZE, threads: int = 1, local_tokenizer: bool = True):
         """load_tokenizer: returns the model's (fast) Hugging Face tokenizer; called once, on a compile thread.
         vocab_size: the logits' width (the bitmask covers it; ids past the tokenizer's are never allowed)."""
         self.vocab_size = vocab_size
         self.compile_seconds = compile_seconds
+        self.local_tokenizer = local_tokenizer  # load_tokenizer reads local files only: wait_ready may wait for it
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="constraint-compile")
         self._tokenizer: Future = self._threads.submit(self._llg_tokenizer, load_tokenizer, list(eos_token_ids))
         self._cache: collections.OrderedDict[Constraint, Future] = collections.OrderedDict()
@@ -63,7 +65,11 @@ class ConstraintCompiler:
         """Returns once the tokenizer is built (a build that failed says why with the first constraint).
         A worker waits for it before it serves: llguidance's constructor holds the GIL throughout (6.2 s
         for a 49,152-token vocabulary on this project's CPU, the worker's every thread stopped meanwhile),
-        so a worker that served first would answer no health check, load poll or step until it ends."""
+        so a worker that served first would answer no health check, load poll or step until it ends.
+        Not where the checkpoint has no tokenizer.json of its own (workers deal in token ids): loading one
+        from elsewhere may wait on a hub that does not answer, and a worker must not wait on that to serve."""
+        if not self.local_tokenizer:
+            return
         try:
             self._tokenizer.result()
         except Exception:  # noqa: BLE001 - reported where a constraint needs it
@@ -137,4 +143,4 @@ def model_compiler(model: str, vocab_size: int, eos_token_ids: Sequence[int], co
 
         return AutoTokenizer.from_pretrained(model)
 
-    return ConstraintCompiler(load, vocab_size, eos_token_ids, compile_seconds)
+    return ConstraintCompiler(load, vocab_size, eos_token_ids, compile_seconds, local_tokenizer=os.path.isfile(os.path.join(model, "tokenizer.json")))
