@@ -89,8 +89,7 @@ def describe(model_path: str, config, backend: str, dtype: torch.dtype, max_seq_
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device):
-    """The checkpoint with transformers' own choice of attention, once it is known to be served exactly."""
-    architectures.check_verdict(AutoConfig.from_pretrained(path))
+    """The checkpoint with transformers' own choice of attention (TorchBackend has checked its verdict)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
 
@@ -140,7 +139,7 @@ class TorchBackend(Backend):
         self.loaded_here = model is None  # a model handed in is used as it is: its weights are not shared
         self.weights_note = "not shared"  # what became of the box's packed weights file (shared_weights.share)
         # The model, its linears set to their dequantized values where they are 8-bit (`quantized`: those weights, by name).
-        if model is None:  # a pre-quantized checkpoint is built from its config, so its verdict is checked here
+        if model is None:  # before either loader (load_model, or a pre-quantized checkpoint's built from its config)
             architectures.check_verdict(AutoConfig.from_pretrained(config.model))
         if model is not None:
             loaded = LoadedWeights(model, {}, "")

@@ -180,7 +180,6 @@ BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
 #if defined(WEIGHT_INT8)
 static inline __m512 int8_floats16(const weight_t *w) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w))); }
 static inline __m512bh dot_weights32(const weight_t *w) { return _mm512_cvtne2ps_pbh(int8_floats16(w + 16), int8_floats16(w)); }
-static inline __m256bh dot_weights16(const weight_t *w) { return _mm512_cvtneps_pbh(int8_floats16(w)); }
 #elif defined(WEIGHT_FP8)
 /* e4m3 to bf16, exactly (3 mantissa bits and exponents 2^-9..2^8 all fit bf16), in 16-bit lanes: a normal's
  * exponent and mantissa bits shifted into bf16's place and rebiased by 127 - 7; a subnormal (exponent 0:
@@ -194,17 +193,8 @@ static inline __m512bh dot_weights32(const weight_t *w) {
     __m512i value = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)), normal, subnormal);
     return (__m512bh)_mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(bits, _mm512_set1_epi16(0x80)), 8));
 }
-static inline __m256bh dot_weights16(const weight_t *w) {
-    __m256i bits = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
-    __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi16(0x7f));
-    __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(magnitude, 4), _mm256_set1_epi16(120 << 7));
-    __m256i subnormal = _mm256_permutexvar_epi16(magnitude, _mm256_loadu_si256((const __m256i *)FP8_SUBNORMALS));
-    __m256i value = _mm256_mask_blend_epi16(_mm256_cmplt_epu16_mask(magnitude, _mm256_set1_epi16(8)), normal, subnormal);
-    return (__m256bh)_mm256_or_si256(value, _mm256_slli_epi16(_mm256_and_si256(bits, _mm256_set1_epi16(0x80)), 8));
-}
 #else
 static inline __m512bh dot_weights32(const weight_t *w) { return (__m512bh)_mm512_loadu_si512((const void *)w); }
-static inline __m256bh dot_weights16(const weight_t *w) { return (__m256bh)_mm256_loadu_si256((const void *)w); }
 #endif
 /* Up to DOT_ROWS rows over a chunk of quads of k: per row, columns 0-15 in a zmm and 16-23 in a ymm of
  * sums. int8 weights in blocks of 8 rows: widening them costs more than their dot products, so a block
@@ -229,8 +219,9 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
             _mm_prefetch((const char *)(w + ahead + 32), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
         }
-        __m512bh lo0 = dot_weights32(w), lo1 = dot_weights32(w + 32);
-        __m256bh hi0 = dot_weights16(w + 64), hi1 = dot_weights16(w + 80);
+        /* Columns 16-23 of both pairs lie together (w + 64 .. w + 95): one widening for the two halves. */
+        __m512bh lo0 = dot_weights32(w), lo1 = dot_weights32(w + 32), high = dot_weights32(w + 64);
+        __m256bh hi0 = (__m256bh)_mm512_castsi512_si256((__m512i)high), hi1 = (__m256bh)_mm512_extracti64x4_epi64((__m512i)high, 1);
         for (int r = 0; r < rows; r++) {
             int pairs[2];
             memcpy(pairs, x + r * ldx + k, sizeof pairs); /* x[k] in the low half: each pair's first element */
