@@ -38,9 +38,24 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_seq_len: int
+    # The KV cache in 8 bits (disagg/engine/quantization/kv_cache.py): "int8" or "fp8", with a
+    # float32 scale per block of kv_block_size positions and head; "" keeps it in `dtype`.
+    kv_cache_dtype: str = ""
+    kv_block_size: int = 0
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
+
+    @property
+    def kv_quantized(self) -> bool:
+        return bool(self.kv_cache_dtype)
+
+    def kv_block_bytes(self, itemsize: int, block_size: int) -> int:
+        """One block of block_size positions over every layer, K and V: the 8-bit codes and their
+        scales (4 bytes a head) where the KV is quantized, else itemsize bytes a value."""
+        if self.kv_quantized:
+            return self.kv_bytes_per_token(1) * block_size + 2 * self.num_layers * self.kv_heads * 4
+        return self.kv_bytes_per_token(itemsize) * block_size
 
 
 # Per layer (keys, values), each [kv_heads, P, head_dim]: the KV of a prompt's first P tokens
