@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from ..cpu_kernels import slot_attention
+from ..quantization.kv_cache import QuantizedBlocks, QuantizedKv, dequantized
 from .base import LayerKvCallback  # noqa: F401  (the torch backend's modules import it from here)
 
 # Layer types whose attention reads (a window of) ordinary per-token K/V. The
@@ -60,40 +61,81 @@ def layer_plans(config) -> list[LayerPlan]:
     return [LayerPlan(t, kw.get("sliding_window") if t == "sliding_attention" else None) for t, kw in zip(types, kwargs)]
 
 
+@dataclass(frozen=True)
+class KvQuantization:
+    """An 8-bit KV cache's codes and the positions each scale covers (disagg/engine/quantization/kv_cache.py)."""
+
+    code_dtype: torch.dtype
+    block_size: int
+
+    def quantize(self, tensor: torch.Tensor) -> QuantizedKv:
+        return QuantizedKv.quantize(tensor, self.block_size, self.code_dtype)
+
+
 @dataclass
 class PagedKvCache:
     """Per layer, keys and values of shape [blocks, kv_heads, block_size, head_dim]. A sequence's
     position p lies in block table[p // block_size] at offset p % block_size. The slot layout is
-    the case of one block per slot holding every position (block_size = max_seq_len, table = [slot])."""
+    the case of one block per slot holding every position (block_size = max_seq_len, table = [slot]).
+    An 8-bit cache holds codes there and, per layer, float32 scales [blocks, kv_heads] beside them."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    key_scales: list[torch.Tensor] | None = None
+    value_scales: list[torch.Tensor] | None = None
 
     @classmethod
     def allocate(
-        cls, num_layers: int, blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype, device, heads_outermost: bool = False
+        cls, num_layers: int, blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype, device, heads_outermost: bool = False,
+        code_dtype: torch.dtype | None = None,
     ) -> "PagedKvCache":
         """heads_outermost: each layer's memory laid out [kv_heads, blocks, block_size, head_dim] (the tensors are
         views of it in the [blocks, kv_heads, ...] order): a gather of rows' blocks is then one copy into the layout
-        attention reads (gather_rows), where [blocks, kv_heads, ...] memory takes a second copy to put heads first."""
+        attention reads (gather_rows), where [blocks, kv_heads, ...] memory takes a second copy to put heads first.
+        code_dtype (int8, float8_e4m3fn): an 8-bit cache, with a scale per block and head."""
+        stored = code_dtype or dtype
         if heads_outermost:
             def new():
-                return torch.zeros((kv_heads, blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 0, 2, 3)
+                return torch.zeros((kv_heads, blocks, block_size, head_dim), dtype=stored, device=device).permute(1, 0, 2, 3)
         else:
             def new():
-                return torch.zeros((blocks, kv_heads, block_size, head_dim), dtype=dtype, device=device)
-        return cls(keys=[new() for _ in range(num_layers)], values=[new() for _ in range(num_layers)])
+                return torch.zeros((blocks, kv_heads, block_size, head_dim), dtype=stored, device=device)
+        cache = cls(keys=[new() for _ in range(num_layers)], values=[new() for _ in range(num_layers)])
+        if code_dtype is not None:
+            cache.key_scales = [torch.zeros(blocks, kv_heads, device=device) for _ in range(num_layers)]
+            cache.value_scales = [torch.zeros(blocks, kv_heads, device=device) for _ in range(num_layers)]
+        return cache
 
     @property
     def block_size(self) -> int:
         return self.keys[0].shape[2]
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+    def quantized(self) -> bool:
+        return self.key_scales is not None
 
-    def write(self, table: list[int], layer: int, target_is_keys: bool, token_start: int, tensor: torch.Tensor) -> None:
-        """tensor [kv_heads, tokens, head_dim]: the sequence's positions token_start.. through its block table."""
+    def blocks(self, layer: int, keys: bool) -> QuantizedBlocks:
+        """An 8-bit cache's codes and scales of one layer's keys or values."""
+        if keys:
+            return QuantizedBlocks(self.keys[layer], self.key_scales[layer])
+        return QuantizedBlocks(self.values[layer], self.value_scales[layer])
+
+    @property
+    def nbytes(self) -> int:
+        scales = (*self.key_scales, *self.value_scales) if self.quantized else ()
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *scales))
+
+    def write(self, table: list[int], layer: int, target_is_keys: bool, token_start: int, tensor) -> None:
+        """tensor [kv_heads, tokens, head_dim] (a QuantizedKv in an 8-bit cache, or a tensor it quantizes,
+        token_start then at a block's start): the sequence's positions token_start.. through its block table."""
+        if self.quantized:
+            blocks = self.blocks(layer, target_is_keys)
+            if not isinstance(tensor, QuantizedKv):
+                tensor = QuantizedKv.quantize(tensor, self.block_size, blocks.codes.dtype)
+            blocks.write(table, token_start, tensor)
+            return
+        if isinstance(tensor, QuantizedKv):
+            raise ValueError(f"8-bit KV ({tensor.dtype}) for a cache of {self.keys[0].dtype}")
         target, size = (self.keys if target_is_keys else self.values)[layer], self.block_size
         done, tokens = 0, tensor.shape[1]
         while done < tokens:
@@ -139,9 +181,10 @@ class _Layer(CacheLayerMixin):
 
 
 class _PrefillLayer(_Layer):
-    def __init__(self, plan: LayerPlan, index: int, on_layer: LayerKvCallback, prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(self, plan: LayerPlan, index: int, on_layer: LayerKvCallback, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 quantization: KvQuantization | None = None):
         super().__init__(plan)
-        self.index, self.on_layer, self.length = index, on_layer, 0
+        self.index, self.on_layer, self.length, self.quantization = index, on_layer, 0, quantization
         self.prefix = prefix  # the cached prefix's (keys, values), [kv_heads, P, head_dim] each
         self.prefix_len = 0 if prefix is None else prefix[0].shape[1]
 
@@ -150,12 +193,18 @@ class _PrefillLayer(_Layer):
         if self.length:
             raise RuntimeError(f"layer {self.index} wrote its KV twice in one prefill")
         self.length = key_states.shape[-2]
-        self.on_layer(self.index, key_states[0], value_states[0])
+        if self.quantization is None:
+            self.on_layer(self.index, key_states[0], value_states[0])
+        else:
+            # Handed on as codes and scales; attended as the values they stand for, as every later reader of the cache sees them.
+            keys, values = self.quantization.quantize(key_states[0]), self.quantization.quantize(value_states[0])
+            self.on_layer(self.index, keys, values)
+            key_states, value_states = keys.dequantize(key_states.dtype)[None], values.dequantize(value_states.dtype)[None]
         if self.prefix is None:
             return key_states, value_states
         # The new rows attend over the prefix and themselves, as with a DynamicCache holding the
         # prefix; a sliding layer too gets the whole prefix: its own mask cuts what its window cannot see.
-        keys, values = self.prefix
+        keys, values = (dequantized(t, key_states.dtype) for t in self.prefix)
         return torch.cat([keys[None], key_states], dim=-2), torch.cat([values[None], value_states], dim=-2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -171,9 +220,11 @@ class PrefillCache(Cache):
     model runs the tokens after them only: each layer attends over prefix + new rows and hands
     on the new rows' K/V."""
 
-    def __init__(self, plans: list[LayerPlan], on_layer: LayerKvCallback, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    def __init__(self, plans: list[LayerPlan], on_layer: LayerKvCallback, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 quantization: KvQuantization | None = None):
+        """quantization: an 8-bit KV cache's; on_layer then gets QuantizedKv, and the prompt attends over their values."""
         prefixes = prefix_kv if prefix_kv is not None else [None] * len(plans)
-        super().__init__(layers=[_PrefillLayer(plan, i, on_layer, prefix) for i, (plan, prefix) in enumerate(zip(plans, prefixes))])
+        super().__init__(layers=[_PrefillLayer(plan, i, on_layer, prefix, quantization) for i, (plan, prefix) in enumerate(zip(plans, prefixes))])
 
 
 @dataclass(frozen=True)
@@ -194,15 +245,18 @@ class DecodeStep:
 
 
 class _DecodeLayer(_Layer):
-    def __init__(self, plan: LayerPlan, keys: torch.Tensor, values: torch.Tensor, step: DecodeStep, written: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(self, plan: LayerPlan, keys: torch.Tensor, values: torch.Tensor, step: DecodeStep, written: tuple[torch.Tensor, torch.Tensor],
+                 quantized: tuple[QuantizedBlocks, QuantizedBlocks] | None = None):
         super().__init__(plan)
-        self.keys, self.values, self.step, self.written = keys, values, step, written
+        self.keys, self.values, self.step, self.written, self.quantized = keys, values, step, written, quantized
         # A sliding layer's rows see positions > position - window: skip what none of them sees.
         self.start = max(0, step.min_position - plan.window + 1) if plan.is_sliding else 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states/value_states [n, kv_heads, 1, head_dim]
         step, (blocks, offsets) = self.step, self.written
+        if self.quantized is not None:
+            return self._update_quantized(key_states, value_states)
         self.keys[blocks, :, offsets] = key_states[:, :, 0]
         self.values[blocks, :, offsets] = value_states[:, :, 0]
         length = step.kv_len - self.start
@@ -214,6 +268,17 @@ class _DecodeLayer(_Layer):
         # index_select copies whole rows of the span: 3.4x faster than the same gather
         # written as advanced indexing (keys[slots, :, span]), which copies element-wise.
         return gather_rows(self.keys, step.tables, self.start, length), gather_rows(self.values, step.tables, self.start, length)
+
+    def _update_quantized(self, key_states, value_states):
+        step, (blocks, offsets), (keys, values) = self.step, self.written, self.quantized
+        keys.append_lines(blocks, offsets, key_states[:, :, 0])
+        values.append_lines(blocks, offsets, value_states[:, :, 0])
+        length = step.kv_len - self.start
+        if step.read_in_place:  # the kernel widens the codes and applies the scales as it reads them
+            return slot_attention.tag(keys.codes, values.codes, step.tables, self.start, length,
+                                      key_scales=keys.scales, value_scales=values.scales, dtype=key_states.dtype)
+        dtype = key_states.dtype
+        return keys.gather(step.tables, self.start, length, dtype), values.gather(step.tables, self.start, length, dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.step.kv_len - self.start, self.start
@@ -229,7 +294,10 @@ class DecodeCache(Cache):
         # Where each row's new K/V line goes, the same in every layer: its position's block and offset.
         size = store.block_size
         written = (step.tables.gather(1, (step.positions // size)[:, None])[:, 0], step.positions % size)
-        layers = [_DecodeLayer(plan, store.keys[i], store.values[i], step, written) for i, plan in enumerate(plans)]
+        layers = [
+            _DecodeLayer(plan, store.keys[i], store.values[i], step, written, (store.blocks(i, True), store.blocks(i, False)) if store.quantized else None)
+            for i, plan in enumerate(plans)
+        ]
         super().__init__(layers=layers)
         self.step = step
 

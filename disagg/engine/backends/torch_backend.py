@@ -8,6 +8,7 @@ masks, while `slot_cache` hands it the engine's slot KV cache as a transformers
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ from .. import memory, shared_weights
 from ..cpu_kernels import native_step, prefill_attention, slot_attention, small_gemm
 from ..cpu_kernels.packed_linear import SMALL_ROWS, PackedLinear, can_prepack, group_shared_inputs, prepack_linears
 from ..faults import DeviceLost
+from ..kv_blocks import DEFAULT_BLOCK_SIZE
 from ..model_files import eos_token_ids
-from ..quantization import QuantizationSettings
+from ..quantization import QuantizationSettings, kv_cache
+from ..quantization.kv_cache import dequantized
 from ..quantization.loading import LoadedWeights, load_weights
 from ..quantization.model import DEFAULT_SKIP
 from ..requests import Sampling, TokenLogprobs
@@ -32,7 +35,7 @@ from ..threads import on_the_teams_cpu
 from . import architectures, row_masks
 from .base import Backend, ModelInfo, PrefillResult, PrefixKv, StepInputs
 from .compiled import CompiledDecode
-from .slot_kv_cache import DecodeCache, DecodeStep, LayerKvCallback, PagedKvCache, PrefillCache, layer_plans
+from .slot_kv_cache import DecodeCache, DecodeStep, KvQuantization, LayerKvCallback, PagedKvCache, PrefillCache, layer_plans
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +65,25 @@ class TorchBackendConfig:
     quantization: str | None = None
     quantization_type: str = "per_channel"
     quantization_skip: tuple[str, ...] = DEFAULT_SKIP
+    # The KV cache in 8 bits ("int8", "fp8"; None: in `dtype`), a scale per block of kv_block_size positions and head.
+    kv_cache_dtype: str | None = None
+    kv_block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.quantization_settings()  # a bad method or type fails here, before the model loads
+        if self.kv_cache_dtype is not None:
+            kv_cache.code_dtype(self.kv_cache_dtype)
+            if self.kv_block_size < 1:
+                raise ValueError(f"kv_block_size must be at least 1, got {self.kv_block_size}")
+            if self.compile:
+                raise ValueError("--kv-cache-dtype needs the paged KV cache, and the compiled decode step keeps a slot per sequence: run with --no-compile")
+
+    def kv_quantization(self) -> KvQuantization | None:
+        if self.kv_cache_dtype is None:
+            return None
+        return KvQuantization(kv_cache.code_dtype(self.kv_cache_dtype), self.kv_block_size)
 
     def quantization_settings(self) -> QuantizationSettings:
         return QuantizationSettings(self.quantization, self.quantization_type, tuple(self.quantization_skip))
@@ -155,6 +172,10 @@ class TorchBackend(Backend):
         kv_shape = architectures.check_kv_shapes(self.model.config, self._probe(), len(self.plans))
         eos = eos_token_ids(config.model, self.model.config) if model is None else architectures.config_eos(self.model.config)
         self.info = describe(config.model, self.model.config, "torch", self.dtype, config.max_seq_len, kv_shape, eos)
+        if config.kv_cache_dtype is not None:
+            self.info = dataclasses.replace(self.info, kv_cache_dtype=config.kv_cache_dtype, kv_block_size=config.kv_block_size)
+        # Set once the start-up checks below have run (they compare kernels over unquantized KV): prefills then hand on codes and scales.
+        self.kv_quantization: KvQuantization | None = None
         self.cache: PagedKvCache | None = None
         self.paged = False  # KV in blocks with a table per sequence (else a slot per sequence), once allocated
         self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
@@ -177,6 +198,12 @@ class TorchBackend(Backend):
             self.native_prefill = self._check_native_prefill()
         self.prefill_attention = self._check_prefill_attention()  # long bf16 prompts' attention in prefill_attention.c
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
+        self.kv_quantization = config.kv_quantization()
+        if self.kv_quantization is not None:
+            if self.compile:
+                raise ValueError("--kv-cache-dtype needs the paged KV cache, and the compiled decode step keeps a slot per sequence: run with --no-compile")
+            self.native_prefill = None  # native_step.c attends over the prompt's own K/V, not the values its codes stand for
+            log.info("KV cache in %s: a float32 scale per block of %d positions and head", config.kv_cache_dtype, config.kv_block_size)
         memory.return_freed_memory()  # what loading and the checks freed, given back (1.35 GiB for Llama-3.2-1B quantized at load)
 
     def _prepack(self) -> None:
@@ -278,7 +305,7 @@ class TorchBackend(Backend):
     def _modules_prefill(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv: PrefixKv | None, start: int) -> torch.Tensor:
         input_ids = torch.tensor([token_ids[start:]], dtype=torch.long, device=self.device)  # [1, L - P]
         positions = torch.arange(start, len(token_ids), device=self.device)[None]  # [1, L - P]: P.. L-1
-        cache = PrefillCache(self.plans, on_layer, prefix_kv)
+        cache = PrefillCache(self.plans, on_layer, prefix_kv, self.kv_quantization)
         out = self.model(input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
@@ -295,6 +322,8 @@ class TorchBackend(Backend):
             raise ValueError(
                 f"prefix_kv: {len(prefix_kv)} layers of {shapes}; expected {info.num_layers} of [{info.kv_heads}, P, {info.head_dim}] with 0 < P < {prompt_len}"
             )
+        if self.kv_quantization is not None:  # the prompt attends over the values the codes stand for
+            return [(dequantized(k.to(self.device), self.dtype), dequantized(v.to(self.device), self.dtype)) for k, v in prefix_kv]
         return [(k.to(self.device, self.dtype), v.to(self.device, self.dtype)) for k, v in prefix_kv]
 
     @property
@@ -308,11 +337,17 @@ class TorchBackend(Backend):
         decode bucket (before the worker serves)."""
         info = self.info
         self.paged = bool(num_blocks)
+        quantization = self.kv_quantization
+        if quantization is not None and (not num_blocks or block_size != quantization.block_size):
+            raise ValueError(
+                f"an 8-bit KV cache is paged in blocks of its scales' {quantization.block_size} positions, not {num_blocks} blocks of {block_size}"
+            )
         if num_blocks:
             if not self.pages_kv:
                 raise ValueError("the compiled decode step keeps one slot per sequence: allocate without blocks")
             self.cache = PagedKvCache.allocate(
-                info.num_layers, num_blocks, info.kv_heads, block_size, info.head_dim, self.dtype, self.device, heads_outermost=True
+                info.num_layers, num_blocks, info.kv_heads, block_size, info.head_dim, self.dtype, self.device, heads_outermost=True,
+                code_dtype=None if quantization is None else quantization.code_dtype,
             )
             self.row_tables = torch.zeros(num_slots, -(-info.max_seq_len // block_size), dtype=torch.long, device=self.device)
         else:
@@ -336,7 +371,9 @@ class TorchBackend(Backend):
             self._check_compiled_equals_eager(num_slots)
         else:
             self.reads_in_place = self._check_reads_in_place(num_slots)
-            if self.native_model is not None:
+            if self.native_model is not None and quantization is not None:
+                log.info("decode steps run through transformers' modules: native_step.c reads a KV cache in the model's dtype, not 8-bit codes")
+            elif self.native_model is not None:
                 self.native = self._check_native_step(num_slots)
             if num_blocks:
                 self.row_tables.zero_()  # the checks' tables; a sequence's own comes with start_sequence
@@ -373,7 +410,12 @@ class TorchBackend(Backend):
         generator = torch.Generator().manual_seed(0)
         used = self._probe_tables(slots)
         for cache in (*self.cache.keys, *self.cache.values):
-            cache[:used].copy_(torch.randn(cache[:used].shape, generator=generator))
+            values = torch.randn(cache[:used].shape, generator=generator)
+            # 8-bit codes: spread over the format's range (scales below bring them back near one).
+            cache[:used].copy_(values if self.cache.key_scales is None else (values * 40).clamp(-127, 127).round())
+        if self.cache.quantized:
+            for scales in (*self.cache.key_scales, *self.cache.value_scales):
+                scales[:used].copy_(torch.rand(scales[:used].shape, generator=generator) / 40)
         last = self.info.max_seq_len - 1
         rows = len(slots)
         positions = torch.tensor([min(40, last), min(23, last)][:rows])
@@ -401,7 +443,7 @@ class TorchBackend(Backend):
         gathered step's logits."""
         if num_slots < 3 or self.dtype != torch.float32 or self.device.type != "cpu" or self.model.config._attn_implementation != "sdpa":
             return False
-        if slot_attention.kernel() is None:
+        if slot_attention.kernel(self.cache.keys[0].dtype) is None:
             return False
         slot_attention.install()
         inputs = self._probe_step([0, 2])
