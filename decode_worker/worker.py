@@ -22,6 +22,7 @@ from disagg.engine.constraints.compiler import model_compiler
 from disagg.engine.constraints.rows import RowMatcher
 from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_KV_WRITE, DeviceLost, describe, with_injected_faults
 from disagg.engine.kv_blocks import BlockPool, block_hashes, blocks_for, cache_salt
+from disagg.engine.quantization.kv_cache import kv_bytes
 from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
 from disagg.engine.slot_manager import Reservation, SlotManager, SlotState
 from disagg.kv_transport import open_fallible
@@ -78,7 +79,7 @@ class DecodeWorker:
         self.info = backend.info
         self.blocks = BlockPool(config.num_blocks, config.block_size, caching=config.prefix_caching) if config.num_blocks else None
         self.slots = SlotManager(config.batch_size, blocks=self.blocks)
-        self._salt = cache_salt(self.info.name, self.info.dtype)
+        self._salt = cache_salt(self.info.name, self.info.dtype, self.info.kv_cache_dtype)
         self._streams: dict[str, DecodeStream] = {}
         # One writer thread: KV writes land in submission order, so a write for a
         # released reservation always finishes before the slot's next owner writes.
@@ -377,7 +378,7 @@ class DecodeWorker:
             for layer, (keys, values) in enumerate(layers):
                 self._write_kv(table, layer, KvKind.KEY, cached, keys[:, cached:])
                 self._write_kv(table, layer, KvKind.VALUE, cached, values[:, cached:])
-            return sum(k[:, cached:].numel() * k.element_size() * 2 for k, _ in layers)
+            return sum(kv_bytes(k[:, cached:]) * 2 for k, _ in layers)
 
         copied = await asyncio.wrap_future(self.decode_loop.run_on_device(copy))
         if not self.slots.is_reserved(key):

@@ -19,6 +19,10 @@ blocks). For a prompt of L tokens:
 4. `release`: always, success or not; the blocks stay cached (LRU). A prefill that
    fails releases its table unpublished: a half-written block is never found.
 
+An 8-bit KV cache (`--kv-cache-dtype`) keeps the prefill's codes and their scales per block
+and head, as the decode worker does: a hit hands back the codes it stored (sent on as they
+are), and the prefill attends over the values they stand for.
+
 Every call runs on the thread that runs the model (the worker's device executor):
 one prompt at a time, so no lock, and while one prompt holds its table no other
 prompt allocates.
@@ -33,6 +37,8 @@ import torch
 
 from disagg.engine.backends.base import ModelInfo, PrefixKv
 from disagg.engine.kv_blocks import BlockPool, block_hashes, cache_salt
+from disagg.engine.quantization import kv_cache
+from disagg.engine.quantization.kv_cache import QuantizedBlocks
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +62,21 @@ class PrefixCache:
     def __init__(self, info: ModelInfo, dtype: torch.dtype, device, num_blocks: int, block_size: int):
         self.info, self.block_size = info, block_size
         self.pool = BlockPool(num_blocks, block_size)
-        self.salt = cache_salt(info.name, info.dtype)
+        self.salt = cache_salt(info.name, info.dtype, info.kv_cache_dtype)
         shape = (num_blocks, info.kv_heads, block_size, info.head_dim)
+        stored = kv_cache.code_dtype(info.kv_cache_dtype) if info.kv_quantized else dtype
         # torch.empty: pages are taken as blocks are first written, not at start-up.
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(info.num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(info.num_layers)]
+        self.keys = [torch.empty(shape, dtype=stored, device=device) for _ in range(info.num_layers)]
+        self.values = [torch.empty(shape, dtype=stored, device=device) for _ in range(info.num_layers)]
+        if info.kv_quantized:
+            if info.kv_block_size != block_size:
+                raise ValueError(f"prefix cache blocks of {block_size} positions for KV scaled per {info.kv_block_size}")
+            self.key_blocks = [QuantizedBlocks(codes, torch.empty(num_blocks, info.kv_heads, device=device)) for codes in self.keys]
+            self.value_blocks = [QuantizedBlocks(codes, torch.empty(num_blocks, info.kv_heads, device=device)) for codes in self.values]
 
     @staticmethod
     def block_bytes(info: ModelInfo, dtype: torch.dtype, block_size: int) -> int:
-        return info.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size()) * block_size
+        return info.kv_block_bytes(torch.empty(0, dtype=dtype).element_size(), block_size)
 
     @classmethod
     def sized(cls, info: ModelInfo, device, gib: float, block_size: int) -> PrefixCache | None:
@@ -96,6 +108,9 @@ class PrefixCache:
         """Per layer (keys, values) [kv_heads, P, head_dim] of the hit blocks (copied out), or None without hits."""
         if not plan.hits:
             return None
+        if self.info.kv_quantized:  # codes and scales as stored: sent on as they are
+            table = plan.table[: plan.hits]
+            return [(k.read(table, 0, plan.prefix_len), v.read(table, 0, plan.prefix_len)) for k, v in zip(self.key_blocks, self.value_blocks)]
         blocks = torch.tensor(plan.table[: plan.hits], dtype=torch.long, device=self.keys[0].device)
         heads, head_dim = self.info.kv_heads, self.info.head_dim
 
@@ -113,8 +128,13 @@ class PrefixCache:
         fresh = len(plan.table) - plan.hits
         if not fresh:
             return
-        blocks = torch.tensor(plan.table[plan.hits :], dtype=torch.long, device=self.keys[0].device)
         tokens = fresh * self.block_size
+        if self.info.kv_quantized:
+            for (keys, values), key_blocks, value_blocks in zip(layers, self.key_blocks, self.value_blocks):
+                key_blocks.write(plan.table[plan.hits :], 0, keys[:, :tokens])
+                value_blocks.write(plan.table[plan.hits :], 0, values[:, :tokens])
+            return
+        blocks = torch.tensor(plan.table[plan.hits :], dtype=torch.long, device=self.keys[0].device)
         for pools, new in ((self.keys, [k for k, _ in layers]), (self.values, [v for _, v in layers])):
             for pool, tensor in zip(pools, new):
                 # [kv_heads, fresh * block_size, head_dim] -> [fresh, kv_heads, block_size, head_dim]

@@ -51,9 +51,9 @@ def block_hashes(token_ids: list[int], block_size: int, salt: str, limit: int | 
     return hashes
 
 
-def cache_salt(model_name: str, dtype: str) -> str:
+def cache_salt(model_name: str, dtype: str, kv_cache_dtype: str = "") -> str:
     """What besides the tokens changes a block's KV (a future adapter joins it here)."""
-    return f"{model_name}|{dtype}"
+    return f"{model_name}|{dtype}" + (f"|kv {kv_cache_dtype}" if kv_cache_dtype else "")
 
 
 @dataclass

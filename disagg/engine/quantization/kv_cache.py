@@ -205,3 +205,8 @@ class QuantizedBlocks:
         picked = self.codes.view(torch.uint8).index_select(0, ids).transpose(0, 1)  # [kv_heads, blocks, size, head_dim]
         codes = picked.reshape(picked.shape[0], -1, picked.shape[3])[:, :tokens].view(self.codes.dtype)
         return QuantizedKv(codes.contiguous(), self.scales.index_select(0, ids).t().contiguous(), size)
+
+
+def kv_bytes(tensor) -> int:
+    """The bytes a tensor or a QuantizedKv (codes and scales) holds."""
+    return tensor.nbytes if isinstance(tensor, QuantizedKv) else tensor.numel() * tensor.element_size()
