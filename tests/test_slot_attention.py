@@ -9,6 +9,7 @@ from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
 from disagg.engine.backends.slot_kv_cache import gather_rows
 from disagg.engine.cpu_kernels import slot_attention
+from disagg.engine.quantization.kv_cache import LARGEST_CODE, QuantizedBlocks
 
 kernel = slot_attention.kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="slot_attention needs an AVX2 CPU and a C compiler")
@@ -129,3 +130,168 @@ def test_bfloat16_keeps_the_gather():
     backend = load_backend("torch", model=tiny_model("llama"), dtype="bfloat16")
     backend.allocate_slots(4)
     assert backend.reads_in_place is False
+
+
+CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+def code_kernel(dtype):
+    """The 8-bit build for these codes, or a skip where it cannot build here."""
+    found = slot_attention.kernel(dtype)
+    if found is None:
+        pytest.skip(f"slot_attention over {dtype} codes did not build here")
+    return found
+
+
+def random_codes(shape, dtype, generator):
+    """Codes of every finite value of the format (e4m3's two NaN codes, 0x7f and 0xff, left out)."""
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
+    raw = torch.randint(0, 254, shape, generator=generator, dtype=torch.uint8)
+    return torch.where(raw >= 0x7f, raw + 1, raw).view(torch.float8_e4m3fn)  # 0..253 onto 0..0xfe less 0x7f
+
+
+def quantized_layout(kind, dtype, heads_outermost, head_dim, generator):
+    """(keys, values): QuantizedBlocks over the layout's blocks, codes allocated [kv_heads, blocks, ...]
+    and permuted where heads_outermost (as the float caches are), and the rows' tables."""
+    keys, _, tables = layout(kind, head_dim, generator)
+    blocks, heads, size, _ = keys.shape
+    largest = LARGEST_CODE[dtype]
+    pairs = []
+    for _ in range(2):
+        if heads_outermost:
+            codes = random_codes((heads, blocks, size, head_dim), dtype, generator).permute(1, 0, 2, 3)
+        else:
+            codes = random_codes((blocks, heads, size, head_dim), dtype, generator)
+        scales = (1 + 2 * torch.rand(blocks, heads, generator=generator)) / largest  # dequantized magnitudes up to 1..3
+        pairs.append(QuantizedBlocks(codes, scales))
+    return pairs[0], pairs[1], tables
+
+
+def dequantized_sdpa(query, keys, values, tables, start, length, mask, scale):
+    """SDPA (float32) over the rows' positions dequantized by QuantizedBlocks.gather."""
+    n, q_heads, d = query.shape
+    k, v = keys.gather(tables, start, length, torch.float32), values.gather(tables, start, length, torch.float32)
+    grouped = query.view(n, k.shape[1], q_heads // k.shape[1], d)
+    attn_mask = None if mask is None else mask[:, None, None, :]
+    return F.scaled_dot_product_attention(grouped, k, v, attn_mask=attn_mask, scale=scale).reshape(n, q_heads, d)
+
+
+@pytest.mark.parametrize("dtype", CODE_DTYPES)
+@pytest.mark.parametrize("kind", ["slots", "blocks"])
+@pytest.mark.parametrize("heads_outermost", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 40, 4])
+@pytest.mark.parametrize("masked", [True, False])
+def test_8bit_kernel_equals_sdpa_over_dequantized_rows(dtype, kind, heads_outermost, head_dim, masked):
+    """Codes read in place, each block-and-head scale applied to the dots and the weights, give
+    the attention over the dequantized rows (2 query heads per KV head, from position 6 on)."""
+    attend = code_kernel(dtype)
+    generator = torch.Generator().manual_seed(head_dim)
+    keys, values, tables = quantized_layout(kind, dtype, heads_outermost, head_dim, generator)
+    start, length = 6, 37
+    query = torch.randn(3, 4, head_dim, generator=generator)
+    mask = torch.arange(length)[None, :] <= torch.tensor([36, 20, 0])[:, None] if masked else None
+    scale = head_dim**-0.5
+    got = attend.attend(query, keys.codes, values.codes, tables, start, length, mask, scale, keys.scales, values.scales)
+    expected = dequantized_sdpa(query, keys, values, tables, start, length, mask, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", CODE_DTYPES)
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_every_code_widens_exactly(dtype, flush_denormal):
+    """Each of the 256 codes, read as a value of one position (weight 1, scale 1), comes out as
+    torch's float32 of it, NaN codes NaN, e4m3's subnormals too where the CPU flushes denormals;
+    the codes are laid so every one passes both the vector columns and the scalar tail (7 of 263)."""
+    attend = code_kernel(dtype)
+    rows, d = 37, 263
+    codes = ((torch.arange(d)[None, :] + 7 * torch.arange(rows)[:, None]) % 256).to(torch.uint8)  # row r's tail: codes 7r .. 7r + 6
+    values = codes.view(dtype)[:, None, None, :]  # [blocks = rows, 1 head, 1 position, d]
+    keys = torch.zeros_like(codes).view(dtype)[:, None, None, :]
+    ones = torch.ones(rows, 1)
+    previous = torch.is_flush_denormal_enabled() if hasattr(torch, "is_flush_denormal_enabled") else False
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        got = attend.attend(torch.zeros(rows, 1, d), keys, values, torch.arange(rows)[:, None], 0, 1, None, 1.0, ones, ones)
+    finally:
+        torch.set_flush_denormal(previous)
+    assert set(codes[:, 256:].flatten().tolist()) == set(range(256))
+    torch.testing.assert_close(got[:, 0], codes.view(dtype).to(torch.float32), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", CODE_DTYPES)
+def test_8bit_kernel_refuses_scales_it_would_misread(dtype):
+    attend = code_kernel(dtype)
+    generator = torch.Generator().manual_seed(3)
+    keys, values, tables = quantized_layout("blocks", dtype, True, 16, generator)
+    query = torch.zeros(3, 4, 16)
+
+    def call(key_scales, value_scales):
+        return attend.attend(query, keys.codes, values.codes, tables, 0, 16, None, 1.0, key_scales, value_scales)
+
+    good = keys.scales
+    call(good, values.scales)
+    bad = {
+        "missing": None,
+        "float64": good.double(),
+        "bfloat16": good.bfloat16(),
+        "too few blocks": good[:-1],
+        "a head short": good[:, :1].contiguous(),
+        "flat": good.flatten(),
+        "not contiguous": good.t().contiguous().t(),
+    }
+    for name, scales in bad.items():
+        with pytest.raises(ValueError, match="scales"):
+            call(scales, values.scales)
+        with pytest.raises(ValueError, match="scales"):
+            call(good, scales)
+    with pytest.raises(ValueError, match="scales"):  # a float cache has none
+        kernel.attend(query, keys.codes.float(), values.codes.float(), tables, 0, 16, None, 1.0, good, values.scales)
+    with pytest.raises(ValueError, match="cache"):  # codes of the other format
+        other = torch.int8 if dtype != torch.int8 else torch.float8_e4m3fn
+        call_codes = keys.codes.view(torch.uint8).view(other)
+        attend.attend(query, call_codes, call_codes, tables, 0, 16, None, 1.0, good, values.scales)
+    with pytest.raises(ValueError, match="scales"):  # a tagged read of codes without their scales
+        slot_attention.tag(keys.codes, values.codes, tables, 0, 16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", CODE_DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_wrapped_sdpa_reads_a_tagged_8bit_cache(dtype, bias, monkeypatch):
+    """A tagged read of codes (float32 stand-ins) goes to the kernel with its scales; a float
+    mask (not the kernel's) gathers the rows dequantized and runs sdpa: the same attention either way."""
+    code_kernel(dtype)
+    slot_attention.install()
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls = []
+    original = slot_attention.SlotAttention.attend
+    monkeypatch.setattr(slot_attention.SlotAttention, "attend", lambda self, *a, **k: calls.append(self.kv_dtype) or original(self, *a, **k))
+    generator = torch.Generator().manual_seed(4)
+    keys, values, tables = quantized_layout("blocks", dtype, True, 16, generator)
+    start, length = 3, 30
+    tagged = slot_attention.tag(keys.codes, values.codes, tables, start, length, key_scales=keys.scales, value_scales=values.scales, dtype=torch.float32)
+    assert tagged[0].dtype == torch.float32 and tagged[0].shape == (3, 2, length, 16)
+    query = torch.randn(3, 4, 1, 16, generator=generator)
+    if bias:
+        mask = torch.randn(3, 1, 1, length, generator=generator)
+    else:
+        mask = (torch.arange(length)[None, :] <= torch.tensor([29, 10, 0])[:, None])[:, None, None, :]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 2, True, False
+    out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, *tagged, mask, scaling=0.25)
+    assert calls == ([] if bias else [dtype])
+    k, v = keys.gather(tables, start, length, torch.float32), values.gather(tables, start, length, torch.float32)
+    expected = F.scaled_dot_product_attention(query.view(3, 2, 2, 16), k, v, attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(out, expected.reshape(3, 1, 4, 16), rtol=1e-5, atol=2e-6)
+
+
+def test_a_tagged_8bit_read_gathers_in_the_query_dtype():
+    """bf16 stand-ins (a bf16 model's) are not the kernel's: the rows are dequantized to bf16."""
+    generator = torch.Generator().manual_seed(5)
+    keys, values, tables = quantized_layout("blocks", torch.int8, False, 8, generator)
+    tagged = slot_attention.tag(keys.codes, values.codes, tables, 0, 20, key_scales=keys.scales, value_scales=values.scales, dtype=torch.bfloat16)
+    assert tagged[1].dtype == torch.bfloat16
+    got_k, got_v = tagged[0].disagg_paged.gathered(torch.bfloat16)
+    assert got_k.dtype == got_v.dtype == torch.bfloat16
+    assert torch.equal(got_v, values.gather(tables, 0, 20, torch.bfloat16))

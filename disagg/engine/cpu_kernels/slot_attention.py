@@ -12,7 +12,12 @@ no copy), tagged with the rows' slots, and transformers' "sdpa" attention
 function, wrapped here, reads each row's own slot where it lies. A call the
 kernel does not serve (softcapping, sinks, a position bias, dropout, a float
 mask, more than one query position, another dtype) gathers the rows and runs
-transformers' sdpa unchanged. Used for float32 on an AVX2 CPU where the C
+transformers' sdpa unchanged.
+
+An 8-bit cache (`--kv-cache-dtype int8|fp8`, `quantization.kv_cache`) is read the
+same way by its own builds: the codes widened in registers, each block-and-head
+scale applied once per position (to the key's dot, and to the value's softmax
+weight), never a dequantized copy; its gather dequantizes to the query's dtype. Used for float32 on an AVX2 CPU where the C
 compiler builds it (as `small_gemm`), for models whose attention is "sdpa";
 `TorchBackend` checks at start-up that a step read in place gives the logits
 of a gathered one, and otherwise keeps the gather.
@@ -28,13 +33,16 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..quantization.kv_cache import LARGEST_CODE, QuantizedBlocks
 from . import small_gemm
 
 SOURCE = pathlib.Path(__file__).with_name("slot_attention.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")  # glibc's vector expf
 # The cache's dtype -> the flags of its build (bf16 lines are widened to float32 as they are read).
-KV_FLAGS = {torch.float32: (), torch.bfloat16: ("-DKV_BF16",)}
+KV_FLAGS = {torch.float32: (), torch.bfloat16: ("-DKV_BF16",), torch.int8: ("-DKV_INT8",), torch.float8_e4m3fn: ("-DKV_FP8", "-mf16c")}
+# The 8-bit codes' dtypes: their builds export slot_attention_scaled, which takes the scales besides.
+SCALED = tuple(LARGEST_CODE)
 # Keyword arguments that change the attention's arithmetic: a call with any of them set goes to transformers' sdpa.
 UNSERVED = ("softcap", "sinks", "s_aux", "position_bias", "sliding_window_size", "alibi")
 
@@ -42,21 +50,23 @@ UNSERVED = ("softcap", "sinks", "s_aux", "position_bias", "sliding_window_size",
 class SlotAttention:
     def __init__(self, library: ctypes.CDLL, kv_dtype: torch.dtype = torch.float32):
         self.kv_dtype = kv_dtype
-        self._call = library.slot_attention
+        self.scaled = kv_dtype in SCALED
+        self._call = library.slot_attention_scaled if self.scaled else library.slot_attention
         long, pointer = ctypes.c_long, ctypes.c_void_p
         self._call.argtypes = [
             pointer, long, long, long, long, pointer, pointer, long, long, long, pointer, long, long, long, long, pointer, ctypes.c_float, pointer, pointer,
-        ]
+        ] + ([pointer, pointer, long] if self.scaled else [])
         self._call.restype = None
 
     def attend(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, start: int, length: int,
-        mask: torch.Tensor | None, scale: float,
+        mask: torch.Tensor | None, scale: float, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [n, q_heads, d]; keys/values: a layer's blocks [blocks, kv_heads, block_size, d]
         (d contiguous, the same strides); tables [n, w] int64: row r reads positions [start,
         start + length) of its sequence through its block table; mask [n, length] bool or None
-        -> [n, q_heads, d]."""
+        -> [n, q_heads, d]. An 8-bit cache's keys/values are codes, and key_scales/value_scales
+        [blocks, kv_heads] float32 (contiguous) their scales; a float cache has none."""
         n, q_heads, d = query.shape
         blocks, kv_heads, block_size, _ = keys.shape
         # The C side reads raw pointers: anything off here would read past the buffers, not fail.
@@ -75,6 +85,7 @@ class SlotAttention:
         tables = tables.contiguous()
         if n and (start < 0 or start + length > tables.shape[1] * block_size or int(tables.min()) < 0 or int(tables.max()) >= blocks):
             raise ValueError(f"slot_attention: positions [{start}, {start + length}) or block ids outside tables {tuple(tables.shape)} of {blocks} blocks")
+        scales = self._checked_scales(key_scales, value_scales, blocks, kv_heads)
         query = query.contiguous()
         mask = None if mask is None else mask.contiguous().view(torch.uint8)
         out = torch.empty(n, q_heads, d, dtype=torch.float32)
@@ -82,13 +93,27 @@ class SlotAttention:
         self._call(
             query.data_ptr(), n, q_heads, kv_heads, d, keys.data_ptr(), values.data_ptr(),
             keys.stride(0), keys.stride(1), keys.stride(2), tables.data_ptr(), tables.shape[1], block_size, start, length,
-            None if mask is None else mask.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(),
+            None if mask is None else mask.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(), *scales,
         )
         return out
 
+    def _checked_scales(self, key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, blocks: int, kv_heads: int) -> tuple:
+        """The scales' arguments to the C call (none for a float cache): checked, as the C side reads them by block id."""
+        given = [t is not None for t in (key_scales, value_scales)]
+        if not self.scaled:
+            if any(given):
+                raise ValueError(f"slot_attention: scales given for a {self.kv_dtype} cache (only an 8-bit cache has them)")
+            return ()
+        for name, t in (("key_scales", key_scales), ("value_scales", value_scales)):
+            if t is None or t.dtype != torch.float32 or tuple(t.shape) != (blocks, kv_heads) or not t.is_contiguous() or t.device.type != "cpu":
+                described = None if t is None else f"{tuple(t.shape)} {t.dtype} {t.stride()} on {t.device}"
+                raise ValueError(f"slot_attention: {name} {described}; a {self.kv_dtype} cache needs float32 [{blocks}, {kv_heads}] contiguous on the CPU")
+        return key_scales.data_ptr(), value_scales.data_ptr(), kv_heads
+
 
 def kernel(kv_dtype: torch.dtype = torch.float32) -> SlotAttention | None:
-    """The kernel over a cache of this dtype (float32 or bfloat16), or None where it cannot run here (logged once)."""
+    """The kernel over a cache of this dtype (float32, bfloat16, or int8 / float8_e4m3fn codes with their scales),
+    or None where it cannot run here (logged once)."""
     return _kernel(kv_dtype)  # one object per dtype, however it is asked for
 
 
@@ -104,24 +129,41 @@ def _kernel(kv_dtype: torch.dtype) -> SlotAttention | None:
 class PagedRead:
     """What a tagged layer hands the attention: its blocks, and where each row reads them."""
 
-    keys: torch.Tensor  # the layer's blocks [blocks, kv_heads, block_size, head_dim]
+    keys: torch.Tensor  # the layer's blocks [blocks, kv_heads, block_size, head_dim]: values, or an 8-bit cache's codes
     values: torch.Tensor
     tables: torch.Tensor  # [n, w]
     start: int
     length: int
+    key_scales: torch.Tensor | None = None  # an 8-bit cache's scales [blocks, kv_heads] float32; None for a float cache
+    value_scales: torch.Tensor | None = None
 
-    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __post_init__(self):
+        scaled = self.keys.dtype in SCALED
+        if any((t is not None) != scaled for t in (self.key_scales, self.value_scales)):
+            raise ValueError(f"a paged read of a {self.keys.dtype} cache takes {'both' if scaled else 'no'} scales")
+
+    def gathered(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys and values [n, kv_heads, length, head_dim]: a float cache's as held, an 8-bit cache's dequantized to `dtype`."""
         from ..backends.slot_kv_cache import gather_rows
 
-        return gather_rows(self.keys, self.tables, self.start, self.length), gather_rows(self.values, self.tables, self.start, self.length)
+        if self.key_scales is None:
+            return gather_rows(self.keys, self.tables, self.start, self.length), gather_rows(self.values, self.tables, self.start, self.length)
+        pairs = ((self.keys, self.key_scales), (self.values, self.value_scales))
+        keys, values = (QuantizedBlocks(codes, scales).gather(self.tables, self.start, self.length, dtype) for codes, scales in pairs)
+        return keys, values
 
 
-def tag(keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tag(
+    keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, start: int, length: int, *,
+    key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for the rows' keys and values, [n, kv_heads, length, head_dim] in shape only
-    (no memory: every element is one), tagged with where the kernel reads them in place."""
+    (no memory: every element is one), tagged with where the kernel reads them in place.
+    An 8-bit cache's codes come with their scales; the stand-ins' dtype (default: the cache's)
+    is what the attention sees them as: the model's dtype where the cache holds codes."""
     n, heads, head_dim = tables.shape[0], keys.shape[1], keys.shape[3]
-    read = PagedRead(keys, values, tables, start, length)
-    shaped = [t.new_zeros(()).expand(n, heads, length, head_dim) for t in (keys, values)]
+    read = PagedRead(keys, values, tables, start, length, key_scales, value_scales)
+    shaped = [torch.zeros((), dtype=dtype or t.dtype, device=t.device).expand(n, heads, length, head_dim) for t in (keys, values)]
     for stand_in in shaped:
         stand_in.disagg_paged = read
     return shaped[0], shaped[1]
@@ -153,13 +195,16 @@ def _wrap(sdpa):
         read: PagedRead | None = getattr(key, "disagg_paged", None)
         if read is None:
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        if not _served(query, key, value, attention_mask, dropout, kwargs):
-            key, value = read.gathered()
+        reader = kernel(read.keys.dtype)
+        if reader is None or not _served(query, key, value, attention_mask, dropout, kwargs):
+            key, value = read.gathered(query.dtype)
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
         n, q_heads, _, d = query.shape
         mask = None if attention_mask is None else attention_mask.expand(n, 1, 1, key.shape[2]).reshape(n, key.shape[2])
         scale = scaling if scaling is not None else d**-0.5
-        out = kernel().attend(query.reshape(n, q_heads, d), read.keys, read.values, read.tables, read.start, read.length, mask, scale)
+        out = reader.attend(
+            query.reshape(n, q_heads, d), read.keys, read.values, read.tables, read.start, read.length, mask, scale, read.key_scales, read.value_scales,
+        )
         return out.view(n, 1, q_heads, d), None  # [n, q_length, heads, d], as transformers' sdpa returns it
 
     attention.disagg_slot_reads = True
