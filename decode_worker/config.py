@@ -60,12 +60,12 @@ class DecodeWorkerConfig(WorkerConfig):
             )
         return min(fit, self.max_batch_size)
 
-    def blocks_for(self, bytes_per_token: int, max_seq_len: int, sequences: int) -> int:
+    def blocks_for(self, bytes_per_block: int, max_seq_len: int, sequences: int) -> int:
         """How many blocks of block_size positions the KV budget holds, plus the null block; at least one
         sequence's worth, at most what `sequences` sequences of max_seq_len fill (as many positions as the
         slot layout would hold: memory past that could only keep more cached prefixes, and is touched at start-up)."""
         longest = -(-max_seq_len // self.block_size)
-        fit = min(int(self.kv_cache_gib * GIB // (bytes_per_token * self.block_size)), sequences * longest)
+        fit = min(int(self.kv_cache_gib * GIB // bytes_per_block), sequences * longest)
         if fit < longest:
             raise ValueError(
                 f"--kv-cache-gib {self.kv_cache_gib} holds {fit} blocks of {self.block_size} positions,"

@@ -97,6 +97,7 @@ class DecodeServicer:
             pull = KvPull(
                 request.reservation_id, request.agent_name, request.agent_metadata, request.address,
                 request.prompt_len, request.num_layers, request.first_token, request.generation, request.token_start,
+                request.kv_dtype, request.scale_block,
             )
             received = await worker.pull_kv(pull, context.time_remaining())
         except RequestError as exc:
@@ -126,6 +127,7 @@ def backend_options(config) -> dict:
     torch_options = dict(
         compile=config.compile, prepack=config.prepack, native_step=config.native_step, share_weights=config.share_weights,
         batch_buckets=config.batch_buckets, token_buckets=config.token_buckets, **config.quantization_options(),
+        **config.kv_cache_options(config.block_size),
     )
     return dict(
         model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk,
@@ -139,7 +141,7 @@ def size_slots(config: DecodeWorkerConfig, info, pages_kv: bool = False) -> Deco
     itemsize = torch.empty(0, dtype=getattr(torch, info.dtype)).element_size()
     if pages_kv:
         slots = config.batch_size or config.max_batch_size
-        blocks = config.blocks_for(info.kv_bytes_per_token(itemsize), info.max_seq_len, slots)
+        blocks = config.blocks_for(info.kv_block_bytes(itemsize, config.block_size), info.max_seq_len, slots)
         log.info(
             "paged KV cache: %d blocks of %d positions (--kv-cache-gib %g), %d sequences at a time, prefix caching %s",
             blocks - 1, config.block_size, config.kv_cache_gib, slots, "on" if config.prefix_caching else "off",

@@ -68,7 +68,8 @@ async def serve(config: PrefillWorkerConfig) -> None:
     startup.report(startup.Phase.LOADING, f"prefill worker on port {server.port}: loading {config.model} ({config.backend} backend)")
     options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1,
                    neuron={**config.neuron, **config.quantization_options()},
-                   torch=dict(prepack=config.prepack, native_step=config.native_step, share_weights=config.share_weights, **config.quantization_options()))
+                   torch=dict(prepack=config.prepack, native_step=config.native_step, share_weights=config.share_weights, **config.quantization_options(),
+                              **config.kv_cache_options(config.block_size)))
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **options))
     servicer.worker = await stop_on_failure(server, lambda: PrefillWorker(backend, config, metrics))
     await servicer.worker.start()  # the decode pool resolved before the first kv_target is checked

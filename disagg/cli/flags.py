@@ -75,6 +75,10 @@ def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--quantization-skip", type=name_list, default="lm_head",
                        help="comma-separated names: linear layers whose name contains one stay in full precision, as NxDI's "
                             "modules_to_not_convert (default: lm_head; '' quantizes every linear)")
+    group.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
+                       help="the KV cache in 8 bits, as vLLM's --kv-cache-dtype: int8 or fp8 (e4m3) codes with a float32 scale per KV "
+                            "block and head, computed by the prefill and carried with the KV to the decode worker (the same --kv-cache-gib "
+                            "holds about twice bf16's tokens; torch backend, paged cache); auto keeps it in --dtype (default: auto)")
 
 
 def name_list(text: str) -> tuple[str, ...]:
@@ -232,6 +236,7 @@ def worker_fields(args) -> tuple[dict, dict]:
         quantization=settings.get("quantization", args.quantization),
         quantization_type=settings.get("quantization_type", args.quantization_type),
         quantization_skip=tuple(settings.get("quantization_skip", args.quantization_skip)),
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         batch_buckets=args.batch_buckets or (),
         token_buckets=args.token_buckets or (),
     )

@@ -49,10 +49,11 @@ def serve_worker_args(args) -> list[str]:
 
 
 def quantization_flags(args) -> list[str]:
-    """--quantization and its settings, where given: both workers serve the same weights."""
+    """--quantization and its settings, and --kv-cache-dtype, where given: both workers serve the same weights and KV."""
+    kv = [] if args.kv_cache_dtype == "auto" else ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.quantization is None:
-        return []
-    return ["--quantization", args.quantization, "--quantization-type", args.quantization_type, "--quantization-skip", ",".join(args.quantization_skip)]
+        return kv
+    return kv + ["--quantization", args.quantization, "--quantization-type", args.quantization_type, "--quantization-skip", ",".join(args.quantization_skip)]
 
 
 def cache_flags(args) -> list[str]:

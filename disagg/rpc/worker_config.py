@@ -39,7 +39,18 @@ class WorkerConfig:
     quantization: str | None = None  # weights in 8 bits, quantized at load: int8 or fp8 (disagg/engine/quantization); None: as the checkpoint holds them
     quantization_type: str = "per_channel"  # per_channel or per_tensor symmetric, as NxDI's quantization_type
     quantization_skip: tuple[str, ...] = ("lm_head",)  # linears whose name contains one of these stay in full precision (NxDI's modules_to_not_convert)
+    kv_cache_dtype: str | None = None  # the KV cache in 8 bits: int8 or fp8, a scale per block and head (quantization/kv_cache.py); None: in dtype
 
     def quantization_options(self) -> dict:
         """The quantization settings as the backends take them."""
         return dict(quantization=self.quantization, quantization_type=self.quantization_type, quantization_skip=tuple(self.quantization_skip))
+
+    def kv_cache_options(self, block_size: int) -> dict:
+        """The torch backend's KV cache settings: an 8-bit cache's scales cover the worker's KV blocks."""
+        if self.kv_cache_dtype is None:
+            return {}
+        if self.backend != "torch":
+            # NxDI's kv_cache_quant keeps fp8 KV with scales of its own in the device state, which this
+            # backend's KV line reads and writes do not carry yet.
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is served by the torch backend only, not {self.backend}")
+        return dict(kv_cache_dtype=self.kv_cache_dtype, kv_block_size=block_size)
