@@ -22,11 +22,11 @@ from disagg.engine.constraints.compiler import model_compiler
 from disagg.engine.constraints.rows import RowMatcher
 from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_KV_WRITE, DeviceLost, describe, with_injected_faults
 from disagg.engine.kv_blocks import BlockPool, block_hashes, blocks_for, cache_salt
-from disagg.engine.quantization.kv_cache import kv_bytes
+from disagg.engine.quantization.kv_cache import code_dtype, kv_bytes
 from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
 from disagg.engine.slot_manager import Reservation, SlotManager, SlotState
 from disagg.kv_transport import open_fallible
-from disagg.kv_transport.chunk_codec import KvChunkError, KvCommit, KvCoverage, KvKind, KvPiece, decode
+from disagg.kv_transport.chunk_codec import KvChunkError, KvCommit, KvCoverage, KvKind, KvPiece, decode, wire_dtype
 from disagg.kv_transport.nixl_transport import NixlTransferError
 from disagg.rpc import worker_messages
 from disagg.rpc.metrics import DecodeMetrics
@@ -236,7 +236,7 @@ class DecodeWorker:
                     self._count_received("grpc", received, started)
                     return received
                 writes.append(self._write_piece(stream, coverage, message))
-                received += len(message.data)
+                received += message.nbytes  # codes and scales, for an 8-bit KV
                 if len(writes) >= WRITES_IN_FLIGHT:
                     await writes.popleft()
             raise RequestError("KV transfer ended without a commit", grpc.StatusCode.ABORTED)
@@ -267,6 +267,7 @@ class DecodeWorker:
                 )
             if pull.token_start != reservation.cached_tokens:  # the cached blocks are shared: nothing may write them
                 raise KvChunkError(f"staged KV starts at token {pull.token_start}; this reservation needs tokens from {reservation.cached_tokens}")
+            self._check_staged_dtype(pull)
             deadline = time.monotonic() + min(timeout or self.config.lease_seconds, self.config.lease_seconds)
             read = functools.partial(
                 self.nixl.read_into, list(reservation.table), pull.agent_name, pull.agent_metadata, pull.address,
@@ -322,15 +323,40 @@ class DecodeWorker:
         stream.transferring = True
         return stream
 
+    def _held_kv(self) -> str:
+        """What this worker's KV cache holds, as a refusal names it."""
+        info = self.info
+        if info.kv_quantized:
+            return f"an 8-bit KV cache ({info.kv_cache_dtype}: {wire_dtype(info.kv_cache_dtype)} codes, a scale per {info.kv_block_size} positions)"
+        return f"an unquantized {info.dtype} KV cache"
+
+    def _check_staged_dtype(self, pull: KvPull) -> None:
+        """NIXL: the staged bytes are read as this worker's own layout, so a prompt staged in another must not be read."""
+        info = self.info
+        if (pull.kv_dtype, pull.scale_block) != (wire_dtype(info.kv_cache_dtype), info.kv_block_size):
+            staged = f"{pull.kv_dtype} codes with a scale per {pull.scale_block} positions" if pull.kv_dtype else "unquantized"
+            raise KvChunkError(f"staged KV (kv_dtype {pull.kv_dtype!r}, scale_block {pull.scale_block}) is {staged}; this worker holds {self._held_kv()}")
+
+    def _check_piece_dtype(self, piece: KvPiece) -> None:
+        """An 8-bit worker takes only its own codes and scale block; an unquantized one only its dtype, without scales."""
+        info = self.info
+        if info.kv_quantized:
+            if piece.dtype != wire_dtype(info.kv_cache_dtype) or piece.scale_block != info.kv_block_size:
+                raise KvChunkError(f"piece of dtype {piece.dtype!r} with scale_block {piece.scale_block}; this worker holds {self._held_kv()}")
+        elif piece.scales or piece.scale_block:
+            raise KvChunkError(f"piece of 8-bit {piece.dtype!r} codes with scales (scale_block {piece.scale_block}); this worker holds {self._held_kv()}")
+        elif piece.dtype != info.dtype:
+            raise KvChunkError(f"dtype {piece.dtype!r} does not match the cache dtype {info.dtype!r}")
+
     def _write_piece(self, stream: DecodeStream, coverage: KvCoverage, piece: KvPiece) -> asyncio.Future:
-        """Checks the piece, then starts its copy into the slot; the future ends with the copy."""
+        """Checks the piece, then starts its copy into the slot (an 8-bit piece's as a QuantizedKv,
+        which write_kv takes as it takes a tensor); the future ends with the copy."""
         info = self.info
         if not self.slots.is_reserved(stream.key):
             raise RequestError(f"reservation_id {stream.key!r} expired during the transfer", grpc.StatusCode.NOT_FOUND)
         if not 0 <= piece.layer < info.num_layers:
             raise KvChunkError(f"layer {piece.layer} is not in [0, {info.num_layers})")
-        if piece.dtype != info.dtype:
-            raise KvChunkError(f"dtype {piece.dtype!r} does not match the cache dtype {info.dtype!r}")
+        self._check_piece_dtype(piece)
         if len(piece.shape) != 3 or piece.shape[0] != info.kv_heads or piece.shape[2] != info.head_dim:
             raise KvChunkError(f"shape {list(piece.shape)} does not match [kv_heads={info.kv_heads}, tokens, head_dim={info.head_dim}]")
         if piece.token_start < 0 or piece.token_end > stream.reservation.prompt_len:
@@ -457,25 +483,31 @@ class KvPull:
     first_token: int
     generation: int
     token_start: int = 0  # the staged KV is of tokens [token_start, prompt_len)
+    kv_dtype: str = ""  # an 8-bit KV's code dtype ("int8", "float8_e4m3fn"); "": unquantized
+    scale_block: int = 0  # positions per scale of an 8-bit KV
 
 
 def open_nixl_sink(backend: Backend, write_kv=None, nixl_backend: str = "UCX"):
     """The slot cache registered with NIXL where it is host memory; otherwise one
-    registered host buffer the KV lands in first (Neuron, CUDA: see docs/neuron.md),
-    copied into the cache by write_kv (default: the backend's)."""
+    registered host buffer the KV lands in first (Neuron, CUDA, an 8-bit KV: see
+    docs/neuron.md), copied into the cache by write_kv (default: the backend's)."""
     import torch
 
     from disagg.kv_transport.layout import KvGeometry
     from disagg.kv_transport.nixl_transport import NixlHostStagingSink, NixlSink
 
     info = backend.info
+    write = write_kv or backend.write_kv
+    if info.kv_quantized:  # codes and scales are rebuilt per layer and kind, then written as a prefill's are
+        log.info("KV transport: an 8-bit KV cache; NIXL reads codes and scales into a host staging buffer first")
+        return NixlHostStagingSink(KvGeometry.of(info, info.max_seq_len), code_dtype(info.kv_cache_dtype), write, backend=nixl_backend)
     dtype = getattr(torch, info.dtype)
     cache = getattr(backend, "cache", None)
     paged = getattr(backend, "paged", False)
     # The cache's own positions per slot: a compiled step's cache has a scratch position past max_seq_len.
     positions = cache.keys[0].shape[2] if cache is not None and not paged else info.max_seq_len
-    geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, dtype.itemsize, positions)
+    geometry = KvGeometry.of(info, positions)
     if cache is not None and cache.keys[0].device.type == "cpu" and not paged:
         return NixlSink(geometry, cache.keys, cache.values, backend=nixl_backend)
     log.info("KV transport: the KV cache is paged or not in host memory; NIXL reads into a host staging buffer first")
-    return NixlHostStagingSink(geometry, dtype, write_kv or backend.write_kv, backend=nixl_backend)
+    return NixlHostStagingSink(geometry, dtype, write, backend=nixl_backend)

@@ -72,6 +72,8 @@ def piece_to_pb(piece: KvPiece, reservation_id: str = "") -> wpb.KvChunk:
         dtype=piece.dtype,
         shape=list(piece.shape),
         data=piece.data,
+        scales=piece.scales,
+        scale_block=piece.scale_block,
     )
 
 
@@ -90,12 +92,15 @@ def chunk_from_pb(msg: wpb.KvChunk, data: bytes | memoryview | None = None) -> t
         return msg.reservation_id, KvCommit(first_token=c.first_token, prompt_len=c.prompt_len, num_layers=c.num_layers)
     if msg.kind not in (KvKind.KEY, KvKind.VALUE):
         raise ValueError(f"kind {msg.kind} is not KEY or VALUE")
-    piece = KvPiece(msg.layer, KvKind(msg.kind), msg.token_start, msg.dtype, tuple(msg.shape), msg.data if data is None else data)
+    data = msg.data if data is None else data
+    piece = KvPiece(msg.layer, KvKind(msg.kind), msg.token_start, msg.dtype, tuple(msg.shape), data, msg.scales, msg.scale_block)
     return msg.reservation_id, piece
 
 
 # -- KvChunk framing without copying the tensor bytes ---------------------------
-# A KvChunk is a few small fields and one large `data` field. Building it as a
+# A KvChunk is a few small fields and one large `data` field (an 8-bit piece's
+# scales are small ones: 4 bytes a block and head, 1/256 of its codes for blocks
+# of 16 positions of 64, so they go the ordinary protobuf way). Building it as a
 # protobuf message copies the bytes into the message, again when serialized, and
 # on receipt twice more (parse, then field access). These two functions write
 # and read the same protobuf wire format with the tensor bytes copied once on
@@ -117,9 +122,10 @@ _DATA_TAG = _varint_bytes(_DATA_FIELD << 3 | LENGTH_DELIMITED)
 
 
 def piece_bytes(piece: KvPiece, reservation_id: str = "") -> bytes:
-    """The serialized KvChunk of piece: its small fields, then the tensor bytes."""
+    """The serialized KvChunk of piece: its small fields (the scales too), then the tensor bytes."""
     header = wpb.KvChunk(
-        reservation_id=reservation_id, layer=piece.layer, kind=int(piece.kind), token_start=piece.token_start, dtype=piece.dtype, shape=list(piece.shape)
+        reservation_id=reservation_id, layer=piece.layer, kind=int(piece.kind), token_start=piece.token_start, dtype=piece.dtype, shape=list(piece.shape),
+        scales=piece.scales, scale_block=piece.scale_block,
     )
     return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(len(piece.data)), piece.data))
 

@@ -58,12 +58,9 @@ class NixlPullSender:
 
     @classmethod
     def open(cls, info, buffers: int, channel_for, metrics, send_timeout: float, backend: str = "UCX", cpus: frozenset[int] | None = None) -> NixlPullSender:
-        import torch
-
         from .nixl_transport import NixlSource
 
-        itemsize = torch.empty(0, dtype=getattr(torch, info.dtype)).element_size()
-        geometry = KvGeometry(info.num_layers, info.kv_heads, info.head_dim, itemsize, info.max_seq_len)
+        geometry = KvGeometry.of(info, info.max_seq_len)
         source = NixlSource(geometry, max_tokens=info.max_seq_len, buffers=buffers, backend=backend)
         log.info(
             "KV transport: NIXL agent %s (%s), %d staging buffers of %.1f MiB", source.name, backend, buffers, geometry.prompt_bytes(info.max_seq_len) / 2**20
@@ -102,6 +99,8 @@ class NixlPullSender:
                 first_token=first_token,
                 generation=generation,
                 token_start=spans[0].start,
+                kv_dtype=self.source.geometry.kv_dtype,
+                scale_block=self.source.geometry.scale_block,
             )
             started = time.perf_counter()
             with self.source.reading():

@@ -11,7 +11,9 @@ side could land late in a slot that already belongs to someone else.
 Layouts (host memory, the UCX backend; on AWS the same calls with LIBFABRIC
 and Neuron memory registered as VRAM, see docs/neuron.md):
 - staging (prefill): a 64-byte header whose first 8 bytes are the buffer's
-  generation, then [layer][K, V][kv_heads][prompt_len][head_dim], compact;
+  generation, then [layer][K, V][kv_heads][prompt_len][head_dim], compact; an
+  8-bit KV's codes so, then their float32 scales [layer][K, V][kv_heads][blocks]
+  (layout.KvGeometry), and the decode side lands it through NixlHostStagingSink;
 - slot cache (decode): per layer and kind [slots, kv_heads, max_seq_len,
   head_dim]; a slot's prompt is kv_heads runs of prompt_len * head_dim, one
   strided descriptor per layer and kind.
@@ -36,7 +38,9 @@ import uuid
 import numpy as np
 import torch
 
-from .layout import KvGeometry
+from disagg.engine.quantization.kv_cache import QuantizedKv
+
+from .layout import SCALE_BYTES, KvGeometry
 
 MEMORY = "DRAM"
 HEADER_BYTES = 64  # the generation, padded to a cache line so the KV stays aligned
@@ -163,17 +167,35 @@ class NixlSource:
     def name(self) -> str:
         return self.agent.name
 
-    def stage_layer(self, buffer: StagingBuffer, layer: int, keys: torch.Tensor, values: torch.Tensor, tokens: int | None = None, offset: int = 0) -> None:
-        """Copies one layer's K and V ([kv_heads, n, head_dim]) into the buffer's layout of a
-        prompt of `tokens` staged tokens (default n), at staged token `offset` (several parts
-        of one layer are staged end to end this way)."""
+    def stage_layer(self, buffer: StagingBuffer, layer: int, keys, values, tokens: int | None = None, offset: int = 0) -> None:
+        """Copies one layer's K and V ([kv_heads, n, head_dim] tensors, or QuantizedKv where the
+        geometry is 8-bit) into the buffer's layout of a prompt of `tokens` staged tokens
+        (default n), at staged token `offset` (several parts of one layer are staged end to end
+        this way; an 8-bit part from a block's start)."""
         tokens = keys.shape[1] if tokens is None else tokens
         if not 0 <= offset <= offset + keys.shape[1] <= tokens:
             raise ValueError(f"staging tokens [{offset}, {offset + keys.shape[1]}) of {tokens}")
+        if isinstance(keys, QuantizedKv) != self.geometry.quantized:
+            raise ValueError(f"staging {type(keys).__name__} KV into a staging layout for {self.geometry.kv_dtype or 'unquantized'} KV")
         for kind, tensor in enumerate((keys, values)):
+            codes = tensor.codes if isinstance(tensor, QuantizedKv) else tensor
             start = HEADER_BYTES + self.geometry.staging_offset(layer, kind, tokens)
             span = buffer.tensor[start : start + self.geometry.layer_kind_bytes(tokens)]
-            span.view(tensor.dtype).view(tensor.shape[0], tokens, tensor.shape[2])[:, offset : offset + tensor.shape[1]].copy_(tensor)
+            span.view(codes.dtype).view(codes.shape[0], tokens, codes.shape[2])[:, offset : offset + codes.shape[1]].copy_(codes)
+            if isinstance(tensor, QuantizedKv):
+                self._stage_scales(buffer, layer, kind, tensor, tokens, offset)
+
+    def _stage_scales(self, buffer: StagingBuffer, layer: int, kind: int, kv: QuantizedKv, tokens: int, offset: int) -> None:
+        """A part's scales [kv_heads, its blocks] into the layer and kind's [kv_heads, blocks], as bytes
+        (the run may start off a 4-byte boundary)."""
+        g = self.geometry
+        if kv.block_size != g.scale_block or offset % g.scale_block:
+            raise ValueError(f"staging KV in blocks of {kv.block_size} from token {offset}; this layout's scales are per {g.scale_block} positions")
+        start = HEADER_BYTES + g.scale_offset(layer, kind, tokens)
+        rows = buffer.tensor[start : start + g.layer_kind_scale_bytes(tokens)].view(g.kv_heads, -1)  # [kv_heads, blocks * 4]
+        first = offset // g.scale_block * SCALE_BYTES
+        scales = kv.scales.contiguous().view(torch.uint8)  # [kv_heads, its blocks * 4]
+        rows[:, first : first + scales.shape[1]].copy_(scales)
 
 
 class _Reader:
@@ -268,6 +290,8 @@ class NixlSink(_Reader):
     the KV lands straight in the slot, no copy on this side."""
 
     def __init__(self, geometry: KvGeometry, keys: list[torch.Tensor], values: list[torch.Tensor], poll_seconds: float = POLL_SECONDS, backend: str = "UCX"):
+        if geometry.quantized:  # the staged scales have no place in a slot of plain values
+            raise ValueError("an 8-bit KV lands through NixlHostStagingSink, not straight into a slot")
         regions = [t for pair in zip(keys, values) for t in pair]  # layer by layer, K then V: the staging order
         # Each region's first byte, kept as an array: a pull's descriptors are then the
         # geometry's own formulas over arrays, not a Python loop over every layer and kind
@@ -297,11 +321,13 @@ class NixlHostStagingSink(_Reader):
     has no device path for it) or does not address (a cache of blocks: a prompt's
     blocks are scattered): the KV is read into one registered host buffer, then
     each layer's K and V go to `write(table, layer, kind, token_start, tensor)`, the backend's own
-    KV write. One buffer is enough: reads and writes run on the one KV writer thread.
+    KV write (an 8-bit KV's as a QuantizedKv of its codes and scales, read as they were staged).
+    One buffer is enough: reads and writes run on the one KV writer thread.
     vLLM's NIXL connector does the same for accelerators NIXL cannot register
     (kv_buffer_device "cpu")."""
 
     def __init__(self, geometry: KvGeometry, dtype: torch.dtype, write, poll_seconds: float = POLL_SECONDS, backend: str = "UCX"):
+        """dtype: the staged values' (an 8-bit KV's codes')."""
         self._buffer = torch.empty(geometry.prompt_bytes(geometry.max_seq_len), dtype=torch.uint8)
         self._dtype = dtype
         self._write = write
@@ -317,8 +343,23 @@ class NixlHostStagingSink(_Reader):
 
         g = self.geometry
         shape = (g.kv_heads, tokens, g.head_dim)
+        scales = self._scales(tokens) if g.quantized else None
         for layer in range(g.num_layers):
             for kind in KvKind:
                 start = g.staging_offset(layer, kind - 1, tokens)
                 tensor = self._buffer[start : start + g.layer_kind_bytes(tokens)].view(self._dtype).view(shape)
+                if scales is not None:
+                    tensor = QuantizedKv(tensor, scales[layer, kind - 1], g.scale_block)
                 self._write(table, layer, kind, token_start, tensor)
+
+    def _scales(self, tokens: int) -> torch.Tensor:
+        """The staged scales [layers, 2, kv_heads, blocks], checked before any layer is written:
+        copied out of the buffer (their run may start off a 4-byte boundary)."""
+        from .chunk_codec import KvChunkError
+
+        g = self.geometry
+        start = g.scale_offset(0, 0, tokens)
+        scales = self._buffer[start : start + g.scales_bytes(tokens)].clone().view(torch.float32).view(g.num_layers, 2, g.kv_heads, g.blocks(tokens))
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise KvChunkError("staged scales hold a value that is negative, infinite or NaN: every scale must be finite and >= 0")
+        return scales

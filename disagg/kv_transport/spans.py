@@ -7,6 +7,10 @@ prompt's first P tokens, which the prefill did not compute. So what goes out is
 [token_start, prompt_len): from the cached prefix where token_start < P, then the
 computed tokens. Both stay views here; each transport copies the parts once (the
 gRPC pieces' bytes, the NIXL staging buffer), never a concatenation first.
+
+An 8-bit KV's parts are QuantizedKv (codes and per-block scales), sliced the same
+way: token_start and P are whole cache blocks, so every cut falls at a block's
+start and each part carries its own blocks' scales.
 """
 
 from __future__ import annotations
@@ -15,14 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg.engine.quantization.kv_cache import QuantizedKv
+
 from .chunk_codec import KvKind, KvPiece, encode
+
+Kv = torch.Tensor | QuantizedKv  # [kv_heads, tokens, head_dim]: values, or 8-bit codes with their scales
 
 
 @dataclass(frozen=True)
 class KvSpan:
     start: int  # the first token's position in the prompt
-    keys: tuple[torch.Tensor, ...]  # parts, each [kv_heads, tokens, head_dim]
-    values: tuple[torch.Tensor, ...]
+    keys: tuple[Kv, ...]  # parts, each [kv_heads, tokens, head_dim]
+    values: tuple[Kv, ...]
 
     @property
     def tokens(self) -> int:
@@ -33,12 +41,12 @@ class KvSpan:
         return self.start + self.tokens
 
     @classmethod
-    def whole(cls, keys: torch.Tensor, values: torch.Tensor) -> KvSpan:
+    def whole(cls, keys: Kv, values: Kv) -> KvSpan:
         """A whole prompt's K/V, from token 0."""
         return cls(0, (keys,), (values,))
 
     @classmethod
-    def of(cls, token_start: int, prefix: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor, values: torch.Tensor) -> KvSpan:
+    def of(cls, token_start: int, prefix: tuple[Kv, Kv] | None, keys: Kv, values: Kv) -> KvSpan:
         """Tokens [token_start, P + computed) of a layer whose prompt's first P tokens are
         `prefix` ((keys, values), or None: P = 0) and whose next ones were computed (keys, values)."""
         prefix_len = 0 if prefix is None else prefix[0].shape[1]

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/worker.proto\x12\tdisagg.v1\"\x8a\x02\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12/\n\nconstraint\x18\x0b \x01(\x0b\x32\x1b.disagg.v1.WorkerConstraint\"I\n\x10WorkerConstraint\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.disagg.v1.ConstraintKind\x12\x0c\n\x04text\x18\x02 \x01(\t\"N\n\x0eWorkerLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"@\n\x0eWorkerStopping\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\"\xca\x01\n\rPullKvRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\x04\x12\x12\n\nprompt_len\x18\x05 \x01(\x05\x12\x12\n\nnum_layers\x18\x06 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x05\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x13\n\x0btoken_start\x18\t \x01(\x05\"\xc0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerSampling\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.disagg.v1.WorkerStopping\x12\x12\n\nfirst_step\x18\x05 \x01(\x05\x12\x19\n\x11\x63ontext_token_ids\x18\x06 \x03(\x05\"^\n\x08Reserved\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"w\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\'\n\x06\x66inish\x18\x02 \x01(\x0e\x32\x17.disagg.v1.WorkerFinish\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.disagg.v1.WorkerLogprobs\"j\n\x0b\x44\x65\x63odeEvent\x12\'\n\x08reserved\x18\x01 \x01(\x0b\x32\x13.disagg.v1.ReservedH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.disagg.v1.DecodeTokensH\x00\x42\x07\n\x05\x65vent\"\xb7\x01\n\x07KvChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x1f\n\x04kind\x18\x03 \x01(\x0e\x32\x11.disagg.v1.KvKind\x12\x13\n\x0btoken_start\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12#\n\x06\x63ommit\x18\x08 \x01(\x0b\x32\x13.disagg.v1.KvCommit\"G\n\x08KvCommit\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\"\x1f\n\x05KvAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\"H\n\x08KvTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x13\n\x0btoken_start\x18\x03 \x01(\x05\"\xa0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerSampling\x12&\n\tkv_target\x18\x04 \x01(\x0b\x32\x13.disagg.v1.KvTarget\x12\x12\n\nfirst_step\x18\x05 \x01(\x05\"d\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerLogprobs\"(\n\x06KvSent\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"k\n\x0cPrefillEvent\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.disagg.v1.FirstTokenH\x00\x12$\n\x07kv_sent\x18\x02 \x01(\x0b\x32\x11.disagg.v1.KvSentH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bLoadRequest\"\xbb\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x05\x12\x14\n\x0cslots_in_use\x18\x03 \x01(\x05\x12\x14\n\x0creservations\x18\x04 \x01(\x05\x12\x0e\n\x06\x61\x63tive\x18\x05 \x01(\x05\x12\x1a\n\x12inflight_transfers\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x16\n\x0eresident_bytes\x18\r \x01(\x03\x12\x1a\n\x12proportional_bytes\x18\x0e \x01(\x03\x12\x14\n\x0cshared_bytes\x18\x0f \x01(\x03*\xc7\x01\n\x0e\x43onstraintKind\x12\x1f\n\x1b\x43ONSTRAINT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_OBJECT\x10\x01\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_SCHEMA\x10\x02\x12\x19\n\x15\x43ONSTRAINT_KIND_REGEX\x10\x03\x12\x1a\n\x16\x43ONSTRAINT_KIND_CHOICE\x10\x04\x12\x1b\n\x17\x43ONSTRAINT_KIND_GRAMMAR\x10\x05*X\n\x0cWorkerFinish\x12\x16\n\x12WORKER_FINISH_NONE\x10\x00\x12\x18\n\x14WORKER_FINISH_LENGTH\x10\x01\x12\x16\n\x12WORKER_FINISH_STOP\x10\x02*E\n\x06KvKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_KIND_KEY\x10\x01\x12\x11\n\rKV_KIND_VALUE\x10\x02\x32\xef\x01\n\rDecodeService\x12<\n\x06\x44\x65\x63ode\x12\x18.disagg.v1.DecodeRequest\x1a\x16.disagg.v1.DecodeEvent0\x01\x12\x30\n\x06PushKv\x12\x12.disagg.v1.KvChunk\x1a\x10.disagg.v1.KvAck(\x01\x12\x34\n\x06PullKv\x12\x18.disagg.v1.PullKvRequest\x1a\x10.disagg.v1.KvAck\x12\x38\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x15.disagg.v1.WorkerLoad2\x8b\x01\n\x0ePrefillService\x12?\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x17.disagg.v1.PrefillEvent0\x01\x12\x38\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x15.disagg.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/worker.proto\x12\tdisagg.v1\"\x8a\x02\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12/\n\nconstraint\x18\x0b \x01(\x0b\x32\x1b.disagg.v1.WorkerConstraint\"I\n\x10WorkerConstraint\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.disagg.v1.ConstraintKind\x12\x0c\n\x04text\x18\x02 \x01(\t\"N\n\x0eWorkerLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"@\n\x0eWorkerStopping\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\"\xf1\x01\n\rPullKvRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\x04\x12\x12\n\nprompt_len\x18\x05 \x01(\x05\x12\x12\n\nnum_layers\x18\x06 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x05\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x13\n\x0btoken_start\x18\t \x01(\x05\x12\x10\n\x08kv_dtype\x18\n \x01(\t\x12\x13\n\x0bscale_block\x18\x0b \x01(\x05\"\xc0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerSampling\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.disagg.v1.WorkerStopping\x12\x12\n\nfirst_step\x18\x05 \x01(\x05\x12\x19\n\x11\x63ontext_token_ids\x18\x06 \x03(\x05\"^\n\x08Reserved\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"w\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\'\n\x06\x66inish\x18\x02 \x01(\x0e\x32\x17.disagg.v1.WorkerFinish\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.disagg.v1.WorkerLogprobs\"j\n\x0b\x44\x65\x63odeEvent\x12\'\n\x08reserved\x18\x01 \x01(\x0b\x32\x13.disagg.v1.ReservedH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.disagg.v1.DecodeTokensH\x00\x42\x07\n\x05\x65vent\"\xdc\x01\n\x07KvChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x1f\n\x04kind\x18\x03 \x01(\x0e\x32\x11.disagg.v1.KvKind\x12\x13\n\x0btoken_start\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12#\n\x06\x63ommit\x18\x08 \x01(\x0b\x32\x13.disagg.v1.KvCommit\x12\x0e\n\x06scales\x18\t \x01(\x0c\x12\x13\n\x0bscale_block\x18\n \x01(\x05\"G\n\x08KvCommit\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\"\x1f\n\x05KvAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\"H\n\x08KvTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x13\n\x0btoken_start\x18\x03 \x01(\x05\"\xa0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerSampling\x12&\n\tkv_target\x18\x04 \x01(\x0b\x32\x13.disagg.v1.KvTarget\x12\x12\n\nfirst_step\x18\x05 \x01(\x05\"d\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.disagg.v1.WorkerLogprobs\"(\n\x06KvSent\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"k\n\x0cPrefillEvent\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.disagg.v1.FirstTokenH\x00\x12$\n\x07kv_sent\x18\x02 \x01(\x0b\x32\x11.disagg.v1.KvSentH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bLoadRequest\"\xbb\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x05\x12\x14\n\x0cslots_in_use\x18\x03 \x01(\x05\x12\x14\n\x0creservations\x18\x04 \x01(\x05\x12\x0e\n\x06\x61\x63tive\x18\x05 \x01(\x05\x12\x1a\n\x12inflight_transfers\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x16\n\x0eresident_bytes\x18\r \x01(\x03\x12\x1a\n\x12proportional_bytes\x18\x0e \x01(\x03\x12\x14\n\x0cshared_bytes\x18\x0f \x01(\x03*\xc7\x01\n\x0e\x43onstraintKind\x12\x1f\n\x1b\x43ONSTRAINT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_OBJECT\x10\x01\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_SCHEMA\x10\x02\x12\x19\n\x15\x43ONSTRAINT_KIND_REGEX\x10\x03\x12\x1a\n\x16\x43ONSTRAINT_KIND_CHOICE\x10\x04\x12\x1b\n\x17\x43ONSTRAINT_KIND_GRAMMAR\x10\x05*X\n\x0cWorkerFinish\x12\x16\n\x12WORKER_FINISH_NONE\x10\x00\x12\x18\n\x14WORKER_FINISH_LENGTH\x10\x01\x12\x16\n\x12WORKER_FINISH_STOP\x10\x02*E\n\x06KvKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_KIND_KEY\x10\x01\x12\x11\n\rKV_KIND_VALUE\x10\x02\x32\xef\x01\n\rDecodeService\x12<\n\x06\x44\x65\x63ode\x12\x18.disagg.v1.DecodeRequest\x1a\x16.disagg.v1.DecodeEvent0\x01\x12\x30\n\x06PushKv\x12\x12.disagg.v1.KvChunk\x1a\x10.disagg.v1.KvAck(\x01\x12\x34\n\x06PullKv\x12\x18.disagg.v1.PullKvRequest\x1a\x10.disagg.v1.KvAck\x12\x38\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x15.disagg.v1.WorkerLoad2\x8b\x01\n\x0ePrefillService\x12?\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x17.disagg.v1.PrefillEvent0\x01\x12\x38\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x15.disagg.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CONSTRAINTKIND']._serialized_start=2368
-  _globals['_CONSTRAINTKIND']._serialized_end=2567
-  _globals['_WORKERFINISH']._serialized_start=2569
-  _globals['_WORKERFINISH']._serialized_end=2657
-  _globals['_KVKIND']._serialized_start=2659
-  _globals['_KVKIND']._serialized_end=2728
+  _globals['_CONSTRAINTKIND']._serialized_start=2444
+  _globals['_CONSTRAINTKIND']._serialized_end=2643
+  _globals['_WORKERFINISH']._serialized_start=2645
+  _globals['_WORKERFINISH']._serialized_end=2733
+  _globals['_KVKIND']._serialized_start=2735
+  _globals['_KVKIND']._serialized_end=2804
   _globals['_WORKERSAMPLING']._serialized_start=38
   _globals['_WORKERSAMPLING']._serialized_end=304
   _globals['_WORKERCONSTRAINT']._serialized_start=306
@@ -46,37 +46,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTOPPING']._serialized_start=461
   _globals['_WORKERSTOPPING']._serialized_end=525
   _globals['_PULLKVREQUEST']._serialized_start=528
-  _globals['_PULLKVREQUEST']._serialized_end=730
-  _globals['_DECODEREQUEST']._serialized_start=733
-  _globals['_DECODEREQUEST']._serialized_end=925
-  _globals['_RESERVED']._serialized_start=927
-  _globals['_RESERVED']._serialized_end=1021
-  _globals['_DECODETOKENS']._serialized_start=1023
-  _globals['_DECODETOKENS']._serialized_end=1142
-  _globals['_DECODEEVENT']._serialized_start=1144
-  _globals['_DECODEEVENT']._serialized_end=1250
-  _globals['_KVCHUNK']._serialized_start=1253
-  _globals['_KVCHUNK']._serialized_end=1436
-  _globals['_KVCOMMIT']._serialized_start=1438
-  _globals['_KVCOMMIT']._serialized_end=1509
-  _globals['_KVACK']._serialized_start=1511
-  _globals['_KVACK']._serialized_end=1542
-  _globals['_KVTARGET']._serialized_start=1544
-  _globals['_KVTARGET']._serialized_end=1616
-  _globals['_PREFILLREQUEST']._serialized_start=1619
-  _globals['_PREFILLREQUEST']._serialized_end=1779
-  _globals['_FIRSTTOKEN']._serialized_start=1781
-  _globals['_FIRSTTOKEN']._serialized_end=1881
-  _globals['_KVSENT']._serialized_start=1883
-  _globals['_KVSENT']._serialized_end=1923
-  _globals['_PREFILLEVENT']._serialized_start=1925
-  _globals['_PREFILLEVENT']._serialized_end=2032
-  _globals['_LOADREQUEST']._serialized_start=2034
-  _globals['_LOADREQUEST']._serialized_end=2047
-  _globals['_WORKERLOAD']._serialized_start=2050
-  _globals['_WORKERLOAD']._serialized_end=2365
-  _globals['_DECODESERVICE']._serialized_start=2731
-  _globals['_DECODESERVICE']._serialized_end=2970
-  _globals['_PREFILLSERVICE']._serialized_start=2973
-  _globals['_PREFILLSERVICE']._serialized_end=3112
+  _globals['_PULLKVREQUEST']._serialized_end=769
+  _globals['_DECODEREQUEST']._serialized_start=772
+  _globals['_DECODEREQUEST']._serialized_end=964
+  _globals['_RESERVED']._serialized_start=966
+  _globals['_RESERVED']._serialized_end=1060
+  _globals['_DECODETOKENS']._serialized_start=1062
+  _globals['_DECODETOKENS']._serialized_end=1181
+  _globals['_DECODEEVENT']._serialized_start=1183
+  _globals['_DECODEEVENT']._serialized_end=1289
+  _globals['_KVCHUNK']._serialized_start=1292
+  _globals['_KVCHUNK']._serialized_end=1512
+  _globals['_KVCOMMIT']._serialized_start=1514
+  _globals['_KVCOMMIT']._serialized_end=1585
+  _globals['_KVACK']._serialized_start=1587
+  _globals['_KVACK']._serialized_end=1618
+  _globals['_KVTARGET']._serialized_start=1620
+  _globals['_KVTARGET']._serialized_end=1692
+  _globals['_PREFILLREQUEST']._serialized_start=1695
+  _globals['_PREFILLREQUEST']._serialized_end=1855
+  _globals['_FIRSTTOKEN']._serialized_start=1857
+  _globals['_FIRSTTOKEN']._serialized_end=1957
+  _globals['_KVSENT']._serialized_start=1959
+  _globals['_KVSENT']._serialized_end=1999
+  _globals['_PREFILLEVENT']._serialized_start=2001
+  _globals['_PREFILLEVENT']._serialized_end=2108
+  _globals['_LOADREQUEST']._serialized_start=2110
+  _globals['_LOADREQUEST']._serialized_end=2123
+  _globals['_WORKERLOAD']._serialized_start=2126
+  _globals['_WORKERLOAD']._serialized_end=2441
+  _globals['_DECODESERVICE']._serialized_start=2807
+  _globals['_DECODESERVICE']._serialized_end=3046
+  _globals['_PREFILLSERVICE']._serialized_start=3049
+  _globals['_PREFILLSERVICE']._serialized_end=3188
 # @@protoc_insertion_point(module_scope)

@@ -93,7 +93,7 @@ class WorkerStopping(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("reservation_id", "agent_name", "agent_metadata", "address", "prompt_len", "num_layers", "first_token", "generation", "token_start")
+    __slots__ = ("reservation_id", "agent_name", "agent_metadata", "address", "prompt_len", "num_layers", "first_token", "generation", "token_start", "kv_dtype", "scale_block")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class PullKvRequest(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_BLOCK_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     agent_name: str
     agent_metadata: bytes
@@ -112,7 +114,9 @@ class PullKvRequest(_message.Message):
     first_token: int
     generation: int
     token_start: int
-    def __init__(self, reservation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token: _Optional[int] = ..., generation: _Optional[int] = ..., token_start: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    scale_block: int
+    def __init__(self, reservation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., prompt_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token: _Optional[int] = ..., generation: _Optional[int] = ..., token_start: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., scale_block: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_len", "sampling", "stopping", "first_step", "context_token_ids")
@@ -161,7 +165,7 @@ class DecodeEvent(_message.Message):
     def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[DecodeTokens, _Mapping]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("reservation_id", "layer", "kind", "token_start", "dtype", "shape", "data", "commit")
+    __slots__ = ("reservation_id", "layer", "kind", "token_start", "dtype", "shape", "data", "commit", "scales", "scale_block")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +174,8 @@ class KvChunk(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    SCALE_BLOCK_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     layer: int
     kind: KvKind
@@ -178,7 +184,9 @@ class KvChunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     commit: KvCommit
-    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KvKind, str]] = ..., token_start: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., commit: _Optional[_Union[KvCommit, _Mapping]] = ...) -> None: ...
+    scales: bytes
+    scale_block: int
+    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KvKind, str]] = ..., token_start: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., commit: _Optional[_Union[KvCommit, _Mapping]] = ..., scales: _Optional[bytes] = ..., scale_block: _Optional[int] = ...) -> None: ...
 
 class KvCommit(_message.Message):
     __slots__ = ("first_token", "prompt_len", "num_layers")
