@@ -91,6 +91,9 @@ def model_facts(config: RouterConfig, pool: WorkerPool) -> ModelFacts:
     dtypes = {load.dtype for load in loads}
     if len(dtypes) > 1:  # --dtype auto on hosts of different classes: KV of one dtype is refused by a cache of another
         log.warning("workers report different dtypes: %s (name one with --dtype)", sorted(dtypes))
+    kv_dtypes = {load.kv_cache_dtype or "unquantized" for load in loads}
+    if len(kv_dtypes) > 1:  # a decode worker refuses KV in another format: every hand-off between them fails
+        log.warning("workers hold their KV caches in different formats: %s (give every worker the same --kv-cache-dtype)", sorted(kv_dtypes))
     first = loads[0]
     return ModelFacts(
         name=first.model_name,

@@ -146,6 +146,7 @@ def worker_load(role: str, info, **counts) -> wpb.WorkerLoad:
     memory = sampled_process_memory()
     return wpb.WorkerLoad(
         role=role, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype,
+        kv_cache_dtype=getattr(info, "kv_cache_dtype", ""),
         resident_bytes=memory.resident_bytes, proportional_bytes=memory.proportional_bytes, shared_bytes=memory.shared_bytes, **counts,
     )
 

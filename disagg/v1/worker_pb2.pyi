@@ -259,7 +259,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "capacity", "slots_in_use", "reservations", "active", "inflight_transfers", "queued", "model_name", "max_seq_len", "backend", "vocab_size", "dtype", "resident_bytes", "proportional_bytes", "shared_bytes")
+    __slots__ = ("role", "capacity", "slots_in_use", "reservations", "active", "inflight_transfers", "queued", "model_name", "max_seq_len", "backend", "vocab_size", "dtype", "resident_bytes", "proportional_bytes", "shared_bytes", "kv_cache_dtype")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,7 @@ class WorkerLoad(_message.Message):
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROPORTIONAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     role: str
     capacity: int
     slots_in_use: int
@@ -290,4 +291,5 @@ class WorkerLoad(_message.Message):
     resident_bytes: int
     proportional_bytes: int
     shared_bytes: int
-    def __init__(self, role: _Optional[str] = ..., capacity: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., reservations: _Optional[int] = ..., active: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., queued: _Optional[int] = ..., model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., proportional_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, role: _Optional[str] = ..., capacity: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., reservations: _Optional[int] = ..., active: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., queued: _Optional[int] = ..., model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., proportional_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
