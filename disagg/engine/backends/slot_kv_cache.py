@@ -22,6 +22,12 @@ transformers' own:
   of every slot instead, tagged with the rows' slots, and the attention reads
   each row's slot in place; otherwise a view when the rows' slots are one
   contiguous run, else the rows gathered.
+
+With an 8-bit KV cache (`KvQuantization`, disagg/engine/quantization/kv_cache.py) the
+blocks hold codes and a float32 scale per block and head: the prefill hands on each
+layer's codes and scales (`QuantizedKv`) and attends over the values they stand for, a
+decode step appends its lines under the blocks' growing scales, and reads them through
+slot_attention's 8-bit builds or dequantized as it gathers them.
 """
 
 from __future__ import annotations
