@@ -38,6 +38,11 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --dtype float32 --batch 1,8,16,32,64 --variants prepacked,native --scattered
     python bench/decode_step.py --batch 1,8,32 --variants prepacked,prepacked-paged --scattered   # the paged KV cache
     python bench/decode_step.py --batch 1,8,32 --variants native,native-int8,native-fp8 --scattered   # 8-bit weights
+    python bench/decode_step.py --batch 1,8 --context 1024 --variants native-paged,native-kv-int8,native-kv-fp8   # an 8-bit KV cache
+    python bench/decode_step.py --batch 1,8 --context 1024 --variants native --kv-cache-dtype int8   # every variant's KV in 8 bits
+
+A variant named with `-kv-int8` or `-kv-fp8` (or every variant, with `--kv-cache-dtype`) keeps its
+KV cache in 8 bits (codes and a scale per block of 16 positions and head), paged as `-paged`.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from disagg.engine.backends import torch_backend  # noqa: E402
 from disagg.engine.backends.base import StepInputs  # noqa: E402
 from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from disagg.engine.cpu_kernels import small_gemm  # noqa: E402
+from disagg.engine.quantization.kv_cache import KV_CACHE_DTYPES  # noqa: E402
 from disagg.tools.tinymodel import BENCH_SHAPES, ensure_tiny_model  # noqa: E402
 
 
@@ -170,6 +176,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", default="eager,prepacked,compiled")
     parser.add_argument("--batch-buckets", default="", help="compiled variants' batch buckets (default: the engine's); must end at the largest --batch")
     parser.add_argument("--scattered", action="store_true", help="rows in every other slot (not one contiguous run)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help="every variant's KV cache in 8 bits (paged)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.scattered and any(name.startswith("compiled") for name in args.variants.split(",")):
@@ -201,7 +208,34 @@ def variant_options() -> dict[str, dict]:
 
 
 PAGED = "-paged"  # a variant's name with this suffix: its KV in blocks of BLOCK_SIZE, each slot's table scattered
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # the 8-bit cache's scale blocks too (TorchBackendConfig.kv_block_size's default)
+# A variant's name with one of these suffixes: its KV cache in 8 bits (paged, as it must be).
+KV_SUFFIXES = {"-kv-int8": "int8", "-kv-fp8": "fp8"}
+
+
+def kv_cache_dtype(args, name: str) -> str | None:
+    """The variant's 8-bit KV dtype: its name's suffix, else --kv-cache-dtype (None: the model's dtype)."""
+    return next((kv for suffix, kv in KV_SUFFIXES.items() if name.endswith(suffix)), args.kv_cache_dtype)
+
+
+def base_variant(name: str) -> str:
+    """The variant's options' name: its name without the paged or 8-bit KV suffix."""
+    for suffix in KV_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name.removesuffix(PAGED)
+
+
+def random_kv(backend: TorchBackend) -> None:
+    """Random K/V in every block: normal values, or 8-bit codes over the format's range with scales near the values'."""
+    cache = backend.cache
+    if not cache.quantized:
+        for tensor in (*cache.keys, *cache.values):
+            tensor.normal_()
+        return
+    for codes in (*cache.keys, *cache.values):
+        codes.copy_(torch.randn(codes.shape).mul_(40).clamp_(-127, 127).round_())
+    for scales in (*cache.key_scales, *cache.value_scales):
+        scales.uniform_(0.0, 1 / 40)
 
 
 def allocate_paged(backend: TorchBackend, slots: int) -> None:
@@ -217,23 +251,23 @@ def build_backends(args, names: list[str], path: str, batches: list[int]) -> dic
     buckets = tuple(int(b) for b in args.batch_buckets.split(",")) if args.batch_buckets else ()
     backends = {}
     for name in names:
-        base = name.removesuffix(PAGED)
+        kv = kv_cache_dtype(args, name)
         config = TorchBackendConfig(
-            model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, **options[base]
+            model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, kv_cache_dtype=kv,
+            **options[base_variant(name)],
         )
         with few_row_kernel(name != "prepacked-onednn"), linear_groups(name != "prepacked-ungrouped"):
             backend = backends[name] = TorchBackend(config)
         started = time.perf_counter()
         slots = max(batches) * (2 if args.scattered else 1)
-        if name.endswith(PAGED):
+        if name.endswith(PAGED) or kv is not None:
             allocate_paged(backend, slots)
         else:
             backend.allocate_slots(slots)  # compiled: buckets from --batch-buckets
         if name == "prepacked-gathered":
             backend.reads_in_place = False
-        print(f"{name}: slots ready in {time.perf_counter() - started:.1f}s", flush=True)
-        for cache in (*backend.cache.keys, *backend.cache.values):
-            cache.normal_()
+        print(f"{name}: slots ready in {time.perf_counter() - started:.1f}s ({'native' if backend.native else 'modules'} decode step)", flush=True)
+        random_kv(backend)
     return backends
 
 

@@ -320,3 +320,204 @@ def test_a_cpu_without_a_usable_kernel_keeps_transformers_modules(no_kernels, ar
     assert small_gemm.kernel() is None and backend.native_prefill is None
     greedy_equals_generate(backend, architecture)
     assert backend.native is None and not backend.reads_in_place
+
+
+# An 8-bit KV cache (--kv-cache-dtype): the native step's builds over codes append each line as
+# QuantizedBlocks.append_lines does, and attend through slot_attention's 8-bit build.
+KV_CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def e4m3_sample() -> torch.Tensor:
+    """float32 values for the float32 -> e4m3fn conversion: every e4m3 value, the ties halfway
+    between neighbours (and a float32 ulp either side), subnormal ties, values past the clamp,
+    zeros of both signs, infinities, and random bit patterns over the exponents around e4m3's."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = values[~values.isnan()].unique()  # ascending, -448 .. 448 (one zero)
+    ties = (finite[1:] + finite[:-1]) / 2  # exact in float32
+    near = torch.cat([ties, torch.nextafter(ties, torch.full_like(ties, float("inf"))), torch.nextafter(ties, torch.full_like(ties, -float("inf")))])
+    subnormal_ties = (torch.arange(8) + 0.5) * 2.0**-9
+    edges = torch.tensor([0.0, -0.0, 448.0, -448.0, 449.0, -464.0, 464.0, 480.0, 1e30, -1e30, float("inf"), -float("inf"), 2.0**-6, 2.0**-10, 2.0**-30])
+    generator = torch.Generator().manual_seed(3)
+    exponents = torch.randint(100, 140, (200_000,), generator=generator, dtype=torch.int32)  # 2^-27 .. 2^12
+    bits = (exponents << 23) | torch.randint(0, 1 << 23, (200_000,), generator=generator, dtype=torch.int32)
+    bits |= torch.randint(0, 2, (200_000,), generator=generator, dtype=torch.int32) << 31
+    return torch.cat([finite, near, subnormal_ties, -subnormal_ties, edges, bits.view(torch.float32)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_steps_fp8_codes_are_torchs_cast_after_the_clamp(dtype):
+    from disagg.engine.quantization.kv_cache import to_codes
+
+    scaled = e4m3_sample()
+    ours = native_step.codes(scaled, torch.float8_e4m3fn, dtype)
+    theirs = to_codes(scaled, torch.float8_e4m3fn)
+    mismatched = (ours.view(torch.uint8) != theirs.view(torch.uint8)).nonzero()[:5, 0]
+    assert mismatched.numel() == 0, [(scaled[i].item(), ours.view(torch.uint8)[i].item(), theirs.view(torch.uint8)[i].item()) for i in mismatched]
+
+
+def test_the_c_steps_int8_codes_round_half_to_even_within_127():
+    from disagg.engine.quantization.kv_cache import to_codes
+
+    halves = torch.arange(-140, 140) + 0.5
+    generator = torch.Generator().manual_seed(4)
+    near = torch.nextafter(halves, torch.zeros_like(halves))
+    scaled = torch.cat([halves, near, torch.randn(100_000, generator=generator) * 80, torch.tensor([-0.0, 1e30, -1e30])])
+    assert torch.equal(native_step.codes(scaled, torch.int8), to_codes(scaled, torch.int8))
+
+
+def random_codes(shape, code_dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Codes over the format's whole range."""
+    values = torch.randn(shape, generator=generator) * (40 if code_dtype == torch.int8 else 100)
+    limit = 127 if code_dtype == torch.int8 else 448
+    values = values.clamp(-limit, limit)
+    return (values.round() if code_dtype == torch.int8 else values).to(code_dtype)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_append_of_a_line_is_append_lines_byte_for_byte(kv_cache_dtype, dtype):
+    """The same lines (the model's dtype) into the same blocks: the same codes and scales, for a
+    block's first line, a line within its scale, one that grows it (its codes coded again), and
+    one into a block whose scale is still zero."""
+    from disagg.engine.quantization.kv_cache import QuantizedBlocks
+
+    code_dtype, generator = KV_CODES[kv_cache_dtype], torch.Generator().manual_seed(5)
+    blocks, heads, size, head_dim = 6, 3, 16, 64
+    codes = random_codes((blocks, heads, size, head_dim), code_dtype, generator)
+    scales = torch.rand(blocks, heads, generator=generator) / 40
+    scales[4] = 0.0
+    rows = torch.tensor([1, 3, 4, 0]), torch.tensor([0, 9, 5, 15])  # blocks, offsets
+    lines = (torch.randn(4, heads, head_dim, generator=generator) * torch.tensor([1.0, 4.0, 2.0, 0.2])[:, None, None]).to(dtype)
+    lines[2, 1] = 0.0  # a line of zeros into a block of zero scale
+    theirs = QuantizedBlocks(codes.clone(), scales.clone())
+    theirs.append_lines(*rows, lines)
+    ours = QuantizedBlocks(codes.clone(), scales.clone())
+    for row, (block, offset) in enumerate(zip(*rows)):
+        for head in range(heads):
+            native_step.append_line(ours.codes[block, head], ours.scales[block, head : head + 1], int(offset), lines[row, head].float(), dtype)
+    grown = (theirs.scales > scales)[[1, 3, 0]]
+    assert bool(grown.any()) and not bool(grown.all())  # some grew (coded again), some did not
+    assert torch.equal(ours.scales, theirs.scales)
+    assert torch.equal(ours.codes.view(torch.uint8), theirs.codes.view(torch.uint8))
+
+
+def random_8_bit_cache(backend, seed: int = 6) -> None:
+    """Codes over the format's range and scales that bring them near the model's K/V magnitudes."""
+    generator = torch.Generator().manual_seed(seed)
+    for codes in (*backend.cache.keys, *backend.cache.values):
+        codes.copy_(random_codes(codes.shape, codes.dtype, generator))
+    for scales in (*backend.cache.key_scales, *backend.cache.value_scales):
+        scales.copy_(torch.rand(scales.shape, generator=generator) / 40)
+
+
+def cache_state(backend) -> list[torch.Tensor]:
+    cache = backend.cache
+    return [t.clone() for t in (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales)]
+
+
+def both_8_bit_steps(backend, inputs: StepInputs, monkeypatch):
+    """(transformers' logits, the cache it left and the lines it appended, in order: [n, kv_heads, head_dim]
+    per layer's keys, then values; the native step's logits and cache), each from the same cache; the native step's cache stays."""
+    from disagg.engine.quantization.kv_cache import QuantizedBlocks
+
+    cache, lines = backend.cache, []
+    tensors = (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales)
+    saved = cache_state(backend)
+    append = QuantizedBlocks.append_lines
+    with torch.inference_mode(), monkeypatch.context() as patch:
+        patch.setattr(QuantizedBlocks, "append_lines", lambda blocks, *args: lines.append(args[2].clone()) or append(blocks, *args))
+        reference = backend._eager_logits(inputs, read_in_place=False)
+    reference_state = cache_state(backend)
+    with torch.inference_mode():
+        for tensor, old in zip(tensors, saved):
+            tensor.copy_(old)
+        native = backend.native.decode_logits(backend._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len)
+    return reference, reference_state, lines, native, cache_state(backend)
+
+
+def native_first_layer_lines(backend, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native step's first-layer key and value lines [n, kv_heads, head_dim] (they read no cache):
+    from the same step over a cache of the same blocks in the model's dtype, which keeps them as computed."""
+    from disagg.engine.backends.slot_kv_cache import PagedKvCache
+
+    cache, info = backend.cache, backend.info
+    plain = PagedKvCache.allocate(info.num_layers, cache.keys[0].shape[0], info.kv_heads, cache.block_size, info.head_dim, backend.dtype, "cpu")
+    tables = backend._tables(inputs)
+    blocks, offsets = tables.gather(1, (inputs.positions // cache.block_size)[:, None])[:, 0], inputs.positions % cache.block_size
+    backend.native.attach(plain)
+    try:
+        with torch.inference_mode():
+            backend.native.decode_logits(tables, inputs.positions, inputs.input_ids, inputs.kv_len)
+    finally:
+        backend.native.attach(cache)
+    return plain.keys[0][blocks, :, offsets], plain.values[0][blocks, :, offsets]
+
+
+def dequantized_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scales[..., None, None]
+
+
+def one_code_apart(ours: tuple[torch.Tensor, torch.Tensor], theirs: tuple[torch.Tensor, torch.Tensor], code_dtype: torch.dtype, apart: float) -> bool:
+    """One block and head's (codes, scale) each, from lines `apart` from each other (relative to the block's largest
+    magnitude: rounding errors are the sums', not an element's): scales that far apart, values a code step apart
+    at most (each rounds within half a step of the value under its own scale) besides."""
+    ours_values, theirs_values = dequantized_blocks(*ours), dequantized_blocks(*theirs)
+    scale, magnitude = torch.maximum(ours[1], theirs[1]), torch.maximum(ours_values.abs(), theirs_values.abs())
+    step = scale if code_dtype == torch.int8 else 0.125 * magnitude + scale * 2.0**-9  # e4m3: 3 mantissa bits
+    close_scales = bool((ours[1] - theirs[1]).abs() <= apart * theirs[1])
+    return close_scales and bool(((ours_values - theirs_values).abs() <= 1.001 * step + apart * magnitude.max()).all())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_packing)])
+def test_native_steps_over_an_8_bit_cache_write_the_eager_steps_codes_and_scales(dtype, kv_cache_dtype, monkeypatch):
+    """Three steps of three rows in scattered blocks: one in a block whose scales start small (its
+    lines grow them and its codes are coded again), one from a fresh block's first position, one
+    within a block's scale. float32: where a row's line is the eager step's bit for bit (the first
+    layer's mostly: the same products and rotation of the same embedding, but the norm sums in
+    another order), the block's codes and scale are the same bytes; elsewhere (later layers read
+    the attention's output, summed in another order too) a line differs in its last bits, and a code
+    may land one step away. bf16: transformers' modules round every intermediate to bf16 where the
+    native step rounds only the line, so no layer's lines are the same bits: the values are close
+    (test_the_c_append_of_a_line_is_append_lines_byte_for_byte: the same bf16 lines, the same bytes)."""
+    from disagg.engine.backends.torch_backend import agrees
+
+    code_dtype = KV_CODES[kv_cache_dtype]
+    backend = load_backend("torch", model=tiny_model("llama"), dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    backend.allocate_slots(4, num_blocks=24, block_size=16)
+    assert backend.native is not None and backend.cache.quantized
+    tables = {0: [5, 17, 2, 9], 2: [11, 3, 20, 7], 3: [14, 1, 22, 6]}
+    for slot, table in tables.items():
+        backend.set_block_table(slot, table)
+    random_8_bit_cache(backend)
+    for scales in (*backend.cache.key_scales, *backend.cache.value_scales):
+        scales[2] /= 100  # slot 0's third block: its lines outgrow these
+    layers, heads = backend.info.num_layers, backend.info.kv_heads
+    written, grown, exact = [2, 7, 1], 0, 0  # the rows' blocks: positions 37.., 48.. (a fresh block's first), 20..
+    for step in range(3):
+        inputs = step_inputs(list(tables), [37 + step, 48 + step, 20 + step], [5 + step, 9, 300 - step])
+        before = cache_state(backend)
+        native_lines = native_first_layer_lines(backend, inputs) if dtype == "float32" else None
+        reference, theirs, eager_lines, native, ours = both_8_bit_steps(backend, inputs, monkeypatch)
+        assert agrees(reference, native, backend.dtype)
+        if dtype == "float32":  # (bf16's agreement is looser than a tiny model's near-tied logits)
+            assert torch.equal(native.argmax(-1), reference.argmax(-1))
+        growing = [2, 7] if step else [2]  # blocks past their first line (7 took its first at step 0)
+        grown += sum(int((ours[i][growing] > before[i][growing]).sum()) for i in range(2 * layers, 4 * layers))
+        untouched = [b for b in range(24) if b not in written]
+        for i in range(2 * layers):  # keys per layer, then values
+            # Nothing but the rows' blocks changed.
+            assert torch.equal(ours[i][untouched].view(torch.uint8), before[i][untouched].view(torch.uint8))
+            assert torch.equal(ours[2 * layers + i][untouched], before[2 * layers + i][untouched])
+            lines = eager_lines[2 * (i % layers) + i // layers]  # append_lines is called per layer, keys then values
+            same = None if native_lines is None or i % layers else (native_lines[i // layers] == lines).all(-1)  # [n, kv_heads]
+            for row, block in enumerate(written):
+                for head in range(heads):
+                    pair = [(state[i][block, head], state[2 * layers + i][block, head]) for state in (ours, theirs)]
+                    if same is not None and bool(same[row, head]):
+                        assert torch.equal(pair[0][0].view(torch.uint8), pair[1][0].view(torch.uint8)) and torch.equal(pair[0][1], pair[1][1])
+                        exact += 1
+                    else:  # float32: lines a few float32 ulps apart; bf16: a few bf16 ulps (2^-8 each)
+                        assert one_code_apart(pair[0], pair[1], code_dtype, 1e-4 if dtype == "float32" else 0.03), (step, i, row, head)
+    assert grown > 0  # the scales grew, some block's codes coded again
+    assert exact >= (3 * 3 * 2 * heads // 2 if dtype == "float32" else 0)  # most first-layer lines are the same bits

@@ -371,9 +371,7 @@ class TorchBackend(Backend):
             self._check_compiled_equals_eager(num_slots)
         else:
             self.reads_in_place = self._check_reads_in_place(num_slots)
-            if self.native_model is not None and quantization is not None:
-                log.info("decode steps run through transformers' modules: native_step.c reads a KV cache in the model's dtype, not 8-bit codes")
-            elif self.native_model is not None:
+            if self.native_model is not None:  # over an 8-bit cache too: its build appends codes as the eager step does
                 self.native = self._check_native_step(num_slots)
             if num_blocks:
                 self.row_tables.zero_()  # the checks' tables; a sequence's own comes with start_sequence
@@ -534,8 +532,10 @@ class TorchBackend(Backend):
         except ValueError as exc:
             log.info("decode steps run through transformers' modules: %s", exc)
             return None
-        inputs = self._probe_step([0, 2] if num_slots >= 3 else list(range(min(num_slots, 2))))
-        reference = self._eager_logits(inputs, read_in_place=False)
+        slots = [0, 2] if num_slots >= 3 else list(range(min(num_slots, 2)))
+        reference = self._eager_logits(self._probe_step(slots), read_in_place=False)
+        # The probe filled again: an 8-bit cache's eager step grew scales and coded blocks again, so the native step starts where it did.
+        inputs = self._probe_step(slots)
         logits = self.native_model.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len)
         if not agrees(reference, logits, self.dtype):
             log.info("decode steps run through transformers' modules: the native step changes this model's logits")

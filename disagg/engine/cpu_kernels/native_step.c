@@ -24,6 +24,12 @@
  * The sums differ from PyTorch's only in order (the norm's mean, the kernels'
  * dots) and silu's exp comes from glibc's vector expf, not Sleef's: native_step.py
  * checks the logits against transformers' own step at start-up.
+ *
+ * Built with -DKV_INT8 or -DKV_FP8 (an --kv-cache-dtype cache), the decode step's cache
+ * holds 8-bit codes and a float32 scale per block and KV head: each row's new K/V line
+ * is appended with exactly QuantizedBlocks.append_lines' arithmetic (append_line below:
+ * the eager step's and the C step's caches hold the same bytes for the same lines), and
+ * the attention is slot_attention.c's 8-bit build, which applies the scales as it reads.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -60,16 +66,106 @@ static void load_line(float *to, const store_t *from, long n) {
         to[i] = widen(from[i]);
 }
 
-static void store_line(store_t *to, const float *from, long n) {
+static inline void store_line(store_t *to, const float *from, long n) {
     for (long i = 0; i < n; i++)
         to[i] = narrow(from[i]);
 }
 
+/* What the K/V cache holds: the model's dtype, or (-DKV_INT8, -DKV_FP8) 8-bit codes, each
+ * block and KV head with a float32 scale (a value is code * scale). */
+#if defined(KV_INT8) || defined(KV_FP8)
+#define KV_SCALED 1
+#endif
+
+#if defined(KV_INT8)
+typedef signed char kv_t;
+#define LARGEST_CODE 127.0f
+/* Clamped to +-127 and rounded half to even (nearbyintf, the default rounding mode), as to_codes' clamp().round(). */
+static inline kv_t to_code(float x) {
+    float c = x < -127.0f ? -127.0f : (x > 127.0f ? 127.0f : x);
+    return (kv_t)nearbyintf(c);
+}
+static inline float code_value(kv_t c) { return (float)c; }
+#elif defined(KV_FP8)
+typedef unsigned char kv_t; /* float8 e4m3fn: S.EEEE.MMM, exponent bias 7, no infinities, S.1111.111 NaN */
+#define LARGEST_CODE 448.0f
+/* Clamped to +-448, then to the nearest e4m3fn value, ties to even, as torch's float32 -> float8_e4m3fn cast. */
+static inline kv_t to_code(float x) {
+    union { float f; unsigned u; } bits = {x < -448.0f ? -448.0f : (x > 448.0f ? 448.0f : x)};
+    unsigned sign = (bits.u >> 24) & 0x80u, magnitude = bits.u & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) /* NaN (clamp passes it through) */
+        return (kv_t)(sign | 0x7fu);
+    if (magnitude < (121u << 23)) { /* below 2^-6, e4m3's least normal: a multiple of 2^-9 (exact in float32), rounded; 8 is 2^-6 itself */
+        union { unsigned u; float f; } m = {magnitude};
+        return (kv_t)(sign | (unsigned)nearbyintf(m.f * 512.0f));
+    }
+    /* A normal: float32's 23 mantissa bits rounded to 3 (nearest, ties to even; a carry moves into the
+     * exponent), the exponent rebiased from 127 to 7. 448 is the largest, so nothing reaches NaN's code. */
+    unsigned rounded = magnitude + 0x7ffffu + ((magnitude >> 20) & 1u);
+    return (kv_t)(sign | ((rounded - (120u << 23)) >> 20));
+}
+/* A code's value, exactly (as torch's float8_e4m3fn -> float32). */
+static inline float code_value(kv_t c) {
+    unsigned exponent = (c >> 3) & 15u, mantissa = c & 7u;
+    union { unsigned u; float f; } bits = {((exponent + 120u) << 23) | (mantissa << 20)};
+    float value = exponent ? bits.f : (float)mantissa * (1.0f / 512.0f);
+    if ((c & 0x7fu) == 0x7fu)
+        value = NAN;
+    return c & 0x80u ? -value : value;
+}
+#else
+typedef store_t kv_t;
+#endif
+
+#ifdef KV_SCALED
+/* x[0, n) -> codes (the values already divided by their scale): the test's window on to_code. */
+void native_codes(const float *x, long n, kv_t *codes) {
+    for (long i = 0; i < n; i++)
+        codes[i] = to_code(x[i]);
+}
+
+/* codes[0, n) coded again under a grown scale: code * (old / new), as append_lines recodes a block. */
+static void recode(kv_t *codes, long n, float ratio) {
+    for (long i = 0; i < n; i++)
+        codes[i] = to_code(code_value(codes[i]) * ratio);
+}
+
+/* One row's new line at `offset` of one block and KV head: codes [block_size][d] (that block's and
+ * head's), *scale their scale. QuantizedBlocks.append_lines' arithmetic, in its order, in float32:
+ * the line first rounds to the model's dtype (the eager step's line is in it); the scale becomes
+ * max|line| / LARGEST_CODE at a block's first position (whatever the block held before), else the
+ * larger of that and the old; a scale grown from above zero codes the block's codes again under
+ * old / new; the line is coded as line / scale (/ 1 for a zero scale: a line of zeros). */
+void native_append_line(kv_t *codes, float *scale, long block_size, long d, long offset, const float *line) {
+    float top = 0.0f;
+    for (long i = 0; i < d; i++) {
+        float magnitude = fabsf(widen(narrow(line[i])));
+        top = magnitude > top ? magnitude : top;
+    }
+    float needed = top / LARGEST_CODE, old = *scale;
+    float grown = offset == 0 ? needed : (needed > old ? needed : old);
+    if (offset != 0 && grown > old && old > 0.0f)
+        recode(codes, block_size * d, old / grown);
+    *scale = grown;
+    float divisor = grown > 0.0f ? grown : 1.0f;
+    kv_t *to = codes + offset * d;
+    for (long i = 0; i < d; i++)
+        to[i] = to_code(widen(narrow(line[i])) / divisor);
+}
+#endif
+
 typedef void (*product_fn)(const float *x, long M, long K, const void *panels, long N, const float *bias, float *y);
 typedef int (*split_product_fn)(const float *x, long M, long K, const void *panels, long N, const float *bias, float *y);
-typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_heads, long d, const store_t *keys, const store_t *values,
+#ifdef KV_SCALED /* slot_attention.c's 8-bit build: slot_attention_scaled, with the layer's scales */
+typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_heads, long d, const kv_t *keys, const kv_t *values,
+                             long block_stride, long head_stride, long pos_stride, const long *tables, long table_stride, long block_size,
+                             long start, long length, const unsigned char *mask, float scale, float *out, float *scratch,
+                             const float *key_scales, const float *value_scales, long scale_block_stride);
+#else
+typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_heads, long d, const kv_t *keys, const kv_t *values,
                              long block_stride, long head_stride, long pos_stride, const long *tables, long table_stride, long block_size,
                              long start, long length, const unsigned char *mask, float scale, float *out, float *scratch);
+#endif
 
 #define NR 24
 #define BLOCK_ROWS 64 /* rows per kernel call: small_gemm's blocks stay in the caches */
@@ -101,9 +197,24 @@ struct layer {
  * block_size, head_dim] with these strides (in floats); the decode worker's cache of
  * blocks, or one prompt's K/V (one block of all its positions). */
 struct kv_cache {
-    store_t *const *keys, *const *values;
+    kv_t *const *keys, *const *values;
     long block_stride, head_stride, pos_stride, block_size;
+    /* An 8-bit cache's scales, per layer [blocks][kv_heads] floats: block b's of head h at
+     * b * scale_block_stride + h (NULL, and unread, where the cache holds the model's dtype). */
+    float *const *key_scales, *const *value_scales;
+    long scale_block_stride;
 };
+
+/* Row line into the layer's `lines` (keys or values) at `offset` of block `block`, KV head kv:
+ * stored in the model's dtype, or appended as codes under the block's scale (scales: the layer's). */
+static void write_line(const struct kv_cache *c, kv_t *lines, float *scales, long block, long offset, long kv, const float *line, long d) {
+#ifdef KV_SCALED
+    native_append_line(lines + block * c->block_stride + kv * c->head_stride, scales + block * c->scale_block_stride + kv, c->block_size, d, offset, line);
+#else
+    (void)scales;
+    store_line(lines + block * c->block_stride + offset * c->pos_stride + kv * c->head_stride, line, d);
+#endif
+}
 
 /* Called once a layer's K/V lines are written (a prefill hands them on while later layers compute); nonzero stops the step. */
 typedef int (*layer_done_fn)(long layer);
@@ -223,18 +334,18 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
         load_line(x + r * hidden, m->embed + ids[r] * hidden, hidden);
     for (long l = 0; l < m->layers; l++) {
         const struct layer *L = &m->layer[l];
-        store_t *keys = cache->keys[l], *values = cache->values[l];
+        kv_t *keys = cache->keys[l], *values = cache->values[l];
+        float *key_scales = cache->key_scales ? cache->key_scales[l] : 0, *value_scales = cache->value_scales ? cache->value_scales[l] : 0;
         rms_norm(x, rows, hidden, L->attn_norm, m->eps, h);
         product(m, may_share, h, rows, hidden, &L->qkv, wide);
         for (long r = 0; r < rows; r++) {
             const float *row = wide + r * L->qkv.n, *c = cos + r * d, *s = sin + r * d;
-            long p = positions[r], bs = cache->block_size;
-            long at = tables[r * table_stride + p / bs] * cache->block_stride + (p % bs) * cache->pos_stride;
+            long p = positions[r], bs = cache->block_size, block = tables[r * table_stride + p / bs];
             rotate(row + L->q_col, m->q_heads, d, c, s, q + r * q_dim);
             for (long kv = 0; kv < m->kv_heads; kv++) {
                 rotate(row + L->k_col + kv * d, 1, d, c, s, line);
-                store_line(keys + at + kv * cache->head_stride, line, d);
-                store_line(values + at + kv * cache->head_stride, row + L->v_col + kv * d, d);
+                write_line(cache, keys, key_scales, block, p % bs, kv, line, d);
+                write_line(cache, values, value_scales, block, p % bs, kv, row + L->v_col + kv * d, d);
             }
         }
         if (layer_done && layer_done(l))
@@ -244,7 +355,11 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
             long first = L->window && positions[r] - L->window + 1 > 0 ? positions[r] - L->window + 1 : 0;
             m->attention(q + r * q_dim, 1, m->q_heads, m->kv_heads, d, keys, values, cache->block_stride, cache->head_stride, cache->pos_stride,
                          tables + r * table_stride, table_stride, cache->block_size, first, positions[r] + 1 - first, 0, m->scale,
-                         attended + r * q_dim, scores);
+                         attended + r * q_dim, scores
+#ifdef KV_SCALED
+                         , key_scales, value_scales, cache->scale_block_stride
+#endif
+            );
         }
         product(m, may_share, attended, rows, q_dim, &L->o, mixed);
         add_into(x, mixed, rows * hidden);

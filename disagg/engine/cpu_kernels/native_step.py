@@ -19,7 +19,11 @@ sliding windows and biases included) in float32 or bfloat16 on an AVX2 CPU with
 a C compiler, every linear packed for the kernel. A bf16 model's weights,
 embedding and K/V stay bf16 in memory (half the bytes a step reads) and are
 widened to float32 as they are read: the step itself computes in float32 and
-rounds only the K/V lines it writes. Anything else keeps the modules. `TorchBackend` also checks at start-up that a native step and a native
+rounds only the K/V lines it writes. An 8-bit KV cache (`--kv-cache-dtype int8|fp8`) is
+served by the decode step's builds over codes (`KV_FLAGS`): each new line is appended as
+`QuantizedBlocks.append_lines` appends it, and slot_attention's 8-bit build reads the blocks;
+prompts keep transformers' modules there (they attend over the values the codes stand for).
+Anything else keeps the modules. `TorchBackend` also checks at start-up that a native step and a native
 prefill give the logits (and K/V) of transformers' own, and keeps the modules
 for whichever does not.
 """
@@ -48,6 +52,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")  # glibc's vector expf (silu)
 # The model's dtype (its embedding and K/V lines) -> the flags of its build.
 MODEL_FLAGS = {torch.float32: (), torch.bfloat16: ("-DMODEL_BF16",)}
+# The KV cache's codes -> the flags of the decode step's build over them (None: a cache in the model's dtype).
+KV_FLAGS = {None: (), torch.int8: ("-DKV_INT8",), torch.float8_e4m3fn: ("-DKV_FP8",)}
 
 # Decoder layers whose arithmetic native_step.c follows, with their norm class.
 SERVED = {
@@ -93,6 +99,7 @@ class _KvCache(ctypes.Structure):
     _fields_ = [
         ("keys", ctypes.POINTER(ctypes.c_void_p)), ("values", ctypes.POINTER(ctypes.c_void_p)),
         ("block_stride", ctypes.c_long), ("head_stride", ctypes.c_long), ("pos_stride", ctypes.c_long), ("block_size", ctypes.c_long),
+        ("key_scales", ctypes.POINTER(ctypes.c_void_p)), ("value_scales", ctypes.POINTER(ctypes.c_void_p)), ("scale_block_stride", ctypes.c_long),
     ]
 
 
@@ -110,12 +117,17 @@ class _Model(ctypes.Structure):
 
 
 @functools.cache
-def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
-    if dtype not in MODEL_FLAGS:
+def _library(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> ctypes.CDLL | None:
+    """The build for a model of `dtype` over a cache of its dtype (kv_dtype None) or of 8-bit codes."""
+    if dtype not in MODEL_FLAGS or kv_dtype not in KV_FLAGS:
         return None
-    library = small_gemm.load_library(SOURCE, FLAGS + MODEL_FLAGS[dtype], LIBRARIES, f"{dtype} decode steps and prefills run through transformers' modules")
+    unused = f"{dtype} decode steps and prefills run through transformers' modules" if kv_dtype is None else (
+        f"{dtype} decode steps over a {kv_dtype} KV cache run through transformers' modules")
+    library = small_gemm.load_library(SOURCE, FLAGS + MODEL_FLAGS[dtype] + KV_FLAGS[kv_dtype], LIBRARIES, unused)
     if library is None:
         return None
+    if kv_dtype is not None:
+        _declare_8_bit(library)
     library.native_step_workspace.argtypes, library.native_step_workspace.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long], ctypes.c_long
     pointer, long = ctypes.c_void_p, ctypes.c_long
     library.native_step.argtypes = [
@@ -123,6 +135,35 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     ]
     library.native_step.restype = ctypes.c_int
     return library
+
+
+def _declare_8_bit(library: ctypes.CDLL) -> None:
+    """An 8-bit build's own entry points: a line appended to one block and head, and codes of scaled values (its tests read them)."""
+    pointer, long = ctypes.c_void_p, ctypes.c_long
+    library.native_append_line.argtypes, library.native_append_line.restype = [pointer, pointer, long, long, long, pointer], None
+    library.native_codes.argtypes, library.native_codes.restype = [pointer, long, pointer], None
+
+
+def codes(scaled: torch.Tensor, code_dtype: torch.dtype, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float32 values already divided by their scale -> the codes the C step writes for them (as
+    quantization.kv_cache.to_codes does); dtype: the model's, whose build converts them."""
+    library = _library(dtype, code_dtype)
+    scaled = scaled.to(torch.float32).contiguous()
+    out = torch.empty(scaled.shape, dtype=code_dtype)
+    library.native_codes(scaled.data_ptr(), scaled.numel(), out.data_ptr())
+    return out
+
+
+def append_line(codes: torch.Tensor, scale: torch.Tensor, offset: int, line: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    """The C step's append of one line [head_dim] (float32) at `offset` of one block and head: codes
+    [block_size, head_dim] (contiguous int8 or float8_e4m3fn) and scale (a one-element float32 tensor)
+    change in place; dtype: the model's (the line rounds to it first)."""
+    if codes.dim() != 2 or not codes.is_contiguous() or scale.numel() != 1 or scale.dtype != torch.float32 or line.shape != codes.shape[1:]:
+        raise ValueError(f"append_line: codes {tuple(codes.shape)}, scale {tuple(scale.shape)} {scale.dtype}, line {tuple(line.shape)}")
+    if not 0 <= offset < codes.shape[0]:
+        raise ValueError(f"append_line: offset {offset} outside a block of {codes.shape[0]}")
+    line = line.to(torch.float32).contiguous()
+    _library(dtype, codes.dtype).native_append_line(codes.data_ptr(), scale.data_ptr(), codes.shape[0], codes.shape[1], offset, line.data_ptr())
 
 
 def unserved(model, plans: list[LayerPlan]) -> str | None:
@@ -188,19 +229,34 @@ def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int, keep: list
     return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, shared, *functions)
 
 
-def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype) -> _KvCache:
+def _kv_cache(keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype,
+              key_scales: list[torch.Tensor] | None = None, value_scales: list[torch.Tensor] | None = None) -> _KvCache:
     """Per layer [blocks, kv_heads, block_size, head_dim] tensors of the model's dtype, contiguous,
-    all of one shape (the slot layout: a block per slot, of every position)."""
+    all of one shape (the slot layout: a block per slot, of every position); or an 8-bit cache's
+    codes (dtype int8 or float8_e4m3fn) with their scales, per layer [blocks, kv_heads] float32."""
     shape, strides = keys[0].shape, keys[0].stride()
     # Any order of blocks and heads in memory (C reads both strides); positions and head_dim packed.
     if any(t.shape != shape or t.stride() != strides or strides[3] != 1 or strides[2] != shape[3] or t.dtype != dtype for t in (*keys, *values)):
         raise ValueError(f"native step: a K/V cache that is not [blocks, kv_heads, block_size, head_dim] contiguous {dtype} in every layer ({tuple(shape)})")
-    pointers = [(ctypes.c_void_p * len(keys))(*[t.data_ptr() for t in tensors]) for tensors in (keys, values)]
-    cache = _KvCache(
-        ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_void_p)), *keys[0].stride()[:3], shape[2]
-    )
-    cache._keep = (pointers, keys, values)  # what the C side points at lives as long as the struct
+    scales = _checked_scales(key_scales, value_scales, len(keys), shape[0], shape[1])
+    pointers = [(ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors]) for tensors in (keys, values, *scales)]
+    arrays = [ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p)) for array in pointers]
+    cache = _KvCache(*arrays[:2], *keys[0].stride()[:3], shape[2], *(arrays[2:] if scales else (None, None)), shape[1])
+    cache._keep = (pointers, keys, values, scales)  # what the C side points at lives as long as the struct
     return cache
+
+
+def _checked_scales(key_scales, value_scales, layers: int, blocks: int, kv_heads: int) -> tuple:
+    """() for a cache in the model's dtype; else (key_scales, value_scales), each per layer [blocks, kv_heads]
+    float32 contiguous (the C side reads block b's scale of head h at b * kv_heads + h)."""
+    if key_scales is None and value_scales is None:
+        return ()
+    tensors = (*(key_scales or ()), *(value_scales or ()))
+    if key_scales is None or value_scales is None or len(key_scales) != layers or len(value_scales) != layers or any(
+        t.shape != (blocks, kv_heads) or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors
+    ):
+        raise ValueError(f"native step: an 8-bit cache's scales must be float32 [{blocks}, {kv_heads}] contiguous in each of {layers} layers")
+    return key_scales, value_scales
 
 
 class NativeModel:
@@ -247,12 +303,24 @@ class NativeModel:
             *pointers, layers,
         )
         self.slot_cache: _KvCache | None = None
+        # The decode steps' build and model struct: the prefill's, or an 8-bit cache's (see attach).
+        self.step_library, self.step_model = self.library, self.model
 
     def attach(self, cache: PagedKvCache) -> None:
-        """The decode worker's cache of blocks, where decode steps write and read."""
+        """The decode worker's cache of blocks, where decode steps write and read: in the model's
+        dtype, or 8-bit codes with their scales (the build over codes, and slot_attention's)."""
         if cache.keys[0].shape[1:2] != (self.kv_heads,) or cache.keys[0].shape[3] != self.head_dim:
             raise ValueError(f"native step: KV cache {tuple(cache.keys[0].shape)} is not [blocks, {self.kv_heads}, block_size, {self.head_dim}]")
-        self.slot_cache, self.slot_shape = _kv_cache(cache.keys, cache.values, self.dtype), cache.keys[0].shape
+        code_dtype = cache.keys[0].dtype if cache.quantized else None
+        library, model = self.library, self.model
+        if code_dtype is not None:
+            library, attention = _library(self.dtype, code_dtype), slot_attention.kernel(code_dtype)
+            if library is None or attention is None:
+                raise ValueError(f"native step: its build over a {code_dtype} KV cache cannot be built here")
+            model = _Model.from_buffer_copy(self.model)  # the same weights (pointers), the 8-bit cache's attention
+            model.attention = ctypes.cast(attention._call, ctypes.c_void_p).value
+        slot_cache = _kv_cache(cache.keys, cache.values, code_dtype or self.dtype, cache.key_scales, cache.value_scales)
+        self.slot_cache, self.slot_shape, self.step_library, self.step_model = slot_cache, cache.keys[0].shape, library, model
 
     def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step; row i is token input_ids[i] at
@@ -261,7 +329,7 @@ class NativeModel:
         tables, positions, input_ids = (t.to(torch.long).contiguous() for t in (tables, positions, input_ids))
         table_width = tables.shape[1] if tables.dim() == 2 else 1
         self._check_rows(tables, positions, input_ids, self.slot_shape[0], min(kv_len, table_width * self.slot_shape[2]))
-        return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None)
+        return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model)
 
     def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv=None) -> torch.Tensor:
         """[1, vocab]: the logits after the prompt; each layer's K/V [kv_heads, tokens,
@@ -309,16 +377,18 @@ class NativeModel:
         ):
             raise ValueError(f"native step: slots {tuple(slots.shape)}, positions {tuple(positions.shape)}, ids {tuple(input_ids.shape)}, kv_len {kv_len}")
 
-    def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done) -> torch.Tensor:
-        """slots: [n] (each row's one block) or [n, blocks] block tables."""
+    def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done, library=None, model=None) -> torch.Tensor:
+        """slots: [n] (each row's one block) or [n, blocks] block tables. library, model: the build and model struct
+        that run it (default: over a cache in the model's dtype; a decode step's: its cache's)."""
+        library, model = library or self.library, model or self.model
         n = slots.shape[0]
         table_stride = slots.stride(0) if slots.dim() == 2 else 1
         cos, sin = self.rotary(self.embed[:1].float(), positions[None])  # [1, n, head_dim] each, float32
         cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
         logits = torch.empty(n - logit_from, self.vocab, dtype=torch.float32)
-        work = torch.empty(self.library.native_step_workspace(ctypes.byref(self.model), n, kv_len), dtype=torch.float32)
-        self.library.native_step(
-            ctypes.byref(self.model), ctypes.byref(cache), n, input_ids.data_ptr(), slots.data_ptr(), table_stride,
+        work = torch.empty(library.native_step_workspace(ctypes.byref(model), n, kv_len), dtype=torch.float32)
+        library.native_step(
+            ctypes.byref(model), ctypes.byref(cache), n, input_ids.data_ptr(), slots.data_ptr(), table_stride,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             int(self.kernel.splits_here()), layer_done or _LAYER_DONE(), logit_from, logits.data_ptr(), work.data_ptr(),
         )
