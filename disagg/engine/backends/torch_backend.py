@@ -425,14 +425,17 @@ class TorchBackend(Backend):
         )
 
     def _probe_tables(self, slots: list[int]) -> int:
-        """Block tables for a check's rows (paged: each its own blocks, from block 1, wrapping
-        round a small cache); returns how many leading blocks the rows read."""
+        """Block tables for a check's rows (paged: the rows' blocks interleaved, from block 1, wrapping
+        round a small cache); returns how many leading blocks the rows read. Only those are filled:
+        filling every block of a 2 GiB cache with random numbers took minutes of a worker's start."""
         blocks, width = self.cache.keys[0].shape[0], self.row_tables.shape[1]
         if not self.paged:  # the slot layout: slot i is block i
             return slots[-1] + 1
+        stride = max(slots) + 1
         for slot in slots:
-            self.row_tables[slot] = (torch.arange(width) + slot * width) % (blocks - 1) + 1
-        return blocks
+            self.row_tables[slot] = (torch.arange(width) * stride + slot) % (blocks - 1) + 1
+        read = -(-(min(40, self.info.max_seq_len - 1) + 1) // self.cache.block_size)  # the blocks holding a probe row's positions
+        return int(self.row_tables[slots, :read].max()) + 1
 
     @torch.inference_mode()
     def _check_reads_in_place(self, num_slots: int) -> bool:
