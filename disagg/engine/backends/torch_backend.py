@@ -204,7 +204,8 @@ class TorchBackend(Backend):
                 raise ValueError("--kv-cache-dtype needs the paged KV cache, and the compiled decode step keeps a slot per sequence: run with --no-compile")
             self.native_prefill = None  # native_step.c attends over the prompt's own K/V, not the values its codes stand for
             log.info("KV cache in %s: a float32 scale per block of %d positions and head", config.kv_cache_dtype, config.kv_block_size)
-        memory.return_freed_memory()  # what loading and the checks freed, given back (1.35 GiB for Llama-3.2-1B quantized at load)
+        if self.loaded_here:  # a model handed in (the sweep, ~200 of them) was loaded by its caller, and a full gc.collect costs 0.2 s each
+            memory.return_freed_memory()  # what loading and the checks freed, given back (1.35 GiB for Llama-3.2-1B quantized at load)
 
     def _prepack(self) -> None:
         """Prepacks the linears; refuses a model whose logits they change (one that
