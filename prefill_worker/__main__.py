@@ -17,6 +17,7 @@ import argparse  # noqa: E402
 from disagg.cli.flags import add_model_flags, add_server_flags, run_worker, setup_process, worker_fields  # noqa: E402
 
 from .config import PrefillWorkerConfig  # noqa: E402
+from .peers import parse_pool  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +48,12 @@ def parse_config(argv=None) -> PrefillWorkerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_process(args)
+    try:
+        # Before worker_fields resolves --model (the default checkpoint is made on first use, tens of
+        # seconds): a worker with no pool to send KV to refuses at once.
+        parse_pool(tuple(args.decode))
+    except ValueError as exc:
+        parser.error(str(exc))
     shared, settings = worker_fields(args)
     try:
         return PrefillWorkerConfig(
