@@ -53,9 +53,10 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
 
 
 def main(argv=None) -> None:
+    config = parse_config(argv)  # a bad flag refuses before the server's modules (torch, the engine) are imported: seconds sooner
     from .grpc_edge import serve
 
-    run_worker("decode_worker", serve, parse_config(argv))
+    run_worker("decode_worker", serve, config)
 
 
 if __name__ == "__main__":
