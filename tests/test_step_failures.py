@@ -216,7 +216,8 @@ def test_a_kv_write_that_loses_the_device_takes_the_decode_worker_down_non_zero(
     """The gRPC push, whose pieces the decode worker copies into its cache with write_kv (NIXL into
     a host cache reads in place). A DeviceLost there is the device's, not the transfer's."""
     monkeypatch.setenv(TEST_FAIL_KV_WRITE, "after=0,count=1,fatal=1")  # the prefill worker never writes KV: only decode-0 has the fault
-    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, transport="grpc", batch_size=2)
+    # The router's wait for a decode worker cut to 1 s, as the fixtures': with its only decode worker gone the stream ends UNAVAILABLE then.
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, transport="grpc", batch_size=2, router_args=WAIT_ONE_SECOND)
     try:
         with Client(cluster.router_address, timeout=120) as client:
             tokens, error = stream_until_error(client, 8)
