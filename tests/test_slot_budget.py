@@ -32,7 +32,7 @@ def test_the_neuron_backend_compiles_for_a_batch_chosen_before_loading():
 
 def capacities(cluster, *flag_sets: list[str]) -> list[int]:
     """One decode worker per set of flags, started together; each one's slot count."""
-    workers = [cluster.add_worker("decode", extra) for extra in flag_sets]
+    workers = cluster.add_workers("decode", list(flag_sets))
     counts = []
     for worker in workers:
         cluster.wait_serving(120, worker.address)

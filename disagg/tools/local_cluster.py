@@ -238,13 +238,29 @@ class LocalCluster:
 
     def add_worker(self, role: str, extra: list[str] = ()) -> Process:
         """Starts one more worker (not known to the running router)."""
+        return self.add_workers(role, [extra])[0]
+
+    def add_workers(self, role: str, extras: list[list[str]]) -> list[Process]:
+        """Starts one more worker per set of extra flags (not known to the running router), all
+        launched before any is waited for: each spends seconds importing torch before it binds its port."""
         spec = self.spec
-        common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(spec.worker_threads(role)), *spec.worker_args, *extra]
-        if role == "decode":
-            common += compile_flag(spec.compile)
-        if role == "prefill" and "--decode" not in extra:  # the decode workers started so far are its pool
-            common += [a for address in self.addresses("decode") for a in ("--decode", address)]
-        return self._spawn(f"{role}-extra-{len(self.processes)}", f"{role}_worker", common)
+        launched = []
+        try:
+            for extra in extras:
+                common = ["--model", spec.model, "--dtype", spec.dtype, "--threads", str(spec.worker_threads(role)), *spec.worker_args, *extra]
+                if role == "decode":
+                    common += compile_flag(spec.compile)
+                if role == "prefill" and "--decode" not in extra:  # the decode workers started so far are its pool
+                    common += [a for address in self.addresses("decode") for a in ("--decode", address)]
+                launched.append(self._launch(f"{role}-extra-{len(self.processes) + len(launched)}", f"{role}_worker", common))
+            return [self._bound(part) for part in launched]
+        except BaseException:
+            known = {p.popen.pid for p in self.processes}
+            for part in launched:  # those not yet bound are not in self.processes: stop() would not end them
+                if part.popen.pid not in known and part.popen.poll() is None:
+                    part.popen.kill()
+                    part.popen.wait()
+            raise
 
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> Process:
         """Starts a part on the given port (0: one it picks itself) and waits for
