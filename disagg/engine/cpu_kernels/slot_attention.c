@@ -14,7 +14,10 @@
  *     out  = sum_t exp(s[t] - max s) v[t] / sum_t exp(s[t] - max s)
  * The dots go four positions at a time (one horizontal sum for four), the
  * exponentials through glibc's vector expf (libmvec, within a few ulp), and the
- * weighted values are summed in registers, 32 columns at a time.
+ * weighted values are summed in registers, 16 columns at a time. The group's heads
+ * go through the keys and values together (up to 4 at a time), so each row is loaded
+ * and widened once for them, not once per head; each head's sums keep the order they
+ * have for one head alone (the results do not depend on how many go together).
  *
  * The 8-bit builds (-DKV_INT8, -DKV_FP8: an --kv-cache-dtype cache) read codes, one
  * float32 scale per block and KV head: a position's value is code * scale. The codes
@@ -44,26 +47,32 @@ static inline float kv_float(kv_t x) { return (float)x; }
 /* e4m3fn codes (sign, 4 exponent bits of bias 7, 3 mantissa bits; S.1111.111 is NaN).
  * Moved into the top of a float16's fields (exponent bias 15), every code is exactly
  * its value / 2^8, subnormals included (F16C widens float16 subnormals whatever
- * MXCSR's DAZ says); KV_UNIT puts the 2^8 back with the scale. The NaN codes would
- * land on 1.875: their exponent is set to all ones, a float16 NaN. */
+ * MXCSR's DAZ says); KV_UNIT puts the 2^8 back with the scale. A code sign-extended to
+ * 16 bits and shifted left by 7 has its sign at bits 15 and 14 and its other 7 bits at
+ * 13..7: clearing bit 14 gives the float16. The NaN codes would land on 1.875; they are
+ * the codes whose bits 13..7 are all ones there, found with one OR and one compare, and
+ * their lanes set to all ones (a float16 NaN): two instructions fewer per vector than
+ * the zero-extended fields and a separate mask (fp8's widening is most of its cost). */
 #define KV_SCALED 1
 #define KV_UNIT 256.0f
 typedef unsigned char kv_t;
-static inline __m128i fp8_halves(__m128i codes) { /* 8 codes in 16-bit lanes -> their float16s */
-    __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(codes, 8), 1), _mm_set1_epi16((short)0xbfff)); /* sign at 15, the rest at 7..13 */
-    __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(half, _mm_set1_epi16(0x3f80)), _mm_set1_epi16(0x3f80));
-    return _mm_or_si128(half, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
+#define FP8_HALVES(bits, set1, and, or, cmpeq, slli)                                                           \
+    {                                                                                                        \
+        bits = slli(bits, 7);                                                                                \
+        bits = or(and(bits, set1((short)0xbfff)), cmpeq(or(bits, set1((short)0xc07f)), set1((short)0xffff))); \
+    }
+static inline __m256 load_kv(const kv_t *p) {
+    __m128i bits = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    FP8_HALVES(bits, _mm_set1_epi16, _mm_and_si128, _mm_or_si128, _mm_cmpeq_epi16, _mm_slli_epi16)
+    return _mm256_cvtph_ps(bits);
 }
-static inline __m256 load_kv(const kv_t *p) { return _mm256_cvtph_ps(fp8_halves(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)))); }
 /* Sixteen at once: the same steps on 16-bit lanes, half the instructions per code. */
 #define HAVE_LOAD_KV16 1
 static inline void load_kv16(const kv_t *p, __m256 *lo, __m256 *hi) {
-    __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(codes, 8), 1), _mm256_set1_epi16((short)0xbfff));
-    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(half, _mm256_set1_epi16(0x3f80)), _mm256_set1_epi16(0x3f80));
-    half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
-    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
-    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+    __m256i bits = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    FP8_HALVES(bits, _mm256_set1_epi16, _mm256_and_si256, _mm256_or_si256, _mm256_cmpeq_epi16, _mm256_slli_epi16)
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(bits));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
 }
 static inline float kv_float(kv_t x) {
     unsigned half = ((x & 0x80u) << 8) | ((x & 0x7fu) << 7);
@@ -118,38 +127,60 @@ static inline float dot(const float *a, const kv_t *b, long d) {
     return hsum(_mm256_add_ps(s0, s1)) + tail;
 }
 
-/* The four dots q . k[t + j], j < 4, rows pos_stride apart, as one vector of 4. */
-static inline __m128 dot4(const float *q, const kv_t *k, long pos_stride, long d) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+/* The GQA group's query heads are taken up to GROUP_MAX at a time ("nh" below): each key
+ * and value row is loaded and widened once per nh heads, not once per head (an 8-bit or
+ * bf16 row costs more to widen than a float32 row to load). Each head's sums still run in
+ * the order of one head alone, so results do not depend on nh. With 4 heads, the score
+ * accumulators and the values' 8 (16 columns each) still fit AVX2's 16 registers.
+ * These helpers are inlined with nh a constant (see BY_HEADS), their head loops unrolled. */
+#define GROUP_MAX 4
+#define INLINE static inline __attribute__((always_inline))
+
+/* a[h] = the 8 lanes of q_h . k (q_h = q + h * d, h < nh) over columns [0, d - d % 8), in
+ * the order of the 16- then 8-column steps; k is widened once for all nh heads. */
+INLINE void lane_dots(const float *q, long nh, long d, const kv_t *k, __m256 *a) {
+    for (long h = 0; h < nh; h++)
+        a[h] = _mm256_setzero_ps();
     long i = 0;
-    for (; i + 16 <= d; i += 16) { /* the sums in the order of the 8-column steps below */
-        __m256 qlo = _mm256_loadu_ps(q + i), qhi = _mm256_loadu_ps(q + i + 8), lo, hi;
+    for (; i + 16 <= d; i += 16) {
+        __m256 lo, hi;
         load_kv16(k + i, &lo, &hi);
-        a0 = _mm256_fmadd_ps(qhi, hi, _mm256_fmadd_ps(qlo, lo, a0));
-        load_kv16(k + pos_stride + i, &lo, &hi);
-        a1 = _mm256_fmadd_ps(qhi, hi, _mm256_fmadd_ps(qlo, lo, a1));
-        load_kv16(k + 2 * pos_stride + i, &lo, &hi);
-        a2 = _mm256_fmadd_ps(qhi, hi, _mm256_fmadd_ps(qlo, lo, a2));
-        load_kv16(k + 3 * pos_stride + i, &lo, &hi);
-        a3 = _mm256_fmadd_ps(qhi, hi, _mm256_fmadd_ps(qlo, lo, a3));
+        for (long h = 0; h < nh; h++)
+            a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i + 8), hi, _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), lo, a[h]));
     }
     for (; i + 8 <= d; i += 8) {
-        __m256 qi = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qi, load_kv(k + i), a0);
-        a1 = _mm256_fmadd_ps(qi, load_kv(k + pos_stride + i), a1);
-        a2 = _mm256_fmadd_ps(qi, load_kv(k + 2 * pos_stride + i), a2);
-        a3 = _mm256_fmadd_ps(qi, load_kv(k + 3 * pos_stride + i), a3);
+        __m256 x = load_kv(k + i);
+        for (long h = 0; h < nh; h++)
+            a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), x, a[h]);
     }
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    if (i < d) {
-        float tail[4] = {0, 0, 0, 0};
-        for (long j = 0; j < 4; j++)
-            for (long c = i; c < d; c++)
-                tail[j] += q[c] * kv_float(k[j * pos_stride + c]);
-        sums = _mm_add_ps(sums, _mm_loadu_ps(tail));
+}
+
+/* s[h * s_stride + j] = q_h . k[j] for the four positions j < 4 (rows pos_stride apart) and
+ * heads h < nh: one horizontal sum for four positions. A position's dots are taken for all
+ * heads before the next position's (its row widened once); the pairs' hadds are taken as
+ * soon as both are done, which keeps fewer vectors live than four per head. */
+INLINE void dot4_heads(const float *q, long nh, long d, const kv_t *k, long pos_stride, float *s, long s_stride) {
+    __m256 a0[GROUP_MAX], a1[GROUP_MAX], h01[GROUP_MAX];
+    lane_dots(q, nh, d, k, a0);
+    lane_dots(q, nh, d, k + pos_stride, a1);
+    for (long h = 0; h < nh; h++)
+        h01[h] = _mm256_hadd_ps(a0[h], a1[h]);
+    lane_dots(q, nh, d, k + 2 * pos_stride, a0);
+    lane_dots(q, nh, d, k + 3 * pos_stride, a1);
+    long i = d - d % 8;
+    for (long h = 0; h < nh; h++) {
+        __m256 both = _mm256_hadd_ps(h01[h], _mm256_hadd_ps(a0[h], a1[h]));
+        __m128 sums = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+        if (i < d) {
+            const float *qh = q + h * d;
+            float tail[4] = {0, 0, 0, 0};
+            for (long j = 0; j < 4; j++)
+                for (long c = i; c < d; c++)
+                    tail[j] += qh[c] * kv_float(k[j * pos_stride + c]);
+            sums = _mm_add_ps(sums, _mm_loadu_ps(tail));
+        }
+        _mm_storeu_ps(s + h * s_stride, sums);
     }
-    return sums;
 }
 
 /* scores[0, n) <- exp(scores - top), returns their sum (masked entries are -inf: exp gives 0). */
@@ -183,68 +214,126 @@ static inline long run_at(const struct paged_rows *g, const long *table, long p,
     return run < left ? run : left;
 }
 
-/* out[0, d) = sum_t p[t] v[t] / sum over positions start.. start + length of one row's blocks,
- * the sums held in registers 32 columns at a time, in position order. v: the head's first
- * value (block 0, position 0); offsets from run_at are in positions, scaled by pos_stride. */
-static void weighted_values(const float *p, const kv_t *v, const struct paged_rows *g, const long *table, long start, long length,
-                            long pos_stride, long d, float sum, float *out) {
-    __m256 divisor = _mm256_set1_ps(sum);
-    long i = 0;
-    for (; i + 32 <= d; i += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (long t = 0, at, run; t < length; t += run) {
-            run = run_at(g, table, start + t, length - t, &at);
-            for (long j = 0; j < run; j++) {
-                if (p[t + j] == 0.0f)
-                    continue;
-                __m256 pt = _mm256_set1_ps(p[t + j]), x0, x1, x2, x3;
-                const kv_t *vt = v + (at + j) * pos_stride + i;
-                load_kv16(vt, &x0, &x1);
-                load_kv16(vt + 16, &x2, &x3);
-                a0 = _mm256_fmadd_ps(pt, x0, a0);
-                a1 = _mm256_fmadd_ps(pt, x1, a1);
-                a2 = _mm256_fmadd_ps(pt, x2, a2);
-                a3 = _mm256_fmadd_ps(pt, x3, a3);
-            }
+/* acc[h] (and acc[GROUP_MAX + h] where wide) += p_h[t] v[t][i, i + 8 or 16) for the position
+ * at offset t of p_h = p + h * length, whose value row starts at vt, for heads h < nh; a head
+ * whose weight is 0 is skipped (a masked position's value is never read into its sums, NaN
+ * or not) unless every_head: the caller has checked that none is. */
+INLINE void weigh_position(const float *p, long nh, long length, long t, const kv_t *vt, int wide, int every_head, __m256 *acc) {
+    __m256 x0, x1 = _mm256_setzero_ps();
+    if (wide)
+        load_kv16(vt, &x0, &x1);
+    else
+        x0 = load_kv(vt);
+    for (long h = 0; h < nh; h++) {
+        float w = p[h * length + t];
+        if (every_head || w != 0.0f) {
+            __m256 wh = _mm256_set1_ps(w);
+            acc[h] = _mm256_fmadd_ps(wh, x0, acc[h]);
+            if (wide)
+                acc[GROUP_MAX + h] = _mm256_fmadd_ps(wh, x1, acc[GROUP_MAX + h]);
         }
-        _mm256_storeu_ps(out + i, _mm256_div_ps(a0, divisor));
-        _mm256_storeu_ps(out + i + 8, _mm256_div_ps(a1, divisor));
-        _mm256_storeu_ps(out + i + 16, _mm256_div_ps(a2, divisor));
-        _mm256_storeu_ps(out + i + 24, _mm256_div_ps(a3, divisor));
-    }
-    for (; i + 8 <= d; i += 8) {
-        __m256 a = _mm256_setzero_ps();
-        for (long t = 0, at, run; t < length; t += run) {
-            run = run_at(g, table, start + t, length - t, &at);
-            for (long j = 0; j < run; j++)
-                if (p[t + j] != 0.0f)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(p[t + j]), load_kv(v + (at + j) * pos_stride + i), a);
-        }
-        _mm256_storeu_ps(out + i, _mm256_div_ps(a, divisor));
-    }
-    for (; i < d; i++) {
-        float a = 0.0f;
-        for (long t = 0, at, run; t < length; t += run) {
-            run = run_at(g, table, start + t, length - t, &at);
-            for (long j = 0; j < run; j++)
-                a += p[t + j] * kv_float(v[(at + j) * pos_stride + i]);
-        }
-        out[i] = a / sum;
     }
 }
 
-/* s[0, length) = q . k[p] for the row's positions p = start.. start + length, four at a time within a block. */
-static void scores(const float *q, const kv_t *k, const struct paged_rows *g, const long *table, long start, long length, long pos_stride, long d, float *s) {
+/* out[h * d + c] = sum_t p_h[t] v[t][c] / sums[h] for columns c in [i, i + 8 or 16) and heads
+ * h < nh, over positions start.. start + length of one row's blocks; v: the KV head's first value
+ * (block 0, position 0), offsets from run_at in positions, scaled by pos_stride. The sums are held
+ * in registers (16 columns by 4 heads: 8 of AVX2's 16), in position order. Which weights are 0 is
+ * found 8 positions at a time, with a compare per head: none (the usual case) takes every head
+ * without a test per head and position, all (masked positions) skips the 8 rows unread. */
+INLINE void weighted_columns(const float *p, long nh, const kv_t *v, const struct paged_rows *g, const long *table, long start, long length,
+                             long pos_stride, long i, int wide, const float *sums, float *out, long d) {
+    __m256 acc[2 * GROUP_MAX];
+    for (long h = 0; h < 2 * GROUP_MAX; h++)
+        acc[h] = _mm256_setzero_ps();
+    for (long t = 0, at, run; t < length; t += run) {
+        run = run_at(g, table, start + t, length - t, &at);
+        const kv_t *vt = v + at * pos_stride + i;
+        long j = 0;
+        for (; j + 8 <= run; j += 8) {
+            __m256 any = _mm256_setzero_ps(), all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            for (long h = 0; h < nh; h++) {
+                __m256 zero = _mm256_cmp_ps(_mm256_loadu_ps(p + h * length + t + j), _mm256_setzero_ps(), _CMP_EQ_OQ);
+                any = _mm256_or_ps(any, zero);
+                all = _mm256_and_ps(all, zero);
+            }
+            if (_mm256_testz_ps(any, any)) {
+                for (long u = j; u < j + 8; u++)
+                    weigh_position(p, nh, length, t + u, vt + u * pos_stride, wide, 1, acc);
+            } else if (!_mm256_testc_ps(all, _mm256_castsi256_ps(_mm256_set1_epi32(-1)))) {
+                for (long u = j; u < j + 8; u++)
+                    weigh_position(p, nh, length, t + u, vt + u * pos_stride, wide, 0, acc);
+            }
+        }
+        for (; j < run; j++)
+            weigh_position(p, nh, length, t + j, vt + j * pos_stride, wide, 0, acc);
+    }
+    for (long h = 0; h < nh; h++) {
+        _mm256_storeu_ps(out + h * d + i, _mm256_div_ps(acc[h], _mm256_set1_ps(sums[h])));
+        if (wide)
+            _mm256_storeu_ps(out + h * d + i + 8, _mm256_div_ps(acc[GROUP_MAX + h], _mm256_set1_ps(sums[h])));
+    }
+}
+
+/* out[h * d + c] = sum_t p_h[t] v[t][c] / sums[h], c < d, for heads h < nh (p_h = p + h * length):
+ * 16 columns at a time, then 8, then the last d % 8 one by one. */
+INLINE void weighted_values_heads(const float *p, long nh, const kv_t *v, const struct paged_rows *g, const long *table, long start, long length,
+                                  long pos_stride, long d, const float *sums, float *out) {
+    long i = 0;
+    for (; i + 16 <= d; i += 16)
+        weighted_columns(p, nh, v, g, table, start, length, pos_stride, i, 1, sums, out, d);
+    for (; i + 8 <= d; i += 8)
+        weighted_columns(p, nh, v, g, table, start, length, pos_stride, i, 0, sums, out, d);
+    for (long h = 0; h < nh; h++) /* the last d % 8 columns: no skip of weight 0 here (as ever) */
+        for (long c = i; c < d; c++) {
+            float a = 0.0f;
+            for (long t = 0, at, run; t < length; t += run) {
+                run = run_at(g, table, start + t, length - t, &at);
+                for (long j = 0; j < run; j++)
+                    a += p[h * length + t + j] * kv_float(v[(at + j) * pos_stride + c]);
+            }
+            out[h * d + c] = a / sums[h];
+        }
+}
+
+/* s[h * length + t] = q_h . k[p] for the row's positions p = start + t, t < length, and heads h < nh:
+ * four positions at a time within a block, a run's last few one by one (dot, per head). */
+INLINE void scores_heads(const float *q, long nh, const kv_t *k, const struct paged_rows *g, const long *table, long start, long length,
+                         long pos_stride, long d, float *s) {
     for (long t = 0, at, run; t < length; t += run) {
         run = run_at(g, table, start + t, length - t, &at);
         const kv_t *kt = k + at * pos_stride;
         long j = 0;
         for (; j + 4 <= run; j += 4)
-            _mm_storeu_ps(s + t + j, dot4(q, kt + j * pos_stride, pos_stride, d));
+            dot4_heads(q, nh, d, kt + j * pos_stride, pos_stride, s + t + j, length);
         for (; j < run; j++)
-            s[t + j] = dot(q, kt + j * pos_stride, d);
+            for (long h = 0; h < nh; h++)
+                s[h * length + t + j] = dot(q + h * d, kt + j * pos_stride, d);
     }
 }
+
+/* One function per head count, so each has nh a constant (its head loops unrolled, its
+ * accumulators in registers); BY_HEADS calls the one for n. */
+#define HEADS_VARIANTS(n)                                                                                                                          \
+    static __attribute__((noinline)) void scores_##n(const float *q, const kv_t *k, const struct paged_rows *g, const long *table, long start, long length, long pos_stride, \
+                           long d, float *s) {                                                                                                      \
+        scores_heads(q, n, k, g, table, start, length, pos_stride, d, s);                                                                          \
+    }                                                                                                                                              \
+    static __attribute__((noinline)) void weighted_values_##n(const float *p, const kv_t *v, const struct paged_rows *g, const long *table, long start, long length,          \
+                                    long pos_stride, long d, const float *sums, float *out) {                                                      \
+        weighted_values_heads(p, n, v, g, table, start, length, pos_stride, d, sums, out);                                                         \
+    }
+HEADS_VARIANTS(1)
+HEADS_VARIANTS(2)
+HEADS_VARIANTS(3)
+HEADS_VARIANTS(4)
+#define BY_HEADS(n, name, ...)                                                                                                                     \
+    switch (n) {                                                                                                                                   \
+    case 1: name##_1(__VA_ARGS__); break;                                                                                                          \
+    case 2: name##_2(__VA_ARGS__); break;                                                                                                          \
+    case 3: name##_3(__VA_ARGS__); break;                                                                                                          \
+    default: name##_4(__VA_ARGS__); break;                                                                                                         \
+    }
 
 /* An 8-bit cache's scales: [blocks][kv_heads] floats, block b's of head h at b * block_stride + h. */
 struct kv_scales {
@@ -266,22 +355,28 @@ static void scale_positions(float *x, const float *head_scales, long scale_block
 }
 
 /* One row's `group` query heads q[gi * d] over one KV head (k, v: its first key and value) -> out[gi * d];
- * sc: NULL for a float cache, else the 8-bit cache's scales, advanced to the head's. */
+ * sc: NULL for a float cache, else the 8-bit cache's scales, advanced to the head's. The heads go
+ * GROUP_MAX at a time through the keys and the values (each row widened once for them); between,
+ * each head's scores are scaled, masked and exponentiated on their own, as one head's would be. */
 static void attend_head(const float *q, long group, long d, const kv_t *k, const kv_t *v, const struct kv_scales *sc, const struct paged_rows *g,
                         const long *table, long start, long length, long pos_stride, const unsigned char *m, float scale, float *out, float *scratch) {
-    for (long gi = 0; gi < group; gi++) {
-        float *s = scratch + gi * length, top = -INFINITY;
-        scores(q + gi * d, k, g, table, start, length, pos_stride, d, s);
-        if (sc)
-            scale_positions(s, sc->keys, sc->block_stride, g, table, start, length);
-        for (long t = 0; t < length; t++) {
-            s[t] = (!m || m[t]) ? s[t] * scale : -INFINITY;
-            top = s[t] > top ? s[t] : top;
+    for (long first = 0; first < group; first += GROUP_MAX) {
+        long nh = group - first < GROUP_MAX ? group - first : GROUP_MAX;
+        float sums[GROUP_MAX];
+        BY_HEADS(nh, scores, q + first * d, k, g, table, start, length, pos_stride, d, scratch)
+        for (long h = 0; h < nh; h++) {
+            float *s = scratch + h * length, top = -INFINITY;
+            if (sc)
+                scale_positions(s, sc->keys, sc->block_stride, g, table, start, length);
+            for (long t = 0; t < length; t++) {
+                s[t] = (!m || m[t]) ? s[t] * scale : -INFINITY;
+                top = s[t] > top ? s[t] : top;
+            }
+            sums[h] = exp_shifted(s, length, top);
+            if (sc) /* after the sum: it normalizes the weights alone */
+                scale_positions(s, sc->values, sc->block_stride, g, table, start, length);
         }
-        float sum = exp_shifted(s, length, top);
-        if (sc) /* after the sum: it normalizes the weights alone */
-            scale_positions(s, sc->values, sc->block_stride, g, table, start, length);
-        weighted_values(s, v, g, table, start, length, pos_stride, d, sum, out + gi * d);
+        BY_HEADS(nh, weighted_values, scratch, v, g, table, start, length, pos_stride, d, sums, out + first * d)
     }
 }
 
