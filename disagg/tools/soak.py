@@ -125,8 +125,15 @@ class Reference:
     def greedy(self, prompt: str, n: int, longest: int) -> list[int]:
         if prompt not in self._cache:
             ids = self.tokenizer(prompt)["input_ids"]
-            with self.torch.no_grad():
-                out = self.model.generate(self.torch.tensor([ids]), max_new_tokens=longest, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
+            # One torch thread: a small model's products gain nothing from more, and with the cores busy (the
+            # cluster's workers, other processes) a second OpenMP thread made each generate() 6-40x slower.
+            threads = self.torch.get_num_threads()
+            self.torch.set_num_threads(1)
+            try:
+                with self.torch.no_grad():
+                    out = self.model.generate(self.torch.tensor([ids]), max_new_tokens=longest, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
+            finally:
+                self.torch.set_num_threads(threads)
             self._cache[prompt] = out[0, len(ids) :].tolist()
         return self._cache[prompt][:n]
 
