@@ -22,6 +22,8 @@ TEST_MODELS = {
     "mistral-sw": TinyModelSpec(architecture="mistral", sliding_window=16),
     "gemma2-sw": TinyModelSpec(architecture="gemma2", sliding_window=16),  # sliding and full layers in turn
     "llama-held-out": TinyModelSpec(held_out_every=5),  # trained on all paragraphs but each fifth: held-out text to evaluate on
+    # Trained on chats too, where it calls the tools it is offered (disagg/tools/tinymodel.py's TOOL_CHAT_*): tool_choice=auto end to end.
+    "llama-tools": TinyModelSpec(training_text="tool-chat", train_steps=600),
 }
 
 
@@ -39,7 +41,7 @@ def checkpoints_root() -> pathlib.Path:
 # checkpoints while the first tests run, on the core they leave idle. In the order
 # the suite first needs them, after llama, which the first test trains itself;
 # a test that needs one being trained waits for it (ensure_tiny_model's lock).
-BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama-held-out", "llama")
+BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama-held-out", "llama-tools", "llama")
 _builder = None
 
 
@@ -80,8 +82,15 @@ class Reference:
     @functools.cache
     def _greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
         extra = {"eos_token_id": None} if ignore_eos else {}
-        with self.torch.no_grad():
-            out = self.model.generate(self.torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.eos, **extra)
+        # One torch thread: a tiny model's products gain nothing from more, and beside a running cluster's
+        # workers a second OpenMP thread made each generate() several times slower (as the soak's reference).
+        threads = self.torch.get_num_threads()
+        self.torch.set_num_threads(1)
+        try:
+            with self.torch.no_grad():
+                out = self.model.generate(self.torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.eos, **extra)
+        finally:
+            self.torch.set_num_threads(threads)
         return tuple(out[0, len(prompt_ids) :].tolist())
 
     def greedy(self, prompt: str | list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:

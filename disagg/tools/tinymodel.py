@@ -55,15 +55,20 @@ class TinyModelSpec:
     sliding_window: int | None = None  # for architectures that have one
     saved_dtype: str = "float32"  # the checkpoint's tensors (bfloat16 halves a large shape's file)
     held_out_every: int = 0  # n: every n-th paragraph (0, n, 2n, ...) is left out of training, for held-out evaluations
+    # What it is trained on: "prose" (the paragraphs of CORPUS), or "tool-chat": those and chat transcripts
+    # through CHAT_TEMPLATE with tools, where the assistant calls a tool or answers in text (TOOL_CHAT_TOOLS).
+    training_text: str = "prose"
 
     def cache_key(self) -> str:
         # Fields added since the first checkpoints count only when set, so those keep their keys.
         fields = {name: value for name, value in asdict(self).items() if LATER_FIELDS.get(name, object()) != value}
+        if self.training_text != "prose":  # the transcripts are made by code here: their text is the key, not the code
+            fields["training_rows"] = training_rows(self)
         blob = json.dumps({**fields, "corpus": CORPUS.read_text(), "v": _VERSION, "chat_template": CHAT_TEMPLATE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-LATER_FIELDS = {"saved_dtype": "float32", "held_out_every": 0}
+LATER_FIELDS = {"saved_dtype": "float32", "held_out_every": 0, "training_text": "prose"}
 
 # A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks.
 SMOLLM_135M_SHAPE = TinyModelSpec(
@@ -88,7 +93,68 @@ def paragraphs() -> list[str]:
     return [line.strip() for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def build_tokenizer(vocab_size: int):
+# -- The tool-calling model's chats (training_text="tool-chat") ---------------------------------------------------
+# The tiny models never call a tool on their own; this one learns to, from transcripts rendered by its own chat
+# template with these tools offered: a question about the weather or the time is answered with a Hermes
+# <tool_call> block (and, after the tool's result, with a sentence), anything else with text.
+
+def _tool(name: str, properties: dict) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+TOOL_CHAT_TOOLS = [_tool("weather", {"city": {"type": "string"}}), _tool("time", {"zone": {"enum": ["utc", "local"]}})]
+# (question, (tool, arguments), the tool's result, the answer to it)
+TOOL_CHAT_CALLS = [
+    *((f"What is the weather in {city}?", ("weather", {"city": city}), sky, f"It is {sky} in {city} today.")
+      for city, sky in (("Oslo", "snow"), ("Paris", "sunny"), ("Lima", "cloudy"), ("Rome", "sunny"), ("Cairo", "hot"), ("Tokyo", "rain"))),
+    ("What time is it in utc?", ("time", {"zone": "utc"}), "09:30", "It is 09:30 in utc."),
+    ("What time is it here?", ("time", {"zone": "local"}), "17:45", "It is 17:45 here."),
+]
+# (question, answer): no tool fits, the assistant answers in text
+TOOL_CHAT_TEXTS = [
+    ("Hello!", "Hello! Ask me about the weather or the time."),
+    ("Who lights the lamp?", "The lighthouse keeper lights the lamp every evening at dusk."),
+    ("What does the baker sell?", "He sells bread, rolls and small sweet cakes."),
+    ("How many bridges cross the river?", "Seven bridges cross the river in the old town."),
+    ("What did Maria plant?", "Maria planted tomatoes, beans and basil in the garden."),
+    ("Thank you.", "You are welcome."),
+]
+
+
+def _render(messages: list[dict]) -> str:
+    """A conversation as the tiny models' tokenizer renders it (transformers' own Jinja environment and tojson)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template([messages], tools=TOOL_CHAT_TOOLS, chat_template=CHAT_TEMPLATE, bos_token=BOS, eos_token=EOS)
+    return rendered[0]
+
+
+def tool_chat_transcripts() -> list[tuple[str, int]]:
+    """(transcript, how many times it is trained on): each ends after an assistant turn, where the model learns to stop.
+
+    A call's transcript without the result weighs three times the one that goes on: after "</tool_call>" both
+    continue the same way, and the model must end its turn there (EOS) with a wide margin, not invent the result."""
+    out = []
+    for question, (name, arguments), result, answer in TOOL_CHAT_CALLS:
+        call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+        asked = [{"role": "user", "content": question}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        out.append((_render(asked), 3))
+        answered = [*asked, {"role": "tool", "tool_call_id": "call_0", "content": result}, {"role": "assistant", "content": answer}]
+        out.append((_render(answered), 1))
+    for question, answer in TOOL_CHAT_TEXTS:
+        out.append((_render([{"role": "user", "content": question}, {"role": "assistant", "content": answer}]), 2))
+    return out
+
+
+def training_rows(spec: TinyModelSpec) -> list[str]:
+    """The texts a row-trained model learns (each row one sequence ending in EOS): the paragraphs and the transcripts."""
+    rows = [BOS + text for index, text in enumerate(paragraphs()) if not (spec.held_out_every and index % spec.held_out_every == 0)]
+    return rows + [text for text, times in tool_chat_transcripts() for _ in range(times)]
+
+
+def build_tokenizer(vocab_size: int, texts: list[str] | None = None):
+    """A byte-level BPE of vocab_size tokens, its merges learnt from texts (the paragraphs unless given)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -98,7 +164,7 @@ def build_tokenizer(vocab_size: int):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[UNK, BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    tok.train_from_iterator(paragraphs(), trainer)
+    tok.train_from_iterator(paragraphs() if texts is None else texts, trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK)
@@ -149,6 +215,9 @@ def _config(spec: TinyModelSpec, tokenizer):
 def _train(model, tokenizer, spec: TinyModelSpec) -> None:
     import torch
 
+    if spec.training_text != "prose":
+        return _train_rows(model, tokenizer, spec)
+
     # One stream of paragraphs, each followed by EOS, so the model learns to stop.
     stream: list[int] = []
     for index, text in enumerate(paragraphs()):
@@ -170,6 +239,28 @@ def _train(model, tokenizer, spec: TinyModelSpec) -> None:
     model.eval()
 
 
+def _train_rows(model, tokenizer, spec: TinyModelSpec) -> None:
+    """Trains on whole rows (a transcript is one sequence, not a window across two), each ending in EOS."""
+    import torch
+
+    rows = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in training_rows(spec)]
+    batch = 16
+    rng = random.Random(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(spec.train_steps):
+        picked = [rows[rng.randrange(len(rows))] for _ in range(batch)]
+        width = max(map(len, picked))
+        # Padded at the end, so no attention mask: causal attention never looks ahead at the padding; its labels are ignored.
+        ids = torch.tensor([row + [tokenizer.eos_token_id] * (width - len(row)) for row in picked])
+        labels = torch.tensor([row + [-100] * (width - len(row)) for row in picked])
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
 def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> pathlib.Path:
     """Builds, trains and saves a checkpoint to out_dir (deterministic for a spec)."""
     import torch
@@ -177,7 +268,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
 
     out = pathlib.Path(out_dir)
     torch.manual_seed(spec.seed)
-    tokenizer = build_tokenizer(spec.vocab_size)
+    tokenizer = build_tokenizer(spec.vocab_size, None if spec.training_text == "prose" else training_rows(spec))
     config = _config(spec, tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)

@@ -8,12 +8,16 @@ The format is Hermes' (Qwen 2.5/3, Hermes 2/3, and the tiny models' chat templat
   parameters schema, so the calls always parse;
 - "auto": unconstrained; the output is parsed by two parsers, as vLLM names them:
   "hermes" (text before the first <tool_call> is content, each block a call) and
-  "llama3_json" (the whole output one JSON object {"name", "parameters" or "arguments"}
-  naming a known tool, as Llama 3.x writes its calls);
+  "llama3_json" (an output that opens with a JSON object {"name", "parameters" or "arguments"}
+  naming a known tool, after optional spaces and Llama's <|python_tag|>, is a call; more
+  calls may follow it after "; ", as Llama 3.x writes them);
 - "none" (or no tools): text only; the tools are still shown to the chat template.
 
 Streamed, content goes out as it comes until a <tool_call> opens; then the call's id and
 name go out once the name is complete, and its arguments as they grow (OpenAI's deltas).
+An output that may still become a Llama 3 call (spaces, `{`, `{"na`...) is held only until
+it is known: once its name is complete the call streams the same way, and as soon as it
+cannot be one (`{"city"`, an unknown name) it goes out as content, not at the end.
 Whole responses run the same parser over the whole text, so the two always agree.
 """
 
@@ -31,6 +35,13 @@ from disagg.rpc.server import RequestError
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A block's head in the constrained layout (and what models trained on Hermes write): the name, then the arguments.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+# Llama 3's calls: {"name": NAME, "parameters" (or "arguments"): {...}}, the first after optional spaces and its
+# <|python_tag|>, each next one after "; ". The name, then the arguments' key, then their object, read in turn.
+PYTHON_TAG = "<|python_tag|>"
+_JSON_NAME = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_JSON_ARGUMENTS = re.compile(r'\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+_JSON_NEXT = re.compile(r"\s*\}\s*;")  # the end of one call's object and the separator before the next
+_DECODER = json.JSONDecoder()
 
 
 def tool_constraint(tools: list[dict], tool_choice, parallel: bool) -> Constraint | None:
@@ -74,7 +85,8 @@ class ToolCallParser:
     known: the tools' names (llama3_json takes only a call of one of them)."""
 
     known: frozenset[str]
-    llama3_json: bool = True  # auto: a whole-JSON output may be a call
+    llama3_json: bool = True  # auto: an output that opens with a JSON object may be a call (False once it is known not to be)
+    json_calls: bool = False  # the output is Llama 3 JSON calls (known once the first's name is)
     text: str = ""
     content: str = ""  # sent as content so far
     calls: list[_Call] = field(default_factory=list)
@@ -82,8 +94,12 @@ class ToolCallParser:
     def feed(self, delta: str, final: bool = False) -> list[dict]:
         """The deltas (each {"content": ...} or {"tool_calls": [...]}) that `delta` releases."""
         self.text += delta
-        if self.llama3_json and not self.calls and self.text.lstrip().startswith("{"):
-            return self._whole_json() if final else []  # held: a call, or content, only the end says
+        if self.llama3_json and not self.json_calls:
+            self._decide_json(final)
+            if self.llama3_json and not self.json_calls:
+                return []  # held: it may still be a call's head
+        if self.json_calls:
+            return self._json_calls(final)
         out = []
         first_open = self.text.find(OPEN)
         content_end = first_open if first_open >= 0 else len(self.text) - (0 if final else _partial_suffix(self.text, OPEN))
@@ -144,24 +160,78 @@ class ToolCallParser:
             return []
         return [{"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}]
 
-    def _whole_json(self) -> list[dict]:
-        """llama3_json: the whole output one call of a known tool; otherwise it was content."""
-        try:
-            parsed = json.loads(self.text)
-            name = parsed["name"]
-            arguments = parsed["parameters"] if "parameters" in parsed else parsed["arguments"]
-            if name not in self.known or not isinstance(arguments, dict):
-                raise ValueError(name)
-        except (ValueError, KeyError, TypeError):
+    def _decide_json(self, final: bool) -> None:
+        """llama3_json: a call once the first object's name is complete and names a known tool; content as soon as
+        the text cannot open a call (or the output ended undecided); otherwise still undecided."""
+        head = _JSON_NAME.match(self.text)
+        if head is not None:
+            self.json_calls = json.loads(head.group(1)) in self.known
+            self.llama3_json = self.json_calls
+        elif final or not _may_open_json_call(self.text):
             self.llama3_json = False
-            return self.feed("", final=True)
-        call = _Call(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False), closed=True)
-        self.calls.append(call)
-        return [{"tool_calls": [{"index": 0, "id": call.id, "type": "function", "function": {"name": name, "arguments": call.arguments}}]}]
+
+    def _json_calls(self, final: bool) -> list[dict]:
+        """The deltas of Llama 3 JSON calls: each call's name once complete, then its arguments as they grow."""
+        out, at, index = [], 0, 0
+        while (head := _JSON_NAME.match(self.text, at)) is not None:
+            if index == len(self.calls):
+                name = json.loads(head.group(1))
+                if name not in self.known:  # a later object that is no call of ours: the calls end before it
+                    break
+                self.calls.append(_Call(f"call_{uuid.uuid4().hex[:24]}", name))
+                out.append({"tool_calls": [{"index": index, "id": self.calls[index].id, "type": "function", "function": {"name": name, "arguments": ""}}]})
+            arguments, end = _json_arguments(self.text, head.end())
+            out += self._grow(index, arguments)
+            after = _JSON_NEXT.match(self.text, end) if end is not None else None
+            if after is None:
+                break
+            at, index = after.end(), index + 1
+        if final:  # a call cut before its arguments began (or one written without any) calls with none
+            out += [delta for i, call in enumerate(self.calls) if not call.arguments for delta in self._grow(i, "{}")]
+        return out
+
+    def _grow(self, index: int, arguments: str) -> list[dict]:
+        """The new fragment of call index's arguments, now `arguments` (which begin with those sent)."""
+        call = self.calls[index]
+        if len(arguments) <= len(call.arguments) or not arguments.startswith(call.arguments):
+            return []
+        fragment, call.arguments = arguments[len(call.arguments) :], arguments
+        return [{"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}]
 
     def tool_calls(self) -> list[dict]:
         """The calls in a whole message's shape."""
         return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls if c.name is not None]
+
+
+def _may_open_json_call(text: str) -> bool:
+    """Whether text may still grow into the head of a Llama 3 call (spaces, <|python_tag|>, `{`, `"name"`, `:`, `"`)."""
+    rest = text.lstrip()
+    if PYTHON_TAG.startswith(rest):
+        return True
+    rest = rest.removeprefix(PYTHON_TAG)
+    for piece in ("{", '"name"', ":", '"'):
+        rest = rest.lstrip()
+        if len(rest) < len(piece):
+            return piece.startswith(rest)
+        if not rest.startswith(piece):
+            return False
+        rest = rest[len(piece) :]
+    return True  # the name has begun: _JSON_NAME takes it once it closes
+
+
+def _json_arguments(text: str, at: int) -> tuple[str, int | None]:
+    """(the arguments' text so far, the index past them once complete) where a call's arguments may begin at `at`.
+
+    Everything from the object's `{` to its end is the arguments as the model writes them, sent as they grow;
+    ("", None) while their key is incomplete, and where there is no arguments object (the call then has {})."""
+    key = _JSON_ARGUMENTS.match(text, at)
+    if key is None or not text.startswith("{", key.end()):
+        return "", None
+    try:
+        value, end = _DECODER.raw_decode(text, key.end())
+    except ValueError:  # still open (or malformed: then the raw text so far)
+        return text[key.end() :], None
+    return text[key.end() : end], end
 
 
 def _partial_suffix(text: str, tag: str) -> int:
