@@ -22,6 +22,7 @@ from disagg.engine.cache_dir import cache_dir
 CORPUS = pathlib.Path(__file__).parents[1] / "data" / "corpus.txt"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 _VERSION = 2  # bump when the recipe changes, so cached models are remade
+PLACEHOLDER_MIN_VOCAB = 4096  # a larger vocabulary than the local text's merges fill gets placeholder entries
 # A plain chat template, so the chat APIs (messages) run on the tiny models too. With tools it
 # writes them into a system line and renders tool calls and tool results in Hermes' format
 # (<tool_call>{"name": ..., "arguments": ...}</tool_call>), which the router parses back.
@@ -64,6 +65,8 @@ class TinyModelSpec:
         fields = {name: value for name, value in asdict(self).items() if LATER_FIELDS.get(name, object()) != value}
         if self.training_text != "prose":  # the transcripts are made by code here: their text is the key, not the code
             fields["training_rows"] = training_rows(self)
+        if self.vocab_size > PLACEHOLDER_MIN_VOCAB:  # since 2026-11-27 its placeholders are vocabulary entries, not added tokens
+            fields["placeholders"] = "vocabulary"
         blob = json.dumps({**fields, "corpus": CORPUS.read_text(), "v": _VERSION, "chat_template": CHAT_TEMPLATE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -165,16 +168,27 @@ def build_tokenizer(vocab_size: int, texts: list[str] | None = None):
         vocab_size=vocab_size, special_tokens=[UNK, BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(paragraphs() if texts is None else texts, trainer)
+    if vocab_size > PLACEHOLDER_MIN_VOCAB:
+        tok = with_placeholders(tok, vocab_size)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK)
     fast.chat_template = CHAT_TEMPLATE
-    # The local text has fewer merges than a large vocabulary: fill it up with
-    # placeholder tokens, so every id the model can emit decodes.
-    missing = vocab_size - len(fast)
-    if missing > 0 and vocab_size > 4096:
-        fast.add_tokens([f"<extra_{i}>" for i in range(missing)])
     return fast
+
+
+def with_placeholders(tok, vocab_size: int):
+    """The local text has fewer merges than a large vocabulary: the vocabulary is filled up with
+    placeholder entries, so every id the model can emit decodes. As entries of the BPE vocabulary
+    (no merge makes them), as a real tokenizer's tokens are, not as added tokens: 127k added tokens
+    made llguidance's tokenizer take 152 s to build for the Llama-3.2-1B shape (5.7 s for SmolLM's)."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for i in range(vocab_size - len(vocab) - len(spec["added_tokens"]) + sum(a["content"] in vocab for a in spec["added_tokens"])):
+        vocab[f"<extra_{i}>"] = len(vocab)
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 # The spec's sizes under the names each architecture's config uses; a name the
