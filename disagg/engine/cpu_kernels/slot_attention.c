@@ -214,6 +214,21 @@ static inline long run_at(const struct paged_rows *g, const long *table, long p,
     return run < left ? run : left;
 }
 
+/* Asks for the next block's positions (the run after the one at t + run) before this one is read.
+ * A row's blocks lie wherever the pool had room: under load, sequences growing side by side take
+ * blocks in turn, so a row's next block is far from its last, and the CPU's prefetchers, which
+ * follow a stream, lose it at every block's end. Measured on the Llama-3.2-1B shape, 8 rows of
+ * 1,024 positions in blocks of 16: the step took 1.35x the slot layout's without this. */
+INLINE void prefetch_next_run(const struct paged_rows *g, const long *table, const kv_t *base, long next, long left, long pos_stride, long d) {
+    if (left <= 0)
+        return;
+    long at, run = run_at(g, table, next, left, &at);
+    const char *first = (const char *)(base + at * pos_stride);
+    const char *end = (const char *)(base + (at + run - 1) * pos_stride + d);
+    for (const char *line = first; line < end; line += 64)
+        _mm_prefetch(line, _MM_HINT_T0);
+}
+
 /* acc[h] (and acc[GROUP_MAX + h] where wide) += p_h[t] v[t][i, i + 8 or 16) for the position
  * at offset t of p_h = p + h * length, whose value row starts at vt, for heads h < nh; a head
  * whose weight is 0 is skipped (a masked position's value is never read into its sums, NaN
@@ -249,6 +264,8 @@ INLINE void weighted_columns(const float *p, long nh, const kv_t *v, const struc
     for (long t = 0, at, run; t < length; t += run) {
         run = run_at(g, table, start + t, length - t, &at);
         const kv_t *vt = v + at * pos_stride + i;
+        if (i == 0 && run < length)  /* the first columns' pass reads each block first; the later ones find it cached */
+            prefetch_next_run(g, table, v, start + t + run, length - t - run, pos_stride, d);
         long j = 0;
         for (; j + 8 <= run; j += 8) {
             __m256 any = _mm256_setzero_ps(), all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
@@ -303,6 +320,8 @@ INLINE void scores_heads(const float *q, long nh, const kv_t *k, const struct pa
     for (long t = 0, at, run; t < length; t += run) {
         run = run_at(g, table, start + t, length - t, &at);
         const kv_t *kt = k + at * pos_stride;
+        if (run < length)
+            prefetch_next_run(g, table, k, start + t + run, length - t - run, pos_stride, d);
         long j = 0;
         for (; j + 4 <= run; j += 4)
             dot4_heads(q, nh, d, kt + j * pos_stride, pos_stride, s + t + j, length);
