@@ -122,12 +122,30 @@ def test_a_decode_worker_killed_mid_stream_moves_the_request_with_no_token_lost(
         assert client.complete("The cat", max_new_tokens=5).token_ids == llama_ref.greedy("The cat", 5)
 
 
+def decode_tokens(cluster) -> dict[str, float]:
+    return {name: decode_metric(cluster.process(name), "disagg_decode_tokens_total") for name in ("decode-0", "decode-1")}
+
+
+def worker_whose_tokens_moved(cluster, before: dict[str, float]) -> str:
+    """Polled: the metric is counted beside the tokens' publishing, not necessarily before it."""
+
+    def moved():
+        names = [name for name, count in decode_tokens(cluster).items() if count > before[name]]
+        return names[0] if len(names) == 1 else None
+
+    return wait_for(moved, within=10.0, what="one decode worker's token count moving")
+
+
 def test_sigterm_on_a_decode_worker_drains_it_and_new_requests_go_elsewhere(cluster, llama_ref):
     expected = llama_ref.greedy(LONG_PROMPT, 300, ignore_eos=True)
+    before = decode_tokens(cluster)
     with Client(cluster.router_address, timeout=120) as client:
         stream = client.generate(LONG_PROMPT, max_new_tokens=300, ignore_eos=True)
         received = [t for _, chunk in zip(range(5), stream) for t in chunk.token_ids]
-        draining = active_decode_worker(cluster)
+        # The worker whose token count moved: asking which one runs the request now races a fast
+        # host's stream to its end (300 tiny-model tokens take well under a second). The drain is
+        # then of that worker, with the stream running or just done: it must not be cut either way.
+        draining = worker_whose_tokens_moved(cluster, before)
         cluster.signal(draining, signal.SIGTERM)
         wait_not_serving(cluster.process(draining).address)
         # New requests are served by the other worker while this one drains.
