@@ -20,7 +20,15 @@ import grpc
 from disagg.engine.backends import Backend
 from disagg.engine.constraints.compiler import model_compiler
 from disagg.engine.constraints.rows import RowMatcher
-from disagg.engine.faults import TEST_FAIL_DECODE_STEP, TEST_FAIL_KV_WRITE, DeviceLost, describe, with_injected_faults
+from disagg.engine.faults import (
+    TEST_FAIL_DECODE_STEP,
+    TEST_FAIL_KV_WRITE,
+    TEST_HOLD_DECODE_STEP,
+    DeviceLost,
+    describe,
+    with_injected_faults,
+    with_injected_hold,
+)
 from disagg.engine.kv_blocks import BlockPool, block_hashes, blocks_for, cache_salt
 from disagg.engine.quantization.kv_cache import code_dtype, kv_bytes
 from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
@@ -87,6 +95,7 @@ class DecodeWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failure: str | None = None  # why the device stopped being trusted; the process then exits non-zero
         step = with_injected_faults(backend.decode_step, TEST_FAIL_DECODE_STEP)  # read once, here; unset: the backend's step
+        step = with_injected_hold(step, TEST_HOLD_DECODE_STEP)  # likewise
         self._write_kv = with_injected_faults(backend.write_kv, TEST_FAIL_KV_WRITE)  # likewise: the backend's write_kv
         self.decode_loop = DecodeLoop(
             backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics,

@@ -15,12 +15,16 @@ from polling import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.clients.grpc_client import Client
+from disagg.engine.faults import TEST_HOLD_DECODE_STEP
 from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
 LONG_PROMPT = "The ship's captain looked at the stars"
 # Two whole KV blocks and more: a second stream of it reads the first one's cached blocks.
 SHARED_PROMPT = LONG_PROMPT + " on a cold night far from the harbour, counting the hours until dawn, the first gulls and the smell of bread"
+
+
+HELD_AFTER_STEPS = 20  # held_cluster: each decode worker's steps after this many wait for the release file
 
 
 @pytest.fixture
@@ -30,6 +34,29 @@ def cluster(cluster_logs, request):
     cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4, http_port=0, router_args=wait)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def held_cluster(cluster_logs, request, tmp_path, monkeypatch):
+    """The cluster above, its decode workers' steps after HELD_AFTER_STEPS held until
+    the returned path exists (faults.TEST_HOLD_DECODE_STEP): a stream the test acts on
+    is certainly still running then, however fast the host (300 tiny-model tokens take
+    well under a second on a fast one)."""
+    release = tmp_path / "release-decode-steps"
+    monkeypatch.setenv(TEST_HOLD_DECODE_STEP, f"after={HELD_AFTER_STEPS},until={release}")
+    wait = ["--worker-wait-seconds", "1"]
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4, http_port=0, router_args=wait)
+    yield cluster, release
+    release.touch()
+    cluster.stop()
+
+
+def first_tokens(stream, count: int) -> list[int]:
+    """At least count tokens' chunks read (a slow reader's chunks are merged, so chunks != tokens)."""
+    tokens: list[int] = []
+    while len(tokens) < count:
+        tokens += next(stream).token_ids
+    return tokens
 
 
 def decode_metric(process, name: str) -> float:
@@ -90,18 +117,21 @@ def test_a_prefill_worker_killed_during_prefill_is_retried_elsewhere(cluster, ll
     assert_nothing_held(cluster)  # every live worker: both decode workers and nothing queued
 
 
-def test_a_decode_worker_killed_mid_stream_moves_the_request_with_no_token_lost(cluster, llama_ref):
+def test_a_decode_worker_killed_mid_stream_moves_the_request_with_no_token_lost(held_cluster, llama_ref):
     """Two streams of one prompt on one decode worker, the second reading the first's cached
     blocks, when the worker is killed: both move, and neither loses or repeats a token."""
+    cluster, release = held_cluster
     expected = llama_ref.greedy(SHARED_PROMPT, 300, ignore_eos=True)
     with Client(cluster.router_address, timeout=120) as client:
         stream = client.generate(SHARED_PROMPT, max_new_tokens=300, ignore_eos=True)
-        received = [t for _, chunk in zip(range(10), stream) for t in chunk.token_ids]
+        received = first_tokens(stream, 5)
         sharing = client.generate(SHARED_PROMPT, max_new_tokens=300, ignore_eos=True)  # routed where the prompt's blocks are
-        received_sharing = [t for _, chunk in zip(range(3), sharing) for t in chunk.token_ids]
-        victim = active_decode_worker(cluster)
+        received_sharing = first_tokens(sharing, 1)  # the prefill's token: the held steps do not stop it
+        victim = active_decode_worker(cluster)  # held after HELD_AFTER_STEPS steps: still running
         assert decode_metric(cluster.process(victim), "disagg_decode_prefix_hit_tokens_total") > 0  # the blocks are shared
         cluster.signal(victim, signal.SIGKILL)
+        cluster.process(victim).popen.wait()
+        release.touch()  # the survivor's steps run freely from here
         rest = list(stream)
         tokens = received + [t for chunk in rest for t in chunk.token_ids]
         assert tokens == expected  # nothing lost, nothing repeated
@@ -122,34 +152,19 @@ def test_a_decode_worker_killed_mid_stream_moves_the_request_with_no_token_lost(
         assert client.complete("The cat", max_new_tokens=5).token_ids == llama_ref.greedy("The cat", 5)
 
 
-def decode_tokens(cluster) -> dict[str, float]:
-    return {name: decode_metric(cluster.process(name), "disagg_decode_tokens_total") for name in ("decode-0", "decode-1")}
-
-
-def worker_whose_tokens_moved(cluster, before: dict[str, float]) -> str:
-    """Polled: the metric is counted beside the tokens' publishing, not necessarily before it."""
-
-    def moved():
-        names = [name for name, count in decode_tokens(cluster).items() if count > before[name]]
-        return names[0] if len(names) == 1 else None
-
-    return wait_for(moved, within=10.0, what="one decode worker's token count moving")
-
-
-def test_sigterm_on_a_decode_worker_drains_it_and_new_requests_go_elsewhere(cluster, llama_ref):
+def test_sigterm_on_a_decode_worker_drains_it_and_new_requests_go_elsewhere(held_cluster, llama_ref):
+    cluster, release = held_cluster
     expected = llama_ref.greedy(LONG_PROMPT, 300, ignore_eos=True)
-    before = decode_tokens(cluster)
     with Client(cluster.router_address, timeout=120) as client:
         stream = client.generate(LONG_PROMPT, max_new_tokens=300, ignore_eos=True)
-        received = [t for _, chunk in zip(range(5), stream) for t in chunk.token_ids]
-        # The worker whose token count moved: asking which one runs the request now races a fast
-        # host's stream to its end (300 tiny-model tokens take well under a second). The drain is
-        # then of that worker, with the stream running or just done: it must not be cut either way.
-        draining = worker_whose_tokens_moved(cluster, before)
+        received = first_tokens(stream, 5)
+        draining = active_decode_worker(cluster)  # held after HELD_AFTER_STEPS steps: still running
         cluster.signal(draining, signal.SIGTERM)
         wait_not_serving(cluster.process(draining).address)
-        # New requests are served by the other worker while this one drains.
+        # New requests are served by the other worker while this one drains (5 tokens: under its hold).
         assert client.complete("The cat", max_new_tokens=5).token_ids == llama_ref.greedy("The cat", 5)
+        assert cluster.process(draining).popen.poll() is None  # the drain waits for the held stream
+        release.touch()
         tokens = received + [t for chunk in stream for t in chunk.token_ids]
     assert tokens == expected  # the stream in flight was not cut
     assert cluster.process(draining).popen.wait(timeout=30) == 0

@@ -12,6 +12,9 @@ tests that prove the above through real processes; DISAGG_TEST_FAIL_KV_WRITE doe
 the same to the decode worker's copies of received KV into its cache (write_kv).
 DISAGG_TEST_HOLD_KV_SEND=PATH makes a prefill worker's gRPC KV send stop after its
 first piece until PATH exists, so a test can kill it mid-transfer.
+DISAGG_TEST_HOLD_DECODE_STEP="after=N,until=PATH" makes a decode worker's steps after
+its Nth wait (on the step's own thread) until PATH exists: a test can then act on a
+stream that is certainly still running, however fast the host.
 They are read once when the worker starts; unset, the step is the backend's own
 function, untouched.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import time
 from dataclasses import dataclass
 
 FAILURES_BEFORE_EXIT = 3  # consecutive failing steps that end the worker
@@ -29,6 +33,8 @@ TEST_FAIL_DECODE_STEP = "DISAGG_TEST_FAIL_DECODE_STEP"
 TEST_FAIL_PREFILL_STEP = "DISAGG_TEST_FAIL_PREFILL_STEP"
 TEST_FAIL_KV_WRITE = "DISAGG_TEST_FAIL_KV_WRITE"
 TEST_HOLD_KV_SEND = "DISAGG_TEST_HOLD_KV_SEND"
+TEST_HOLD_DECODE_STEP = "DISAGG_TEST_HOLD_DECODE_STEP"
+HOLD_POLL_SECONDS = 0.01
 
 
 class DeviceLost(RuntimeError):
@@ -120,3 +126,26 @@ def injected_hold(variable: str, environ=os.environ):
             await asyncio.sleep(0.01)
 
     return hold
+
+
+def with_injected_hold(step, variable: str, environ=os.environ):
+    """step itself unless the test-only variable is set ("after=N,until=PATH"); then
+    steps after the Nth wait, on the caller's thread, until PATH exists."""
+    text = environ.get(variable)
+    if not text:
+        return step
+    fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    if set(fields) != {"after", "until"} or not fields["after"].isdigit():
+        raise ValueError(f"{variable}={text!r}: expected after=N,until=PATH")
+    after, path = int(fields["after"]), fields["until"]
+    steps = 0
+
+    @functools.wraps(step)
+    def held_step(*args, **kwargs):
+        nonlocal steps
+        steps += 1
+        while steps > after and not os.path.exists(path):
+            time.sleep(HOLD_POLL_SECONDS)
+        return step(*args, **kwargs)
+
+    return held_step
