@@ -53,7 +53,10 @@ def parse_config(argv=None) -> DecodeWorkerConfig:
 
 
 def main(argv=None) -> None:
-    config = parse_config(argv)  # a bad flag refuses before the server's modules (torch, the engine) are imported: seconds sooner
+    try:
+        config = parse_config(argv)  # a bad flag refuses before the server's modules (torch, the engine) are imported: seconds sooner
+    except ValueError as exc:  # a setting out of range or a combination not served: one line, no traceback
+        raise SystemExit(f"decode_worker: {exc}") from None
     from .grpc_edge import serve
 
     run_worker("decode_worker", serve, config)

@@ -23,6 +23,7 @@ class DecodeWorkerConfig(WorkerConfig):
     num_blocks: int = 0  # settled at load (size_slots): blocks in the cache; 0: a slot of max_seq_len positions per sequence
 
     def __post_init__(self):
+        super().__post_init__()
         if self.batch_size < 0:
             raise ValueError("--batch-size must be at least 1 (or 0: sized from --kv-cache-gib)")
         if self.kv_cache_gib <= 0:

@@ -33,6 +33,12 @@ matchers by the step's input tokens and fills one bitmask for the batch (on an
 accelerator on the mask thread, while the model computes the logits); the sampler
 applies it (disagg/engine/constraints/rows.py). Unconstrained rows share the step unmasked.
 
+A speculating row (Sequence.speculation, disagg/engine/speculation) takes its guesses
+into the step as rows of its own, after its input token, over its own block table;
+the step's tokens it keeps follow its newest token, so a step with guesses is
+processed before the next is built (async mode pauses while rows guess; a row whose
+guesses keep missing rests, and the loop runs ahead again).
+
 Nothing here runs on the gRPC event loop: the loop has its own thread and the
 model runs on a single device thread.
 """
@@ -55,6 +61,8 @@ from disagg.engine.constraints.rows import RowMatcher, step_bitmask
 from disagg.engine.faults import FailureStreak, describe
 from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs, token_finish
 from disagg.engine.sampler import SampleOutput, params_row
+from disagg.engine.speculation import SpeculationConfig
+from disagg.engine.speculation.rows import RowSpeculation
 from disagg.engine.threads import pin_this_thread
 from disagg.rpc.metrics import DecodeMetrics
 
@@ -73,6 +81,7 @@ class Sequence:
     context_ids: tuple[int, ...] = ()  # the prompt_len ids behind the KV, when a penalty needs them
     table: tuple[int, ...] = ()  # its block table, where the backend pages its KV (else its slot is its KV)
     matcher: RowMatcher | None = None  # its constraint's matcher, having consumed the tokens before first_token
+    speculation: RowSpeculation | None = None  # its proposer, where it speculates
     generated: int = 1  # tokens the host has seen, the first one included
     scheduled: int = 1  # tokens seen plus tokens being computed
     in_flight: int = 0  # steps submitted and not yet processed that include this row
@@ -100,7 +109,13 @@ class TokenEvent:
 @dataclass
 class _Step:
     rows: list[Sequence]
-    output: Future  # -> SampleOutput of n rows
+    output: Future  # -> SampleOutput of one row per sequence and guess
+    guesses: list[list[int]]  # per sequence, its guesses this step (rows after its input token's)
+    first_row: list[int]  # per sequence, its input token's row in the output
+
+    @property
+    def speculative(self) -> bool:
+        return any(self.guesses)
 
 
 @dataclass
@@ -108,6 +123,8 @@ class DecodeLoopStats:
     steps: int = 0
     tokens: int = 0
     dropped_tokens: int = 0  # async extra tokens after a stop
+    proposed_tokens: int = 0  # speculative guesses scored
+    accepted_tokens: int = 0  # of those, kept
     rebuilt_steps: int = 0  # queued steps built again to take in requests that arrived
     device_seconds: float = 0.0
     last_batch_size: int = 0
@@ -125,7 +142,9 @@ class DecodeLoop:
         device_cpus: frozenset[int] | None = None,
         on_fatal: Callable[[str], None] | None = None,
         decode_step: Callable[[StepInputs], SampleOutput] | None = None,
+        speculation: SpeculationConfig | None = None,
     ):
+        self.speculation = speculation
         self.backend = backend
         self._decode_step = decode_step or backend.decode_step  # the worker may put the test-only fault hook in front
         self._on_fatal = on_fatal or (lambda cause: None)
@@ -200,6 +219,10 @@ class DecodeLoop:
             self._drain_inbox(block=in_flight is None and not self._active and not self._stopping)
             if self._stopping:
                 break
+            if in_flight is not None and self._guessing_next(in_flight):
+                self._process(in_flight)  # guesses follow each row's newest token: the host must see it first
+                in_flight = None
+                self._retire()
             rows = self._schedulable()
             step = self._submit(rows, in_flight) if rows else None
             if in_flight is not None:
@@ -213,6 +236,15 @@ class DecodeLoop:
         if in_flight is not None:
             self._process(in_flight)
         self._retire(everything=True)
+
+    def _guessing_next(self, in_flight: _Step) -> bool:
+        """Whether the next step should wait for in_flight's tokens: it guessed (its rows' tokens
+        are not known yet), or a row would guess next, in a batch small enough to speculate."""
+        if in_flight.speculative:
+            return True
+        if self.speculation is None or len(self._active) > self.speculation.max_batch:
+            return False
+        return any(s.speculation is not None and s.speculation.ready for s in self._active.values())
 
     def _take_in_arrivals(self, queued: _Step | None, running: _Step) -> _Step | None:
         """Until step k (`running`) ends, step k+1 (`queued`) only waits behind it on the
@@ -353,32 +385,59 @@ class DecodeLoop:
         return sorted(rows, key=lambda s: s.slot)
 
     def _submit(self, rows: list[Sequence], previous: _Step | None) -> _Step:
-        prev_index = {id(s): i for i, s in enumerate(previous.rows)} if previous else {}
-        # Where each row's input token is: row i of the previous step's output, or the host (-1).
+        prev_index = {id(s): previous.first_row[i] for i, s in enumerate(previous.rows)} if previous else {}
+        # Where each sequence's input token is: a row of the previous step's output, or the host (-1).
         from_prev = [prev_index.get(id(s), -1) for s in rows]
-        host_tokens = [s.last_token if from_prev[i] < 0 else 0 for i, s in enumerate(rows)]
-        slots = [s.slot for s in rows]
-        positions = [s.prompt_len + s.scheduled - 1 for s in rows]  # the input token's position
+        guesses = self._guesses(rows, from_prev)
+        counts = [1 + len(g) for g in guesses]
+        first_row = [sum(counts[:i]) for i in range(len(counts))]
+        # A sequence's rows: its input token at its position, then each guess at the positions after it.
+        ids = [t for i, s in enumerate(rows) for t in [s.last_token if from_prev[i] < 0 else 0, *guesses[i]]]
+        positions = [s.prompt_len + s.scheduled - 1 + j for i, s in enumerate(rows) for j in range(counts[i])]
+        slots = [s.slot for i, s in enumerate(rows) for _ in range(counts[i])]
+        each = [i for i, count in enumerate(counts) for _ in range(count)]  # the sequence of each row
+        row_from_prev = [from_prev[i] if j == 0 else -1 for i, count in enumerate(counts) for j in range(count)]
         inputs = StepInputs(
             slots=torch.tensor(slots),
             positions=torch.tensor(positions),
-            input_ids=torch.tensor(host_tokens),
-            params=torch.tensor([params_row(s.sampling) for s in rows], dtype=torch.float32),
-            seeds=torch.tensor([s.sampling.seed for s in rows]),
-            steps=torch.tensor([s.step_offset + s.scheduled for s in rows]),  # sampling counter of the token produced
+            input_ids=torch.tensor(ids),
+            params=torch.tensor([params_row(rows[i].sampling) for i in each], dtype=torch.float32),
+            seeds=torch.tensor([rows[i].sampling.seed for i in each]),
+            # The sampling counter of the token each row produces: a guess's row draws as the step without guesses would there.
+            steps=torch.tensor([s.step_offset + s.scheduled + j for i, s in enumerate(rows) for j in range(counts[i])]),
             kv_len=max(positions) + 1,
             min_position=min(positions),
-            contiguous_from=slots[0] if slots[-1] - slots[0] == len(slots) - 1 else None,
+            contiguous_from=slots[0] if len(slots) == len(rows) and slots[-1] - slots[0] == len(slots) - 1 else None,
             penalized=any(s.sampling.penalized for s in rows),
             top_logprobs=max(s.sampling.logprobs for s in rows),
         )
         for s in rows:
             s.scheduled += 1
             s.in_flight += 1
-        matchers = [s.matcher for s in rows] if any(s.matcher is not None for s in rows) else None
-        output = self._device.submit(self._device_step, inputs, torch.tensor(from_prev), self._resumed_from_idle, matchers)
+        matchers = [rows[i].matcher if j == 0 else None for i, count in enumerate(counts) for j in range(count)]
+        matchers = matchers if any(m is not None for m in matchers) else None
+        output = self._device.submit(self._device_step, inputs, torch.tensor(row_from_prev), self._resumed_from_idle, matchers)
         self._resumed_from_idle = False
-        return _Step(rows, output)
+        return _Step(rows, output, guesses, first_row)
+
+    def _guesses(self, rows: list[Sequence], from_prev: list[int]) -> list[list[int]]:
+        """Each sequence's guesses: only where its input token is on the host (the guesses follow
+        it), the batch small enough, and as many as its length limits leave room for."""
+        if self.speculation is None or len(rows) > self.speculation.max_batch:
+            return [[] for _ in rows]
+        out = []
+        for s, prev in zip(rows, from_prev):
+            if s.speculation is None:
+                out.append([])
+                continue
+            if prev >= 0:  # its input token is still on the device
+                s.speculation.step_without_guesses()
+                out.append([])
+                continue
+            # The step produces tokens scheduled+1 .. scheduled+1+g: within max_new_tokens and max_seq_len.
+            room = min(s.stopping.max_new_tokens - s.scheduled - 1, self.max_seq_len - s.prompt_len - s.scheduled - 1)
+            out.append(s.speculation.guesses(room))
+        return out
 
     def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool, matchers: list[RowMatcher | None] | None) -> SampleOutput:
         # Runs on the device thread, in submission order, so _last_output is the
@@ -406,6 +465,30 @@ class DecodeLoop:
         self.stats.step_seconds = (self.stats.step_seconds + [elapsed])[-256:]
         return output
 
+    def _emit(self, seq: Sequence, kept: list[int], rows: list) -> TokenEvent:
+        """The sequence's event for the tokens it keeps from a step, up to the first that ends it."""
+        taken, taken_logprobs, reason = [], [], FinishReason.NONE
+        for token, row in zip(kept, rows):
+            seq.generated += 1
+            taken.append(token)
+            if row is not None:
+                taken_logprobs.append(TokenLogprobs(token, row[0], tuple(row[1])))
+            reason = token_finish(token, seq.generated, seq.prompt_len + seq.generated, seq.stopping, self.max_seq_len)
+            if reason is not FinishReason.NONE:
+                break
+        seq.scheduled += len(taken) - 1  # the step was scheduled as one token
+        seq.last_token = taken[-1]
+        if seq.speculation is not None:
+            seq.speculation.extend(taken)
+        if reason is not FinishReason.NONE:
+            self._finish(seq)
+        return TokenEvent(seq.key, taken, reason, taken_logprobs if taken_logprobs else None)
+
+    def _count_guesses(self, proposed: int, accepted: int) -> None:
+        self.stats.proposed_tokens += proposed
+        self.stats.accepted_tokens += accepted
+        self.metrics.count_speculation(proposed, accepted)
+
     def _step_masks(self, matchers: list[RowMatcher | None], input_ids: list[int]) -> Callable[[], torch.Tensor]:
         """Device thread: the step's bitmask, for the backend to take after the logits. On an
         accelerator it is filled on the mask thread while the logits compute; on the CPU, here
@@ -420,28 +503,26 @@ class DecodeLoop:
         try:
             output: SampleOutput = step.output.result()
             tokens = output.token_ids.tolist()  # the one host/device sync of a step
-            logprobs = output.rows([s.sampling.logprobs for s in step.rows])
+            logprobs = output.rows([s.sampling.logprobs for s, g in zip(step.rows, step.guesses) for _ in range(1 + len(g))])
         except Exception as exc:  # whatever the step raised (device, allocation, bounds check): its rows fail, the loop goes on
             self._step_failed(step, self.backend.device_error(exc))
             return
         self._streak.succeeded()
         events = []
-        for seq, token, row in zip(step.rows, tokens, logprobs):
+        for seq, guesses, first in zip(step.rows, step.guesses, step.first_row):
             seq.in_flight -= 1
             if seq.done:
                 self.stats.dropped_tokens += 1
                 continue
-            seq.generated += 1
-            seq.last_token = token
-            reason = token_finish(token, seq.generated, seq.prompt_len + seq.generated, seq.stopping, self.max_seq_len)
-            row_logprobs = None if row is None else [TokenLogprobs(token, row[0], tuple(row[1]))]
-            events.append(TokenEvent(seq.key, [token], reason, row_logprobs))
-            if reason is not FinishReason.NONE:
-                self._finish(seq)
+            produced = tokens[first : first + 1 + len(guesses)]
+            kept = seq.speculation.kept(guesses, produced) if guesses else produced
+            if guesses:
+                self._count_guesses(len(guesses), len(kept) - 1)
+            events.append(self._emit(seq, kept, logprobs[first : first + len(kept)]))
         self.stats.steps += 1
-        self.stats.tokens += len(events)
+        self.stats.tokens += sum(len(e.token_ids) for e in events)
         self.stats.last_batch_size = len(step.rows)
-        self.metrics.tokens.inc(len(events))
+        self.metrics.tokens.inc(sum(len(e.token_ids) for e in events))
         self.metrics.batch_size.set(len(step.rows))
         if events:
             self._publish(events)

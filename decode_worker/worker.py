@@ -33,6 +33,7 @@ from disagg.engine.kv_blocks import BlockPool, block_hashes, blocks_for, cache_s
 from disagg.engine.quantization.kv_cache import code_dtype, kv_bytes
 from disagg.engine.requests import FinishReason, InvalidField, Sampling, Stopping, check_prompt_len
 from disagg.engine.slot_manager import Reservation, SlotManager, SlotState
+from disagg.engine.speculation.rows import row_speculation
 from disagg.kv_transport import open_fallible
 from disagg.kv_transport.chunk_codec import KvChunkError, KvCommit, KvCoverage, KvKind, KvPiece, decode, wire_dtype
 from disagg.kv_transport.nixl_transport import NixlTransferError
@@ -99,7 +100,7 @@ class DecodeWorker:
         self._write_kv = with_injected_faults(backend.write_kv, TEST_FAIL_KV_WRITE)  # likewise: the backend's write_kv
         self.decode_loop = DecodeLoop(
             backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics,
-            device_cpus=config.device_cpus, on_fatal=self._fatal_threadsafe, decode_step=step,
+            device_cpus=config.device_cpus, on_fatal=self._fatal_threadsafe, decode_step=step, speculation=config.speculation(),
         )
         metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
         metrics.slots.set_function(lambda: self.slots.num_slots)
@@ -394,10 +395,11 @@ class DecodeWorker:
         self.decode_loop.admit(self._sequence(stream, reservation, commit.first_token))
 
     def _sequence(self, stream: DecodeStream, reservation: Reservation, first_token: int) -> Sequence:
+        speculation = row_speculation(self.decode_loop.speculation, stream.context_ids, first_token, stream.sampling.penalized, stream.matcher is not None)
         return Sequence(
             stream.key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step,
             stream.context_ids if stream.sampling.penalized else (), table=tuple(reservation.table) if self.blocks is not None else (),
-            matcher=stream.matcher,
+            matcher=stream.matcher, speculation=speculation,
         )
 
     # -- colocated mode: prefill on this worker's own device thread --------------

@@ -44,6 +44,7 @@ class PrefillWorkerConfig(WorkerConfig):
         return self.device != "cpu" if self.stream_kv_during_prefill is None else self.stream_kv_during_prefill
 
     def __post_init__(self):
+        super().__post_init__()
         if self.kv_piece_bytes < 1024:
             raise ValueError("--kv-piece-bytes must be at least 1024")
         if self.kv_staging_buffers < 1:

@@ -60,6 +60,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="token-generation buckets: KV lengths a decode step is padded to, e.g. 128,512,2048; the "
                              "last must be --max-seq-len (default: powers of two from 128, as NxDI's)")
     add_quantization_flags(parser.add_argument_group("quantization"))
+    add_speculation_flags(parser.add_argument_group("speculative decoding"))
     add_torch_backend_flags(parser.add_argument_group("torch backend"))
     add_neuron_backend_flags(parser.add_argument_group("neuron backend (NxD Inference)"))
 
@@ -79,6 +80,16 @@ def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
                        help="the KV cache in 8 bits, as vLLM's --kv-cache-dtype: int8 or fp8 (e4m3) codes with a float32 scale per KV "
                             "block and head, computed by the prefill and carried with the KV to the decode worker (the same --kv-cache-gib "
                             "holds about twice bf16's tokens; torch backend, paged cache); auto keeps it in --dtype (default: auto)")
+
+
+def add_speculation_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--speculative-method", choices=("ngram",), default=None,
+                       help="speculative decoding on the decode worker, as vLLM's speculative_config method: ngram (prompt lookup: the "
+                            "sequence's latest tokens found earlier in it propose what followed them there); output is token for token "
+                            "what it is without it (default: off)")
+    group.add_argument("--num-speculative-tokens", type=int, default=0,
+                       help="the most tokens a row guesses in one step, as vLLM's num_speculative_tokens and NxDI's speculation_length; "
+                            "each row's count follows how many of its guesses are kept, down to none (default with a method: 4)")
 
 
 def name_list(text: str) -> tuple[str, ...]:
@@ -237,6 +248,8 @@ def worker_fields(args) -> tuple[dict, dict]:
         quantization_type=settings.get("quantization_type", args.quantization_type),
         quantization_skip=tuple(settings.get("quantization_skip", args.quantization_skip)),
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
         batch_buckets=args.batch_buckets or (),
         token_buckets=args.token_buckets or (),
     )

@@ -45,7 +45,15 @@ def serve_worker_args(args) -> list[str]:
         out += ["--neuron-compiled-path", args.neuron_compiled_path]
     if not args.share_weights:
         out += ["--no-share-weights"]
-    return out + quantization_flags(args) + cache_flags(args)
+    return out + quantization_flags(args) + cache_flags(args) + speculation_flags(args)
+
+
+def speculation_flags(args) -> list[str]:
+    """--speculative-method and its settings, where given: every worker gets them (the decode workers speculate)."""
+    if args.speculative_method is None:
+        return []
+    out = ["--speculative-method", args.speculative_method]
+    return out + (["--num-speculative-tokens", str(args.num_speculative_tokens)] if args.num_speculative_tokens else [])
 
 
 def quantization_flags(args) -> list[str]:
@@ -287,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_serve_parser(sub) -> None:
     from decode_worker.config import DecodeWorkerConfig
-    from disagg.cli.flags import add_quantization_flags
+    from disagg.cli.flags import add_quantization_flags, add_speculation_flags
     from disagg.tools.local_cluster import DECODE_NICE
     from prefill_worker.config import PrefillWorkerConfig
 
@@ -318,6 +326,7 @@ def add_serve_parser(sub) -> None:
                        help="the workers map one file of the prepacked weights, so the machine holds them once (default); "
                             "--no-share-weights gives each worker its own copy")
     add_quantization_flags(serve)
+    add_speculation_flags(serve)
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="auto: bfloat16 on a CPU with native bf16 (AVX512_BF16, AMX), float32 on others, the checkpoint's own on CUDA, bf16 on Neuron")
     serve.add_argument("--kv-transport", default=KV_DEFAULT, choices=KV_CHOICES,

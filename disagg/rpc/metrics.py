@@ -121,6 +121,16 @@ class DecodeMetrics:
             "disagg_decode_kv_receive_seconds", "A transfer into a slot, first byte to commit, by transport", ["transport"], buckets=SLOW, registry=registry
         )
         self.kv_failures = Counter("disagg_decode_kv_receive_failures", "KV transfers refused or broken, by transport", ["transport"], registry=registry)
+        # Speculative decoding: guesses scored and kept, by their place in the row's guesses (1: the first).
+        self.spec_proposed = Counter("disagg_decode_spec_proposed_tokens", "Speculative guesses scored, by position", ["position"], registry=registry)
+        self.spec_accepted = Counter("disagg_decode_spec_accepted_tokens", "Speculative guesses kept, by position", ["position"], registry=registry)
+
+    def count_speculation(self, proposed: int, accepted: int) -> None:
+        """One row's step: proposed guesses scored, the first accepted of them kept."""
+        for position in range(1, proposed + 1):
+            self.spec_proposed.labels(str(position)).inc()
+            if position <= accepted:
+                self.spec_accepted.labels(str(position)).inc()
 
     def watch_blocks(self, pool) -> None:
         self.registry.register(BlockPoolCollector("decode", pool))

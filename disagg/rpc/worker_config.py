@@ -40,10 +40,32 @@ class WorkerConfig:
     quantization_type: str = "per_channel"  # per_channel or per_tensor symmetric, as NxDI's quantization_type
     quantization_skip: tuple[str, ...] = ("lm_head",)  # linears whose name contains one of these stay in full precision (NxDI's modules_to_not_convert)
     kv_cache_dtype: str | None = None  # the KV cache in 8 bits: int8 or fp8, a scale per block and head (quantization/kv_cache.py); None: in dtype
+    speculative_method: str | None = None  # speculative decoding on the decode worker (disagg/engine/speculation): ngram; None: off
+    num_speculative_tokens: int = 0  # the most guesses a row gets in one step (0: the method's default)
+
+    def __post_init__(self):
+        self.speculation()  # a combination not served yet is refused before anything loads
 
     def quantization_options(self) -> dict:
         """The quantization settings as the backends take them."""
         return dict(quantization=self.quantization, quantization_type=self.quantization_type, quantization_skip=tuple(self.quantization_skip))
+
+    def speculation(self):
+        """The speculation settings (disagg/engine/speculation), or None: each step one token a row."""
+        if self.speculative_method is None:
+            if self.num_speculative_tokens:
+                raise ValueError("--num-speculative-tokens needs --speculative-method")
+            return None
+        from disagg.engine.speculation import DEFAULT_SPECULATIVE_TOKENS, SpeculationConfig
+
+        if self.backend != "torch":
+            raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not {self.backend} (yet)")
+        if self.kv_cache_dtype is not None:
+            # A guess's K/V line, rejected, may have grown its 8-bit block's scale: the kept tokens' codes would differ from a run without it.
+            raise ValueError(f"--speculative-method with --kv-cache-dtype {self.kv_cache_dtype}: not served yet: a rejected guess can grow its block's scale")
+        if self.compile:
+            raise ValueError("--speculative-method with --compile is not served yet: the compiled step takes one row a sequence")
+        return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
 
     def kv_cache_options(self, block_size: int) -> dict:
         """The torch backend's KV cache settings: an 8-bit cache's scales cover the worker's KV blocks."""

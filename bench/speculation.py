@@ -1,0 +1,133 @@
+"""Speculative decoding's benchmark: closed-loop tok/s of `disagg serve`'s cluster with and without
+--speculative-method, on two workloads, at several stream counts, in one run.
+
+  repeating: the output largely repeats the prompt. Each prompt is a paragraph of the model's
+             training text and then its first words again: the trained model goes on to recite it
+             (as an edit or a summary repeats its source), and prompt lookup finds what comes next.
+  free:      the first words of a paragraph alone: nothing in the prompt to look up.
+
+Both greedy, ignore_eos, --output-len tokens out; max(12, 4 x streams) requests per stream count
+after a warm-up of one request per stream. The model is trained on local text as the tests' models
+are (--model overrides it). Reports tok/s, the ratio with / without, the acceptance rate (guesses
+kept / guesses scored) and the mean accepted length (tokens a speculating row emits per step), from
+the decode worker's metrics:
+
+    python bench/speculation.py --streams 1,4,16,64 --out bench/results/speculation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.getcwd())  # the tree it is run from, before the installed one
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from disagg.clients.grpc_client import AsyncClient  # noqa: E402
+from disagg.tools.loadgen import RequestSpec, closed_loop  # noqa: E402
+from disagg.tools.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
+from disagg.tools.tinymodel import DEFAULT_SPEC, ensure_tiny_model, paragraphs  # noqa: E402
+
+
+class _NoBar:
+    def update(self, _):
+        pass
+
+
+def workload(tokenizer, name: str, count: int, output_len: int) -> list[RequestSpec]:
+    texts = paragraphs()
+    specs = []
+    for i in range(count):
+        text = texts[i % len(texts)]
+        opening = " ".join(text.split()[:4])
+        prompt = f"{text} {opening}" if name == "repeating" else opening
+        specs.append(RequestSpec(tokenizer(prompt)["input_ids"], output_len))
+    return specs
+
+
+def speculation_counters(cluster) -> tuple[float, float, float]:
+    """(guesses scored, guesses kept, rows that guessed) over the decode workers."""
+    scored = kept = rows = 0.0
+    for process in cluster.processes:
+        if not process.name.startswith("decode"):
+            continue
+        text = urllib.request.urlopen(f"http://{process.metrics_address}/metrics", timeout=5).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "disagg_decode_spec_proposed_tokens_total":
+                    scored += sample.value
+                    rows += sample.value if sample.labels.get("position") == "1" else 0.0
+                elif sample.name == "disagg_decode_spec_accepted_tokens_total":
+                    kept += sample.value
+    return scored, kept, rows
+
+
+async def measure(cluster, tokenizer, streams: list[int], workloads: list[str], output_len: int) -> dict:
+    out: dict = {}
+    async with AsyncClient(cluster.router_address, timeout=900) as client:
+        for name in workloads:
+            for n in streams:
+                work = workload(tokenizer, name, max(12, 4 * n), output_len)
+                await closed_loop(client, work[:n], n, _NoBar())  # warm-up
+                before = speculation_counters(cluster)
+                started = time.perf_counter()
+                results = await closed_loop(client, work, n, _NoBar())
+                elapsed = time.perf_counter() - started
+                scored, kept, rows = (b - a for a, b in zip(before, speculation_counters(cluster)))
+                tok_s = sum(r.output_tokens for r in results if r.ok) / elapsed
+                out[f"{name}/{n}"] = {
+                    "tok_s": round(tok_s, 2), "failed": sum(not r.ok for r in results),
+                    "acceptance": round(kept / scored, 3) if scored else None, "mean_accepted_length": round(1 + kept / rows, 2) if rows else None,
+                }
+                print(f"  {name}, {n} streams: {out[f'{name}/{n}']}", flush=True)
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+                    if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: `disagg serve`'s trained default model)")
+    parser.add_argument("--streams", default="1,4,16,64")
+    parser.add_argument("--workloads", default="repeating,free")
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--out", default=None, help="write the results here as JSON")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    model = args.model or str(ensure_tiny_model(DEFAULT_SPEC))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    streams = [int(s) for s in args.streams.split(",")]
+    workloads = args.workloads.split(",")
+    systems = {"plain": [], "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.num_speculative_tokens)]}
+    results = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": model, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M")}
+    for name, flags in systems.items():
+        print(f"{name}:", flush=True)
+        spec = ClusterSpec(model=model, batch_size=max(streams), worker_args=flags, log_dir=f"/tmp/bench-speculation-{name}")
+        with LocalCluster(spec) as cluster:
+            results[name] = asyncio.run(measure(cluster, tokenizer, streams, workloads, args.output_len))
+    for key, plain in results["plain"].items():
+        results["ngram"][key]["vs_plain"] = round(results["ngram"][key]["tok_s"] / plain["tok_s"], 3)
+    print(json.dumps(results, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

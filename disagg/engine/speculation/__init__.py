@@ -1,0 +1,39 @@
+"""Speculative decoding on the decode worker: more than one token from one pass over the weights.
+
+A proposer guesses each row's next tokens; the decode step scores the row's input
+token and its guesses as consecutive rows over the sequence's own block table (the
+same kernels, each row attending over the positions up to its own, its K/V written
+first), and the row keeps its target's token at every position up to the first
+guess the target did not pick (acceptance.py). A kept token is therefore exactly
+the token the step would have produced without speculation: the same logits, and
+for sampled rows the same draw (the counter-based generator is keyed by the token's
+position), so greedy, seeded and sampled output are what they are without it. The
+K/V of rejected guesses lies past the sequence's length: never read, and written
+over by the next step.
+
+Proposers: `ngram` (prompt lookup, ngram.py). The number of guesses a row gets
+follows its acceptance (acceptance.AdaptiveLength), down to none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    method: str  # ngram
+    num_tokens: int  # the most guesses a row gets in one step
+    ngram_max: int = 4  # prompt lookup: the longest suffix looked for earlier in the sequence
+    ngram_min: int = 1  # and the shortest
+    max_batch: int = 8  # rows guess only in steps of at most this many sequences: above it, async steps of one token a row are worth more
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative-method {self.method!r}: expected one of {', '.join(METHODS)}")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--num-speculative-tokens must be 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_tokens}")

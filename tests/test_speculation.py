@@ -1,0 +1,367 @@
+"""Speculative decoding (disagg/engine/speculation): prompt lookup on the decode worker, through
+the whole service, token for token what generate() gives without it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from conftest import assert_nothing_held, start_cluster
+from prometheus_client.parser import text_string_to_metric_families
+
+from disagg.clients.grpc_client import AsyncClient, Client
+from disagg.engine.speculation.acceptance import AdaptiveLength, kept_tokens
+from disagg.engine.speculation.ngram import NgramIndex
+from disagg.tools.tinymodel import paragraphs
+from disagg.v1 import worker_pb2 as wpb
+from disagg.v1 import worker_pb2_grpc as wgrpc
+
+# A paragraph of the tiny model's training text, then its first words again: the model goes on to recite it
+# (loosely: it is tiny), and prompt lookup finds what comes next in the prompt, about two tokens a step.
+REPEATING = paragraphs()[3] + " " + " ".join(paragraphs()[3].split()[:4])
+PLAIN = ["The baker opens his shop", "A storm came over the hills and", "She wrote a letter to", "In the morning the village"]
+GUESSES = 4
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_latest_suffix():
+    index = NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 1, 2, 3], min_n=1, max_n=3)
+    assert index.propose(3) == [4, 9, 2]  # [2, 3] was last followed by 5, but the longest suffix found wins: [1, 2, 3] -> 4
+    index.extend([8])
+    assert index.propose(2) == []  # 8 never came before
+    index.extend([1, 2])
+    assert index.propose(4) == [3, 8, 1, 2]  # [8, 1, 2] latest ended before the 3 that followed it
+    assert NgramIndex([5], 1, 4).propose(4) == []
+
+
+def test_kept_tokens_stop_at_the_first_guess_the_target_did_not_pick():
+    assert kept_tokens([7, 8, 9], [7, 8, 9, 10]) == [7, 8, 9, 10]
+    assert kept_tokens([7, 8, 9], [7, 5, 9, 10]) == [7, 5]
+    assert kept_tokens([7, 8, 9], [6, 8, 9, 10]) == [6]
+    assert kept_tokens([], [3]) == [3]
+
+
+def test_a_row_whose_guesses_keep_missing_rests_and_one_that_hits_grows():
+    length = AdaptiveLength(4)
+    assert length.wanted() == 4
+    length.observe(4, 1)
+    assert length.wanted() == 2
+    length.observe(2, 2)
+    assert length.wanted() == 3
+    length.observe(3, 0)
+    length.no_proposal()
+    assert [length.wanted() for _ in range(length.rest_steps)] == [0] * length.rest_steps
+    assert length.wanted() == 1
+
+
+def decode_in_process(backend, speculation, cases, max_batch: int = 8):
+    """Each case (prompt ids, Sampling, max_new_tokens) prefilled and decoded together by one
+    DecodeLoop over a paged cache (tables interleaved); {case index: tokens}, the loop's stats."""
+    import threading
+
+    from decode_worker.decode_loop import DecodeLoop, Sequence
+    from disagg.engine.requests import Stopping
+    from disagg.engine.speculation import SpeculationConfig
+    from disagg.engine.speculation.rows import row_speculation
+    from disagg.kv_transport.chunk_codec import KvKind
+
+    config = None if speculation is None else SpeculationConfig("ngram", speculation, max_batch=max_batch)
+    out, retired, done = {}, [], threading.Event()
+
+    def publish(events):
+        for event in events:
+            out[event.key] += event.token_ids
+
+    def on_retired(keys):
+        retired.extend(keys)
+        if len(retired) == len(cases):
+            done.set()
+
+    loop = DecodeLoop(backend, publish, on_retired, async_mode=True, speculation=config)
+    loop.start()
+    blocks = backend.info.max_seq_len // BLOCK
+    for i, (ids, sampling, max_new) in enumerate(cases):
+        table = [1 + i + len(cases) * b for b in range(blocks)]
+        result = backend.prefill(ids, sampling)
+        for layer, (k, v) in enumerate(result.layers):
+            backend.write_kv(table, layer, KvKind.KEY, 0, k)
+            backend.write_kv(table, layer, KvKind.VALUE, 0, v)
+        out[str(i)] = [result.first_token]
+        rows = row_speculation(config, tuple(ids), result.first_token, sampling.penalized, False)
+        loop.admit(Sequence(str(i), i, len(ids), result.first_token, sampling, Stopping(max_new), table=tuple(table), speculation=rows))
+    assert done.wait(300), "the batch did not finish"
+    loop.stop()
+    return {int(key): tokens for key, tokens in out.items()}, loop.stats
+
+
+BLOCK = 8
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral-sw", "gemma2-sw"])
+def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(architecture):
+    """The same requests decoded with and without guesses: greedy, seeded and unseeded sampled rows
+    (temperature, top-k, top-p, min-p) beside penalized ones, each token the same; guesses were kept."""
+    from conftest import reference, tiny_model
+
+    from disagg.engine.backends import load_backend
+    from disagg.engine.requests import Sampling
+
+    ref = reference(architecture)
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32")
+    backend.allocate_slots(8, num_blocks=1 + 8 * (backend.info.max_seq_len // BLOCK), block_size=BLOCK)
+    text = paragraphs()
+    samplings = [
+        Sampling(), Sampling(temperature=0.8, seed=11), Sampling(temperature=1.0, top_p=0.9, seed=12), Sampling(temperature=0.7, top_k=20, seed=13),
+        Sampling(temperature=1.2, min_p=0.05, seed=14), Sampling(repetition_penalty=1.3), Sampling(logprobs=2), Sampling(temperature=0.9, seed=15, logprobs=1),
+    ]
+    cases = []
+    for i, sampling in enumerate(samplings):
+        paragraph = text[(3 * i) % len(text)]
+        cases.append((ref.ids(paragraph + " " + " ".join(paragraph.split()[:4])), sampling, 40 + 5 * i))
+    plain, _ = decode_in_process(backend, None, cases)
+    speculated, stats = decode_in_process(backend, GUESSES, cases)
+    assert speculated == plain
+    assert stats.accepted_tokens >= 20
+    for i, (ids, sampling, n) in enumerate(cases):
+        if sampling == Sampling():
+            assert plain[i] == ref.greedy(ids, n), i
+
+
+def nucleus(logits, temperature: float, top_p: float):
+    """The target's distribution, computed here: softmax at the temperature, then the smallest
+    most-likely set whose mass reaches top_p (a token stays while the mass before it is below top_p)."""
+    import torch
+
+    probs = torch.softmax(logits.double() / temperature, -1)
+    ordered, order = probs.sort(descending=True)
+    kept = (ordered.cumsum(-1) - ordered) < top_p
+    out = torch.zeros_like(probs)
+    out[order[kept]] = ordered[kept]
+    return out / out.sum()
+
+
+def chi_square_holds(counts, expected_probs, draws: int) -> bool:
+    """Pearson's test at p = 0.0005 (bins of expected count under 5 merged); the quantile by Wilson-Hilferty."""
+    import math
+
+    expected = expected_probs * draws
+    big = expected >= 5
+    observed_bins = [*counts[big].tolist(), counts[~big].sum().item()]
+    expected_bins = [*expected[big].tolist(), expected[~big].sum().item()]
+    pairs = [(o, e) for o, e in zip(observed_bins, expected_bins) if e > 0]
+    if any(o > 0 for o, e in zip(observed_bins, expected_bins) if e == 0):
+        return False  # a token the target never draws
+    statistic = sum((o - e) ** 2 / e for o, e in pairs)
+    df = len(pairs) - 1
+    assert df >= 3, "too few tokens likely enough to test"
+    quantile = df * (1 - 2 / (9 * df) + 3.29 * math.sqrt(2 / (9 * df))) ** 3
+    return statistic < quantile
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.9), (1.3, 1.0)])
+def test_sampled_tokens_kept_after_a_guess_follow_the_targets_distribution(llama_ref, temperature, top_p):
+    """20,000 draws of a row and its guess's row through the decode step's sampler: the first token and,
+    where the guess was right, the token after it are distributed as the target's at each position."""
+    import torch
+
+    from disagg.engine.requests import Sampling
+    from disagg.engine.sampler import params_row, sample
+
+    draws = 20_000
+    ids = llama_ref.ids("and the")  # a context the tiny model is unsure of at both positions: dozens of tokens to test
+    with torch.no_grad():
+        first_logits = llama_ref.model(torch.tensor([ids])).logits[0, -1].float()
+        guess = int(first_logits.argmax())
+        second_logits = llama_ref.model(torch.tensor([ids + [guess]])).logits[0, -1].float()
+    logits = torch.stack([first_logits, second_logits]).repeat(draws, 1)
+    params = torch.tensor([params_row(Sampling(temperature=temperature, top_p=top_p))] * (2 * draws), dtype=torch.float32)
+    seeds = torch.arange(1, draws + 1).repeat_interleave(2)
+    steps = torch.tensor([7, 8]).repeat(draws)  # the row's counter and its guess's
+    tokens = sample(logits, params, seeds, steps).token_ids.view(draws, 2).tolist()
+    kept = [kept_tokens([guess], pair) for pair in tokens]
+    vocab = first_logits.shape[0]
+    firsts = torch.bincount(torch.tensor([k[0] for k in kept]), minlength=vocab)
+    seconds = torch.tensor([k[1] for k in kept if len(k) == 2])
+    assert chi_square_holds(firsts, nucleus(first_logits, temperature, top_p), draws)
+    assert len(seconds) > 1000  # the guess was the most likely token: kept often enough to test
+    assert chi_square_holds(torch.bincount(seconds, minlength=vocab), nucleus(second_logits, temperature, top_p), len(seconds))
+
+
+def decode_metrics(cluster) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for process in cluster.processes:
+        if process.name.startswith("decode"):
+            text = urllib.request.urlopen(f"http://{process.metrics_address}/metrics", timeout=5).read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def accepted(cluster) -> float:
+    return decode_metrics(cluster).get("disagg_decode_spec_accepted_tokens_total", 0.0)
+
+
+@pytest.fixture(scope="module")
+def speculating_cluster(cluster_logs):
+    cluster = start_cluster(cluster_logs / "speculating", "llama", batch_size=16,
+                            worker_args=["--speculative-method", "ngram", "--num-speculative-tokens", str(GUESSES)])
+    yield cluster
+    cluster.stop()
+
+
+def test_greedy_output_at_batch_1_is_generates_and_guesses_are_kept(speculating_cluster, llama_ref):
+    before = accepted(speculating_cluster)
+    with Client(speculating_cluster.router_address, timeout=120) as client:
+        for prompt, n in [(REPEATING, 100), (PLAIN[0], 60)]:
+            result = client.complete(prompt, max_new_tokens=n, ignore_eos=True)
+            assert result.token_ids == llama_ref.greedy(prompt, n, ignore_eos=True), prompt
+            assert result.completion_tokens == n and result.finish_reason == "length"
+    assert accepted(speculating_cluster) - before >= 30  # the steps did speculate: guesses were kept, many tokens a pass
+
+
+def test_stops_and_lengths_hold_as_without_speculation(speculating_cluster, llama_ref):
+    """No token past a stop reaches the client though a step keeps several at once."""
+    expected = llama_ref.greedy(REPEATING, 40, ignore_eos=True)
+    with Client(speculating_cluster.router_address, timeout=120) as client:
+        for n in (1, 2, 3, 5, 9, 17):
+            assert client.complete(REPEATING, max_new_tokens=n, ignore_eos=True).token_ids == expected[:n]
+        stop_id = expected[11]
+        by_token = client.complete(REPEATING, max_new_tokens=40, ignore_eos=True, stop_token_ids=[stop_id])
+        assert (by_token.finish_reason, by_token.token_ids) == ("stop", expected[: expected.index(stop_id) + 1])
+        text = llama_ref.tokenizer.decode(expected, skip_special_tokens=True)
+        stop_text = text.split()[9]
+        by_text = client.complete(REPEATING, max_new_tokens=40, ignore_eos=True, stop=[stop_text])
+        assert by_text.finish_reason == "stop_sequence" and by_text.text == text[: text.index(stop_text)]
+    assert_nothing_held(speculating_cluster)
+
+
+def test_logprobs_of_kept_guesses_are_the_targets(speculating_cluster, llama_ref):
+    import torch
+
+    n = 30
+    expected = llama_ref.greedy(REPEATING, n, ignore_eos=True)
+    with Client(speculating_cluster.router_address, timeout=120) as client:
+        result = client.complete(REPEATING, max_new_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=2)
+    assert result.token_ids == expected
+    ids = llama_ref.ids(REPEATING) + expected
+    with torch.no_grad():
+        logits = llama_ref.model(torch.tensor([ids])).logits[0, len(ids) - n - 1 : -1].float()
+    reference = torch.log_softmax(logits, -1)
+    for i, entry in enumerate(result.logprobs):
+        assert entry.token_id == expected[i]
+        assert abs(entry.logprob - reference[i, expected[i]].item()) < 1e-3, i
+        top = reference[i].topk(2)
+        assert [alt[0] for alt in entry.top] == top.indices.tolist()
+
+
+@pytest.mark.parametrize("size", [6, 16])
+def test_a_mixed_batch_gets_what_each_request_gets_alone(speculating_cluster, llama_ref, size):
+    """Greedy and sampled rows speculate beside penalized ones (which decode one token a step); 16
+    rows are over the batch that speculates (SpeculationConfig.max_batch) until they thin out."""
+    cases = []
+    before = accepted(speculating_cluster)
+    for i in range(size):
+        prompt = REPEATING if i % 2 == 0 else PLAIN[i % 4]
+        params = dict(max_new_tokens=10 + (i * 7) % 30, ignore_eos=True)
+        if i % 4 == 1:
+            params.update(temperature=0.8, seed=100 + i)
+        if i % 8 == 3:
+            params.update(repetition_penalty=1.3)
+        cases.append((prompt, params))
+
+    async def batch():
+        async with AsyncClient(speculating_cluster.router_address, timeout=300) as client:
+            return await asyncio.gather(*(client.complete(prompt, **params) for prompt, params in cases))
+
+    together = asyncio.run(batch())
+    with Client(speculating_cluster.router_address, timeout=120) as client:
+        for (prompt, params), result in zip(cases, together):
+            if "temperature" not in params and "repetition_penalty" not in params:
+                assert result.token_ids == llama_ref.greedy(prompt, params["max_new_tokens"], ignore_eos=True)
+            assert result.token_ids == client.complete(prompt, **params).token_ids
+    assert accepted(speculating_cluster) > before
+    assert_nothing_held(speculating_cluster)
+
+
+def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_line():
+    for flags, message in [
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens must be 1..16"),
+        (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-method"),
+        (["--speculative-method", "ngram", "--kv-cache-dtype", "int8"], "--speculative-method with --kv-cache-dtype int8"),
+    ]:
+        done = subprocess.run([sys.executable, "-m", "decode_worker", "--model", "unused", *flags], capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("architecture,transport", [("qwen2", "grpc"), ("mistral-sw", "nixl")])
+def test_other_architectures_and_transports_with_prefix_hits_equal_generate(cluster_logs, architecture, transport):
+    """Through the whole service: the prompt's second request reads the first one's cached blocks."""
+    from conftest import reference
+
+    if transport == "nixl":
+        from disagg.kv_transport.nixl_transport import available
+
+        if not available():
+            pytest.skip("NIXL is not installed")
+    ref = reference(architecture)
+    cluster = start_cluster(cluster_logs / f"speculating-{architecture}", architecture, transport=transport, batch_size=4,
+                            worker_args=["--speculative-method", "ngram", "--block-size", "8"])
+    try:
+        with Client(cluster.router_address, timeout=120) as client:
+            expected = ref.greedy(REPEATING, 60, ignore_eos=True)
+            assert client.complete(REPEATING, max_new_tokens=60, ignore_eos=True).token_ids == expected
+            hits = decode_metrics(cluster).get("disagg_decode_prefix_hit_tokens_total", 0.0)
+            assert client.complete(REPEATING, max_new_tokens=60, ignore_eos=True).token_ids == expected
+            assert decode_metrics(cluster)["disagg_decode_prefix_hit_tokens_total"] > hits
+        assert accepted(cluster) >= 10
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def held_speculating_cluster(cluster_logs, tmp_path, monkeypatch):
+    """Two speculating decode workers, their steps after the 20th held until the returned path exists
+    (faults.TEST_HOLD_DECODE_STEP): the stream is certainly running when its worker is killed."""
+    from disagg.engine.faults import TEST_HOLD_DECODE_STEP
+
+    release = tmp_path / "release"
+    monkeypatch.setenv(TEST_HOLD_DECODE_STEP, f"after=20,until={release}")
+    cluster = start_cluster(cluster_logs / "speculating-held", "llama", decode=2, batch_size=4,
+                            worker_args=["--speculative-method", "ngram"], router_args=["--worker-wait-seconds", "1"])
+    yield cluster, release
+    release.touch()
+    cluster.stop()
+
+
+def test_a_speculating_decode_worker_killed_mid_stream_loses_and_repeats_no_token(held_speculating_cluster, llama_ref):
+    cluster, release = held_speculating_cluster
+    expected = llama_ref.greedy(REPEATING, 300, ignore_eos=True)
+    with Client(cluster.router_address, timeout=120) as client:
+        stream = client.generate(REPEATING, max_new_tokens=300, ignore_eos=True)
+        received: list[int] = []
+        while len(received) < 5:
+            received += next(stream).token_ids
+        victim = None
+        for name in ("decode-0", "decode-1"):
+            with grpc.insecure_channel(cluster.process(name).address) as channel:
+                if wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5).active:
+                    victim = name
+        assert victim is not None and accepted(cluster) > 0  # held mid-stream, having kept guesses
+        cluster.signal(victim, signal.SIGKILL)
+        cluster.process(victim).popen.wait()
+        release.touch()
+        rest = list(stream)
+        assert received + [t for chunk in rest for t in chunk.token_ids] == expected
+        assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 300
+        # A cancelled speculating stream frees its blocks.
+        cancelled = client.generate(REPEATING, max_new_tokens=300, ignore_eos=True)
+        next(cancelled)
+        cancelled.close()
+    assert_nothing_held(cluster, within=10.0)
