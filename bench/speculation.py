@@ -32,9 +32,16 @@ sys.path.insert(0, os.getcwd())  # the tree it is run from, before the installed
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from disagg.clients.grpc_client import AsyncClient  # noqa: E402
+from disagg.clients.openai_client import OpenAIClient  # noqa: E402
 from disagg.tools.loadgen import RequestSpec, closed_loop  # noqa: E402
 from disagg.tools.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
-from disagg.tools.tinymodel import DEFAULT_SPEC, ensure_tiny_model, paragraphs  # noqa: E402
+from disagg.tools.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs  # noqa: E402
+
+# The target: trained on the local text as the tests' models are, large enough that a step's weights,
+# not the service's per-token work, set the pace (47M parameters: about 4 ms a step in bf16 on two
+# cores, where `disagg serve`'s default model takes 0.3 ms and the router's per-token work 0.5 ms).
+TARGET = TinyModelSpec(vocab_size=2048, hidden_size=640, intermediate_size=1792, num_layers=10, num_heads=10, num_kv_heads=2,
+                       max_position_embeddings=2048, train_steps=300)
 
 
 class _NoBar:
@@ -70,18 +77,19 @@ def speculation_counters(cluster) -> tuple[float, float, float]:
     return scored, kept, rows
 
 
-async def measure(cluster, tokenizer, streams: list[int], workloads: list[str], output_len: int) -> dict:
+async def measure(make_client, counters, tokenizer, streams: list[int], workloads: list[str], output_len: int) -> dict:
+    """counters: () -> (scored, kept, rows that guessed), or None for a peer (no such metrics)."""
     out: dict = {}
-    async with AsyncClient(cluster.router_address, timeout=900) as client:
+    async with make_client() as client:
         for name in workloads:
             for n in streams:
                 work = workload(tokenizer, name, max(12, 4 * n), output_len)
                 await closed_loop(client, work[:n], n, _NoBar())  # warm-up
-                before = speculation_counters(cluster)
+                before = counters() if counters else (0.0, 0.0, 0.0)
                 started = time.perf_counter()
                 results = await closed_loop(client, work, n, _NoBar())
                 elapsed = time.perf_counter() - started
-                scored, kept, rows = (b - a for a, b in zip(before, speculation_counters(cluster)))
+                scored, kept, rows = (b - a for a, b in zip(before, counters() if counters else (0.0, 0.0, 0.0)))
                 tok_s = sum(r.output_tokens for r in results if r.ok) / elapsed
                 out[f"{name}/{n}"] = {
                     "tok_s": round(tok_s, 2), "failed": sum(not r.ok for r in results),
@@ -101,27 +109,38 @@ def cpu_model() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: `disagg serve`'s trained default model)")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: TARGET, trained on first use: about 8 minutes here)")
     parser.add_argument("--streams", default="1,4,16,64")
     parser.add_argument("--workloads", default="repeating,free")
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--out", default=None, help="write the results here as JSON")
+    parser.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
+                        help="also measure a server already running with this model, over its OpenAI API (llama.cpp's llama-server "
+                             "with --spec-type ngram-simple, vLLM): repeatable")
+    parser.add_argument("--only-peers", action="store_true", help="measure the --peer servers alone")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    model = args.model or str(ensure_tiny_model(DEFAULT_SPEC))
+    model = args.model or str(ensure_tiny_model(TARGET))
     tokenizer = AutoTokenizer.from_pretrained(model)
     streams = [int(s) for s in args.streams.split(",")]
     workloads = args.workloads.split(",")
-    systems = {"plain": [], "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.num_speculative_tokens)]}
+    systems = {} if args.only_peers else {"plain": [], "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.num_speculative_tokens)]}
     results = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": model, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M")}
     for name, flags in systems.items():
         print(f"{name}:", flush=True)
         spec = ClusterSpec(model=model, batch_size=max(streams), worker_args=flags, log_dir=f"/tmp/bench-speculation-{name}")
         with LocalCluster(spec) as cluster:
-            results[name] = asyncio.run(measure(cluster, tokenizer, streams, workloads, args.output_len))
-    for key, plain in results["plain"].items():
+            def make_client():
+                return AsyncClient(cluster.router_address, timeout=900)
+
+            results[name] = asyncio.run(measure(make_client, lambda: speculation_counters(cluster), tokenizer, streams, workloads, args.output_len))
+    for peer in args.peer:  # a server already running, over its OpenAI API: the same prompts as token ids
+        name, url = peer.split("=", 1)
+        print(f"{name}:", flush=True)
+        results[name] = asyncio.run(measure(lambda: OpenAIClient(url, timeout=900), None, tokenizer, streams, workloads, args.output_len))
+    for key, plain in results.get("plain", {}).items():
         results["ngram"][key]["vs_plain"] = round(results["ngram"][key]["tok_s"] / plain["tok_s"], 3)
     print(json.dumps(results, indent=1))
     if args.out:

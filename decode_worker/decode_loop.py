@@ -62,6 +62,7 @@ from disagg.engine.faults import FailureStreak, describe
 from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs, token_finish
 from disagg.engine.sampler import SampleOutput, params_row
 from disagg.engine.speculation import SpeculationConfig
+from disagg.engine.speculation.proposers import NgramProposer
 from disagg.engine.speculation.rows import RowSpeculation
 from disagg.engine.threads import pin_this_thread
 from disagg.rpc.metrics import DecodeMetrics
@@ -143,8 +144,11 @@ class DecodeLoop:
         on_fatal: Callable[[str], None] | None = None,
         decode_step: Callable[[StepInputs], SampleOutput] | None = None,
         speculation: SpeculationConfig | None = None,
+        proposer=None,
     ):
         self.speculation = speculation
+        # Guesses: the draft model's (speculation/draft.py, given by the worker) or prompt lookup's.
+        self.proposer = proposer if proposer is not None or speculation is None else NgramProposer()
         self.backend = backend
         self._decode_step = decode_step or backend.decode_step  # the worker may put the test-only fault hook in front
         self._on_fatal = on_fatal or (lambda cause: None)
@@ -312,6 +316,10 @@ class DecodeLoop:
         # The first token came from prefill; it may already end the request.
         reason = token_finish(seq.first_token, 1, seq.prompt_len + 1, seq.stopping, self.max_seq_len)
         self._active[seq.slot] = seq
+        if seq.speculation is not None and self.proposer.on_device:
+            # The draft's KV of the context: on the device thread, before the row's first step.
+            drafted = self._device.submit(self.proposer.start, seq.speculation)
+            drafted.add_done_callback(lambda done: self._start_done(seq, done))
         if seq.table:
             # Queued on the device thread as the penalty state below: the slot's new table
             # lands after every step of its previous owner, before this sequence's first.
@@ -425,19 +433,31 @@ class DecodeLoop:
         it), the batch small enough, and as many as its length limits leave room for."""
         if self.speculation is None or len(rows) > self.speculation.max_batch:
             return [[] for _ in rows]
-        out = []
-        for s, prev in zip(rows, from_prev):
+        wanted: dict[int, tuple[RowSpeculation, int]] = {}
+        for i, (s, prev) in enumerate(zip(rows, from_prev)):
             if s.speculation is None:
-                out.append([])
                 continue
             if prev >= 0:  # its input token is still on the device
                 s.speculation.step_without_guesses()
-                out.append([])
                 continue
             # The step produces tokens scheduled+1 .. scheduled+1+g: within max_new_tokens and max_seq_len.
             room = min(s.stopping.max_new_tokens - s.scheduled - 1, self.max_seq_len - s.prompt_len - s.scheduled - 1)
-            out.append(s.speculation.guesses(room))
+            count = s.speculation.wanted(room)
+            if count:
+                wanted[i] = (s.speculation, count)
+        proposed = self._propose(list(wanted.values())) if wanted else []
+        out = [[] for _ in rows]
+        for i, guesses in zip(wanted, proposed):
+            out[i] = guesses
+            if not guesses:
+                wanted[i][0].no_proposal()
         return out
+
+    def _propose(self, wanted: list[tuple[RowSpeculation, int]]) -> list[list[int]]:
+        if not self.proposer.on_device:
+            return self.proposer.propose(wanted)
+        # The draft model runs where models run: on the device thread, after the step it follows.
+        return self._device.submit(self.proposer.propose, wanted).result()
 
     def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool, matchers: list[RowMatcher | None] | None) -> SampleOutput:
         # Runs on the device thread, in submission order, so _last_output is the

@@ -160,8 +160,34 @@ def size_slots(config: DecodeWorkerConfig, info, pages_kv: bool = False) -> Deco
 GIL_SWITCH_SECONDS = 0.001
 
 
+def draft_proposer(config: DecodeWorkerConfig):
+    """--speculative-method draft: the draft model, checked against the model's tokenizer, loaded by the
+    same backend with a KV slot per decode slot (disagg/engine/speculation/draft.py); else None."""
+    if config.speculative_method != "draft":
+        return None
+    from disagg.engine.speculation.draft import DraftProposer
+
+    draft_config = dataclasses.replace(config, model=config.draft_model, quantization=None, kv_cache_dtype=None)
+    draft = load_backend(config.backend, **backend_options(draft_config))
+    draft.allocate_slots(config.batch_size)
+    log.info("speculation: draft model %s, %d layers, up to %s guesses a row", config.draft_model, draft.info.num_layers, config.speculation().num_tokens)
+    return DraftProposer(draft)
+
+
+def check_draft(config: DecodeWorkerConfig) -> None:
+    """A draft model of another tokenizer is refused with one line, before either model loads."""
+    if config.speculative_method == "draft":
+        from disagg.engine.speculation.draft import check_draft_matches
+
+        try:
+            check_draft_matches(config.model, config.draft_model)
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"decode_worker: {exc}") from None
+
+
 async def serve(config: DecodeWorkerConfig) -> None:
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
+    check_draft(config)
     servicer = DecodeServicer()
     credentials = config.tls.server_credentials(require_client_cert=True) if config.tls else None
     services = [(servicer, SERVICE)]
@@ -180,7 +206,8 @@ async def serve(config: DecodeWorkerConfig) -> None:
     if not backend.pages_kv:
         log.info("KV cache: one slot of max_seq_len positions per sequence (%s backend%s): no paging, no prefix caching",
                  config.backend, ", compiled step" if config.backend == "torch" else "")
-    worker = DecodeWorker(backend, config, metrics)
+    proposer = await load_while_not_serving(server, lambda: draft_proposer(config))
+    worker = DecodeWorker(backend, config, metrics, proposer)
     await stop_on_failure(server, worker.start)
     servicer.worker = worker
     await server.set_serving(True)

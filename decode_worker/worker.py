@@ -81,7 +81,8 @@ def _first_merged(waiting: list) -> tuple:
 
 
 class DecodeWorker:
-    def __init__(self, backend: Backend, config: DecodeWorkerConfig, metrics: DecodeMetrics):
+    def __init__(self, backend: Backend, config: DecodeWorkerConfig, metrics: DecodeMetrics, proposer=None):
+        """proposer: speculation's draft model (disagg/engine/speculation/draft.py), where --speculative-method draft."""
         self.backend = backend
         self.metrics = metrics
         self.config = config
@@ -101,6 +102,7 @@ class DecodeWorker:
         self.decode_loop = DecodeLoop(
             backend, self._publish_threadsafe, self._retired_threadsafe, async_mode=config.async_mode, metrics=metrics,
             device_cpus=config.device_cpus, on_fatal=self._fatal_threadsafe, decode_step=step, speculation=config.speculation(),
+            proposer=proposer,
         )
         metrics.slots_in_use.set_function(lambda: self.slots.num_slots - self.slots.free_slots)
         metrics.slots.set_function(lambda: self.slots.num_slots)
@@ -395,7 +397,8 @@ class DecodeWorker:
         self.decode_loop.admit(self._sequence(stream, reservation, commit.first_token))
 
     def _sequence(self, stream: DecodeStream, reservation: Reservation, first_token: int) -> Sequence:
-        speculation = row_speculation(self.decode_loop.speculation, stream.context_ids, first_token, stream.sampling.penalized, stream.matcher is not None)
+        speculation = row_speculation(self.decode_loop.speculation, reservation.slot, stream.context_ids, first_token, stream.sampling.penalized,
+                                      stream.matcher is not None)
         return Sequence(
             stream.key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step,
             stream.context_ids if stream.sampling.penalized else (), table=tuple(reservation.table) if self.blocks is not None else (),

@@ -24,6 +24,10 @@ TEST_MODELS = {
     "llama-held-out": TinyModelSpec(held_out_every=5),  # trained on all paragraphs but each fifth: held-out text to evaluate on
     # Trained on chats too, where it calls the tools it is offered (disagg/tools/tinymodel.py's TOOL_CHAT_*): tool_choice=auto end to end.
     "llama-tools": TinyModelSpec(training_text="tool-chat", train_steps=600),
+    # Speculation's draft for the llama model: its tokenizer (the same vocabulary size and text), a quarter of its width, one layer.
+    "llama-draft": TinyModelSpec(hidden_size=32, intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1),
+    # A draft that cannot serve the llama model: another tokenizer (untrained: only its vocabulary is read).
+    "other-tokenizer": TinyModelSpec(vocab_size=600, hidden_size=32, intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1, train_steps=0),
 }
 
 

@@ -58,7 +58,7 @@ def test_a_row_whose_guesses_keep_missing_rests_and_one_that_hits_grows():
     assert length.wanted() == 1
 
 
-def decode_in_process(backend, speculation, cases, max_batch: int = 8):
+def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: str = "ngram", proposer=None):
     """Each case (prompt ids, Sampling, max_new_tokens) prefilled and decoded together by one
     DecodeLoop over a paged cache (tables interleaved); {case index: tokens}, the loop's stats."""
     import threading
@@ -69,7 +69,7 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8):
     from disagg.engine.speculation.rows import row_speculation
     from disagg.kv_transport.chunk_codec import KvKind
 
-    config = None if speculation is None else SpeculationConfig("ngram", speculation, max_batch=max_batch)
+    config = None if speculation is None else SpeculationConfig(method, speculation, max_batch=max_batch)
     out, retired, done = {}, [], threading.Event()
 
     def publish(events):
@@ -81,7 +81,7 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8):
         if len(retired) == len(cases):
             done.set()
 
-    loop = DecodeLoop(backend, publish, on_retired, async_mode=True, speculation=config)
+    loop = DecodeLoop(backend, publish, on_retired, async_mode=True, speculation=config, proposer=proposer)
     loop.start()
     blocks = backend.info.max_seq_len // BLOCK
     for i, (ids, sampling, max_new) in enumerate(cases):
@@ -91,7 +91,7 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8):
             backend.write_kv(table, layer, KvKind.KEY, 0, k)
             backend.write_kv(table, layer, KvKind.VALUE, 0, v)
         out[str(i)] = [result.first_token]
-        rows = row_speculation(config, tuple(ids), result.first_token, sampling.penalized, False)
+        rows = row_speculation(config, i, tuple(ids), result.first_token, sampling.penalized, False)
         loop.admit(Sequence(str(i), i, len(ids), result.first_token, sampling, Stopping(max_new), table=tuple(table), speculation=rows))
     assert done.wait(300), "the batch did not finish"
     loop.stop()
@@ -128,7 +128,43 @@ def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(archit
     assert stats.accepted_tokens >= 20
     for i, (ids, sampling, n) in enumerate(cases):
         if sampling == Sampling():
-            assert plain[i] == ref.greedy(ids, n), i
+            assert plain[i] == ref.greedy(ids, n, ignore_eos=True), i
+
+
+def test_a_draft_models_guesses_change_no_token_and_are_kept():
+    """The draft proposer (a one-layer model of the llama model's tokenizer) beside greedy and sampled rows:
+    the same tokens as without speculation, most steps keeping guesses."""
+    from conftest import reference, tiny_model
+
+    from disagg.engine.backends import load_backend
+    from disagg.engine.requests import Sampling
+    from disagg.engine.speculation.draft import DraftProposer
+
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(8, num_blocks=1 + 8 * (backend.info.max_seq_len // BLOCK), block_size=BLOCK)
+    draft = load_backend("torch", model=tiny_model("llama-draft"), dtype="float32")
+    draft.allocate_slots(8)
+    text = paragraphs()
+    samplings = [Sampling(), Sampling(temperature=0.8, seed=21), Sampling(), Sampling(temperature=1.0, top_p=0.9, seed=22), Sampling(logprobs=1)]
+    cases = [(ref.ids(" ".join(text[5 * i % len(text)].split()[:6])), sampling, 30 + 7 * i) for i, sampling in enumerate(samplings)]
+    plain, _ = decode_in_process(backend, None, cases)
+    speculated, stats = decode_in_process(backend, GUESSES, cases, method="draft", proposer=DraftProposer(draft))
+    assert speculated == plain
+    for i, (ids, sampling, n) in enumerate(cases):
+        if sampling.temperature == 0:
+            assert plain[i] == ref.greedy(ids, n, ignore_eos=True), i
+    assert stats.accepted_tokens >= 0.3 * stats.proposed_tokens > 0
+
+
+def test_a_draft_of_another_tokenizer_is_refused_at_start_up_with_one_line():
+    from conftest import tiny_model
+
+    model, draft = tiny_model("llama"), tiny_model("other-tokenizer")
+    command = [sys.executable, "-m", "decode_worker", "--model", model, "--speculative-method", "draft", "--draft-model", draft]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "loading" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"decode_worker: --draft-model {draft}: its vocabulary has 600 tokens, the model's 512"
 
 
 def nucleus(logits, temperature: float, top_p: float):
@@ -365,3 +401,31 @@ def test_a_speculating_decode_worker_killed_mid_stream_loses_and_repeats_no_toke
         next(cancelled)
         cancelled.close()
     assert_nothing_held(cluster, within=10.0)
+
+
+def test_a_draft_model_through_the_service_with_a_mixed_batch(cluster_logs, llama_ref):
+    """--speculative-method draft end to end: greedy rows equal generate(), sampled rows what they get alone."""
+    from conftest import tiny_model
+
+    cluster = start_cluster(cluster_logs / "speculating-draft", "llama", batch_size=8,
+                            worker_args=["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft")])
+    try:
+        text = paragraphs()
+        cases = [(" ".join(text[3 * i].split()[:6]), dict(max_new_tokens=20 + 9 * i, ignore_eos=True)) for i in range(6)]
+        cases[1][1].update(temperature=0.8, seed=5)
+        cases[4][1].update(repetition_penalty=1.2)
+
+        async def batch():
+            async with AsyncClient(cluster.router_address, timeout=300) as client:
+                return await asyncio.gather(*(client.complete(prompt, **params) for prompt, params in cases))
+
+        together = asyncio.run(batch())
+        with Client(cluster.router_address, timeout=120) as client:
+            for (prompt, params), result in zip(cases, together):
+                if "temperature" not in params and "repetition_penalty" not in params:
+                    assert result.token_ids == llama_ref.greedy(prompt, params["max_new_tokens"], ignore_eos=True)
+                assert result.token_ids == client.complete(prompt, **params).token_ids
+        assert accepted(cluster) >= 20
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()

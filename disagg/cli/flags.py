@@ -83,10 +83,14 @@ def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def add_speculation_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--speculative-method", choices=("ngram",), default=None,
+    group.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
                        help="speculative decoding on the decode worker, as vLLM's speculative_config method: ngram (prompt lookup: the "
-                            "sequence's latest tokens found earlier in it propose what followed them there); output is token for token "
-                            "what it is without it (default: off)")
+                            "sequence's latest tokens found earlier in it propose what followed them there) or draft (--draft-model "
+                            "guesses); output is token for token what it is without it (default: off)")
+    group.add_argument("--draft-model", default=None,
+                       help="--speculative-method draft: a smaller checkpoint with the model's tokenizer, run beside it on the decode "
+                            "worker (as vLLM's speculative_config model, LMI's option.speculative_draft_model); a draft whose vocabulary "
+                            "or tokenizer differs is refused at start-up")
     group.add_argument("--num-speculative-tokens", type=int, default=0,
                        help="the most tokens a row guesses in one step, as vLLM's num_speculative_tokens and NxDI's speculation_length; "
                             "each row's count follows how many of its guesses are kept, down to none (default with a method: 4)")
@@ -250,6 +254,7 @@ def worker_fields(args) -> tuple[dict, dict]:
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
         batch_buckets=args.batch_buckets or (),
         token_buckets=args.token_buckets or (),
     )

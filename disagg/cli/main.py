@@ -52,7 +52,7 @@ def speculation_flags(args) -> list[str]:
     """--speculative-method and its settings, where given: every worker gets them (the decode workers speculate)."""
     if args.speculative_method is None:
         return []
-    out = ["--speculative-method", args.speculative_method]
+    out = ["--speculative-method", args.speculative_method] + (["--draft-model", args.draft_model] if args.draft_model else [])
     return out + (["--num-speculative-tokens", str(args.num_speculative_tokens)] if args.num_speculative_tokens else [])
 
 

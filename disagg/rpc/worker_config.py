@@ -42,6 +42,7 @@ class WorkerConfig:
     kv_cache_dtype: str | None = None  # the KV cache in 8 bits: int8 or fp8, a scale per block and head (quantization/kv_cache.py); None: in dtype
     speculative_method: str | None = None  # speculative decoding on the decode worker (disagg/engine/speculation): ngram; None: off
     num_speculative_tokens: int = 0  # the most guesses a row gets in one step (0: the method's default)
+    draft_model: str | None = None  # --speculative-method draft: the smaller checkpoint that guesses
 
     def __post_init__(self):
         self.speculation()  # a combination not served yet is refused before anything loads
@@ -53,9 +54,12 @@ class WorkerConfig:
     def speculation(self):
         """The speculation settings (disagg/engine/speculation), or None: each step one token a row."""
         if self.speculative_method is None:
-            if self.num_speculative_tokens:
-                raise ValueError("--num-speculative-tokens needs --speculative-method")
+            if self.num_speculative_tokens or self.draft_model:
+                raise ValueError(f"{'--num-speculative-tokens' if self.num_speculative_tokens else '--draft-model'} needs --speculative-method")
             return None
+        if (self.speculative_method == "draft") != bool(self.draft_model):
+            raise ValueError("--speculative-method draft needs --draft-model" if self.draft_model is None else
+                             f"--draft-model is for --speculative-method draft, not {self.speculative_method}")
         from disagg.engine.speculation import DEFAULT_SPECULATIVE_TOKENS, SpeculationConfig
 
         if self.backend != "torch":

@@ -11,7 +11,8 @@ position), so greedy, seeded and sampled output are what they are without it. Th
 K/V of rejected guesses lies past the sequence's length: never read, and written
 over by the next step.
 
-Proposers: `ngram` (prompt lookup, ngram.py). The number of guesses a row gets
+Proposers (proposers.py): `ngram` (prompt lookup, ngram.py) and `draft` (a smaller model with the
+same tokenizer, draft.py). The number of guesses a row gets
 follows its acceptance (acceptance.AdaptiveLength), down to none.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_SPECULATIVE_TOKENS = 4
 

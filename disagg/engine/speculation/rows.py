@@ -1,4 +1,5 @@
-"""One sequence's speculation state on the decode worker: its proposer and its guess length."""
+"""One sequence's speculation state on the decode worker: its tokens, its guess length, and
+how far the draft model's KV of it reaches (the draft proposer's)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ from .ngram import NgramIndex
 
 
 class RowSpeculation:
-    def __init__(self, config: SpeculationConfig, context_ids: tuple[int, ...], first_token: int):
+    def __init__(self, config: SpeculationConfig, slot: int, context_ids: tuple[int, ...], first_token: int):
+        self.slot = slot
         self.index = NgramIndex([*context_ids, first_token], config.ngram_min, config.ngram_max)
         self.length = AdaptiveLength(config.num_tokens)
+        self.draft_seen = 0  # positions whose K/V the draft model holds (draft.py); 0 until its prefill
         self.proposed = 0  # guesses made, over the row's life
         self.accepted = 0  # of those, kept
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence so far: context, then every token kept; the last is the next step's input."""
+        return self.index.tokens
 
     @property
     def ready(self) -> bool:
@@ -20,15 +28,12 @@ class RowSpeculation:
         step in flight, since guesses follow the row's newest token."""
         return not self.length.resting
 
-    def guesses(self, budget: int) -> list[int]:
-        """This step's guesses, at most budget (what the row's length limits still allow)."""
-        wanted = min(self.length.wanted(), budget)
-        if wanted <= 0:
-            return []
-        guesses = self.index.propose(wanted)
-        if not guesses:
-            self.length.no_proposal()  # text that never repeats rests the row
-        return guesses
+    def wanted(self, budget: int) -> int:
+        """How many guesses this step: the adaptive length, at most budget (what the row's length limits allow)."""
+        return max(0, min(self.length.wanted(), budget))
+
+    def no_proposal(self) -> None:
+        self.length.no_proposal()  # text that never repeats rests the row
 
     def step_without_guesses(self) -> None:
         """A step the row joins without guessing (its input token not on the host yet): a resting row's rest goes on."""
@@ -37,19 +42,22 @@ class RowSpeculation:
     def kept(self, guesses: list[int], produced: list[int]) -> list[int]:
         """The tokens the row keeps from its step (produced: the target's, one per row), counted."""
         kept = kept_tokens(guesses, produced)
+        accepted = len(kept) - 1
         self.proposed += len(guesses)
-        self.accepted += len(kept) - 1
-        self.length.observe(len(guesses), len(kept) - 1)
+        self.accepted += accepted
+        self.length.observe(len(guesses), accepted)
+        # The draft's K/V at the guesses' positions holds for the guesses kept only.
+        self.draft_seen = min(self.draft_seen, len(self.tokens) + accepted)
         return kept
 
     def extend(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
 
 
-def row_speculation(config: SpeculationConfig | None, context_ids: tuple[int, ...], first_token: int, penalized: bool, constrained: bool):
+def row_speculation(config: SpeculationConfig | None, slot: int, context_ids: tuple[int, ...], first_token: int, penalized: bool, constrained: bool):
     """The row's speculation, or None where it decodes one token a step: speculation off, or a row
     with penalties or a constraint (their state per guess is not built yet; such rows run beside
     speculating ones in the same steps, unchanged)."""
     if config is None or penalized or constrained:
         return None
-    return RowSpeculation(config, context_ids, first_token)
+    return RowSpeculation(config, slot, context_ids, first_token)
