@@ -42,6 +42,9 @@ from disagg.tools.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs 
 # cores, where `disagg serve`'s default model takes 0.3 ms and the router's per-token work 0.5 ms).
 TARGET = TinyModelSpec(vocab_size=2048, hidden_size=640, intermediate_size=1792, num_layers=10, num_heads=10, num_kv_heads=2,
                        max_position_embeddings=2048, train_steps=300)
+# Its draft: the same tokenizer (vocabulary size and text), a fifth of its width and two layers: about 1/50 of its weights.
+DRAFT = TinyModelSpec(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1,
+                      max_position_embeddings=2048, train_steps=300)
 
 
 class _NoBar:
@@ -118,6 +121,8 @@ def main() -> None:
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
                         help="also measure a server already running with this model, over its OpenAI API (llama.cpp's llama-server "
                              "with --spec-type ngram-simple, vLLM): repeatable")
+    parser.add_argument("--draft-model", default=None, help="the draft checkpoint (default with the default model: DRAFT, trained on first use)")
+    parser.add_argument("--systems", default="plain,ngram,draft", help="which of ours to run: plain, ngram, draft")
     parser.add_argument("--only-peers", action="store_true", help="measure the --peer servers alone")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -126,7 +131,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     streams = [int(s) for s in args.streams.split(",")]
     workloads = args.workloads.split(",")
-    systems = {} if args.only_peers else {"plain": [], "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.num_speculative_tokens)]}
+    guesses = ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    systems = {"plain": [], "ngram": ["--speculative-method", "ngram", *guesses]}
+    if args.draft_model or not args.model:
+        systems["draft"] = ["--speculative-method", "draft", "--draft-model", args.draft_model or str(ensure_tiny_model(DRAFT)), *guesses]
+    systems = {name: systems[name] for name in args.systems.split(",")} if not args.only_peers else {}
     results = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": model, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M")}
     for name, flags in systems.items():
         print(f"{name}:", flush=True)
@@ -141,7 +150,9 @@ def main() -> None:
         print(f"{name}:", flush=True)
         results[name] = asyncio.run(measure(lambda: OpenAIClient(url, timeout=900), None, tokenizer, streams, workloads, args.output_len))
     for key, plain in results.get("plain", {}).items():
-        results["ngram"][key]["vs_plain"] = round(results["ngram"][key]["tok_s"] / plain["tok_s"], 3)
+        for name in results:
+            if isinstance(results[name], dict) and name != "plain" and key in results[name]:
+                results[name][key]["vs_plain"] = round(results[name][key]["tok_s"] / plain["tok_s"], 3)
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:

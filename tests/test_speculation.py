@@ -91,7 +91,7 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: s
             backend.write_kv(table, layer, KvKind.KEY, 0, k)
             backend.write_kv(table, layer, KvKind.VALUE, 0, v)
         out[str(i)] = [result.first_token]
-        rows = row_speculation(config, i, tuple(ids), result.first_token, sampling.penalized, False)
+        rows = row_speculation(config, i, tuple(ids), result.first_token, False)
         loop.admit(Sequence(str(i), i, len(ids), result.first_token, sampling, Stopping(max_new), table=tuple(table), speculation=rows))
     assert done.wait(300), "the batch did not finish"
     loop.stop()
@@ -103,8 +103,8 @@ BLOCK = 8
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral-sw", "gemma2-sw"])
 def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(architecture):
-    """The same requests decoded with and without guesses: greedy, seeded and unseeded sampled rows
-    (temperature, top-k, top-p, min-p) beside penalized ones, each token the same; guesses were kept."""
+    """The same requests decoded with and without guesses: greedy and seeded sampled rows (temperature,
+    top-k, top-p, min-p), penalized ones (their guesses counted as generated), each token the same."""
     from conftest import reference, tiny_model
 
     from disagg.engine.backends import load_backend
@@ -116,7 +116,8 @@ def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(archit
     text = paragraphs()
     samplings = [
         Sampling(), Sampling(temperature=0.8, seed=11), Sampling(temperature=1.0, top_p=0.9, seed=12), Sampling(temperature=0.7, top_k=20, seed=13),
-        Sampling(temperature=1.2, min_p=0.05, seed=14), Sampling(repetition_penalty=1.3), Sampling(logprobs=2), Sampling(temperature=0.9, seed=15, logprobs=1),
+        Sampling(temperature=1.2, min_p=0.05, seed=14), Sampling(repetition_penalty=1.3), Sampling(logprobs=2),
+        Sampling(temperature=0.9, seed=15, logprobs=1, presence_penalty=0.5, frequency_penalty=0.3),
     ]
     cases = []
     for i, sampling in enumerate(samplings):

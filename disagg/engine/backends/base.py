@@ -89,6 +89,10 @@ class StepInputs:
     top_logprobs: int = -1  # -1: no row wants logprobs; else the most alternatives a row wants
     # Some row has a constraint: called after the logits, it returns their [n, ceil(vocab / 32)] int32 bitmask for the sampler.
     token_bitmask: Callable[[], torch.Tensor] | None = None
+    # Speculative decoding (disagg/engine/speculation): [n] int64, each row's place among its sequence's rows (0: the
+    # input token; j: guess j), the rows of a sequence consecutive; None: one row a sequence. Penalties then count a
+    # row's earlier guesses as generated, and only the tokens the sequence keeps join the slot's counts.
+    guess_index: torch.Tensor | None = None
 
 
 class Backend(abc.ABC):

@@ -89,6 +89,27 @@ class TorchBackendConfig:
         return QuantizationSettings(self.quantization, self.quantization_type, tuple(self.quantization_skip))
 
 
+def guesses_before(input_ids: torch.Tensor, guess_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, vocab]: for each row, how often each token is among its sequence's guesses up to its own
+    (a guess row's input is a guess; they precede the row's token as generated tokens)."""
+    guessed = torch.zeros(len(input_ids), vocab, dtype=torch.int32, device=input_ids.device)
+    is_guess = guess_index > 0
+    guessed[is_guess.nonzero()[:, 0], input_ids[is_guess]] = 1
+    running = guessed.cumsum(0)
+    first_row = torch.arange(len(input_ids), device=input_ids.device) - guess_index  # each row's sequence's input row
+    return running - running[first_row]  # the input row holds no guess: the sum over guesses 1..j
+
+
+def kept_rows(input_ids: torch.Tensor, guess_index: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """[n] bool: the rows whose tokens their sequence keeps (speculation/acceptance.py, on the device):
+    a row after every guess before it, its own included, equalled the token produced before it."""
+    missed = torch.zeros(len(input_ids), dtype=torch.int32, device=input_ids.device)
+    missed[1:] = ((guess_index[1:] > 0) & (input_ids[1:] != token_ids[:-1])).to(torch.int32)
+    running = missed.cumsum(0)
+    first_row = torch.arange(len(input_ids), device=input_ids.device) - guess_index
+    return running == running[first_row]
+
+
 def describe(model_path: str, config, backend: str, dtype: torch.dtype, max_seq_len: int, kv_shape: tuple[int, int], eos: tuple[int, ...]) -> ModelInfo:
     text_config = config.get_text_config(decoder=True)
     limit = architectures.context_limit(text_config)
@@ -587,9 +608,12 @@ class TorchBackend(Backend):
         logits = self.decode_logits(inputs)
         slots = inputs.slots.to(self.device)
         counts, in_prompt = self.token_counts.rows(slots) if inputs.penalized else (None, None)
+        if counts is not None and inputs.guess_index is not None:
+            counts = counts + guesses_before(inputs.input_ids.to(self.device), inputs.guess_index.to(self.device), counts.shape[1]).to(counts.dtype)
         params = inputs.params.to(self.device)
         bitmask = inputs.token_bitmask() if inputs.token_bitmask is not None else None
         out = sample(logits, params, inputs.seeds, inputs.steps, self.config.global_topk, counts, in_prompt, inputs.top_logprobs, bitmask)
         if inputs.penalized:
-            self.token_counts.add(slots, out.token_ids)
+            kept = slice(None) if inputs.guess_index is None else kept_rows(inputs.input_ids.to(self.device), inputs.guess_index.to(self.device), out.token_ids)
+            self.token_counts.add(slots[kept], out.token_ids[kept])
         return out

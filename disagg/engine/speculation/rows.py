@@ -54,10 +54,10 @@ class RowSpeculation:
         self.index.extend(tokens)
 
 
-def row_speculation(config: SpeculationConfig | None, slot: int, context_ids: tuple[int, ...], first_token: int, penalized: bool, constrained: bool):
+def row_speculation(config: SpeculationConfig | None, slot: int, context_ids: tuple[int, ...], first_token: int, constrained: bool):
     """The row's speculation, or None where it decodes one token a step: speculation off, or a row
-    with penalties or a constraint (their state per guess is not built yet; such rows run beside
+    with a constraint (its matcher's state per guess is not built yet; such rows run beside
     speculating ones in the same steps, unchanged)."""
-    if config is None or penalized or constrained:
+    if config is None or constrained:
         return None
     return RowSpeculation(config, slot, context_ids, first_token)
