@@ -275,9 +275,11 @@ class DecodeLoop:
 
     def _unsubmit(self, step: _Step) -> None:
         """Undoes `_submit` for a step cancelled before it ran."""
-        for s in step.rows:
+        for s, guesses in zip(step.rows, step.guesses):
             s.scheduled -= 1
             s.in_flight -= 1
+            if guesses:  # the draft's K/V of its guesses is not the sequence's
+                s.speculation.draft_seen = min(s.speculation.draft_seen, len(s.speculation.tokens))
 
     def _drain_inbox(self, block: bool) -> None:
         self._resumed_from_idle |= block

@@ -59,7 +59,9 @@ class DraftProposer:
         wanted = [(row, min(count, self.backend.info.max_seq_len - len(row.tokens))) for row, count in wanted]
         guesses: list[list[int]] = [[] for _ in wanted]
         # First step: each row's tokens the draft has not seen, its newest last; the last row's logits give the first guess.
-        feeds = [(row.slot, row.tokens[row.draft_seen :], row.draft_seen) for row, count in wanted if count > 0]
+        # (At least the newest token: its K/V may be there from guesses made for a step that was rebuilt, but not its logits.)
+        starts = [min(row.draft_seen, len(row.tokens) - 1) for row, _ in wanted]
+        feeds = [(row.slot, row.tokens[start:], start) for (row, count), start in zip(wanted, starts) if count > 0]
         live = [i for i, (_, count) in enumerate(wanted) if count > 0]
         if not live:
             return guesses
