@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 import urllib.request
 
 import grpc
@@ -159,13 +157,17 @@ def test_a_draft_models_guesses_change_no_token_and_are_kept():
 
 
 def test_a_draft_of_another_tokenizer_is_refused_at_start_up_with_one_line():
+    """Before either model loads (decode_worker/grpc_edge.py's check_draft, the first thing serve() does)."""
     from conftest import tiny_model
 
+    from decode_worker.__main__ import parse_config
+    from decode_worker.grpc_edge import check_draft
+
     model, draft = tiny_model("llama"), tiny_model("other-tokenizer")
-    command = [sys.executable, "-m", "decode_worker", "--model", model, "--speculative-method", "draft", "--draft-model", draft]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "Traceback" not in done.stderr and "loading" not in done.stderr, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == f"decode_worker: --draft-model {draft}: its vocabulary has 600 tokens, the model's 512"
+    with pytest.raises(SystemExit) as refused:
+        check_draft(parse_config(["--model", model, "--speculative-method", "draft", "--draft-model", draft]))
+    assert str(refused.value) == f"decode_worker: --draft-model {draft}: its vocabulary has 600 tokens, the model's 512"
+    check_draft(parse_config(["--model", model, "--speculative-method", "draft", "--draft-model", tiny_model("llama-draft")]))  # its own draft passes
 
 
 def nucleus(logits, temperature: float, top_p: float):
@@ -326,14 +328,19 @@ def test_a_mixed_batch_gets_what_each_request_gets_alone(speculating_cluster, ll
 
 
 def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_line():
+    """The worker's own entry point: SystemExit with the line it prints, before anything loads."""
+    from decode_worker.__main__ import main
+
     for flags, message in [
-        (["--speculative-method", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens must be 1..16"),
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens must be 1..16, got 17"),
         (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-method"),
-        (["--speculative-method", "ngram", "--kv-cache-dtype", "int8"], "--speculative-method with --kv-cache-dtype int8"),
+        (["--speculative-method", "draft"], "--speculative-method draft needs --draft-model"),
+        (["--speculative-method", "ngram", "--draft-model", "d"], "--draft-model is for --speculative-method draft, not ngram"),
+        (["--speculative-method", "ngram", "--kv-cache-dtype", "int8"], "--speculative-method with --kv-cache-dtype int8: not served yet"),
     ]:
-        done = subprocess.run([sys.executable, "-m", "decode_worker", "--model", "unused", *flags], capture_output=True, text=True, timeout=120)
-        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1
+        with pytest.raises(SystemExit) as refused:
+            main(["--model", "unused", *flags])
+        assert str(refused.value).startswith(f"decode_worker: {message}") and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("architecture,transport", [("qwen2", "grpc"), ("mistral-sw", "nixl")])

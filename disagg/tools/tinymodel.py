@@ -59,6 +59,7 @@ class TinyModelSpec:
     # What it is trained on: "prose" (the paragraphs of CORPUS), or "tool-chat": those and chat transcripts
     # through CHAT_TEMPLATE with tools, where the assistant calls a tool or answers in text (TOOL_CHAT_TOOLS).
     training_text: str = "prose"
+    learning_rate: float = 3e-3  # AdamW's: wider models need less (at 640 wide and 10 layers 3e-3 diverged to one token)
 
     def cache_key(self) -> str:
         # Fields added since the first checkpoints count only when set, so those keep their keys.
@@ -71,7 +72,7 @@ class TinyModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-LATER_FIELDS = {"saved_dtype": "float32", "held_out_every": 0, "training_text": "prose"}
+LATER_FIELDS = {"saved_dtype": "float32", "held_out_every": 0, "training_text": "prose", "learning_rate": 3e-3}
 
 # A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks.
 SMOLLM_135M_SHAPE = TinyModelSpec(
@@ -241,7 +242,7 @@ def _train(model, tokenizer, spec: TinyModelSpec) -> None:
     data = torch.tensor(stream)
     window, batch = 64, 16
     rng = random.Random(spec.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
     model.train()
     for _ in range(spec.train_steps):
         starts = [rng.randrange(0, len(data) - window) for _ in range(batch)]
@@ -260,7 +261,7 @@ def _train_rows(model, tokenizer, spec: TinyModelSpec) -> None:
     rows = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in training_rows(spec)]
     batch = 16
     rng = random.Random(spec.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
     model.train()
     for _ in range(spec.train_steps):
         picked = [rows[rng.randrange(len(rows))] for _ in range(batch)]
