@@ -52,8 +52,15 @@ def test_a_row_whose_guesses_keep_missing_rests_and_one_that_hits_grows():
     assert length.wanted() == 3
     length.observe(3, 0)
     length.no_proposal()
-    assert [length.wanted() for _ in range(length.rest_steps)] == [0] * length.rest_steps
+    assert [length.wanted() for _ in range(8)] == [0] * 8
     assert length.wanted() == 1
+    length.no_proposal()
+    length.no_proposal()  # missed again after its rest: it rests twice as long
+    assert [length.wanted() for _ in range(16)] == [0] * 16 and length.wanted() == 1
+    length.observe(1, 1)  # a kept guess: rests are short again
+    length.no_proposal()
+    length.no_proposal()
+    assert [length.wanted() for _ in range(8)] == [0] * 8 and length.wanted() == 2
 
 
 def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: str = "ngram", proposer=None):

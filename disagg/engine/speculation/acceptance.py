@@ -27,8 +27,9 @@ def kept_tokens(guesses: list[int], produced: list[int]) -> list[int]:
 class AdaptiveLength:
     """A row's guesses per step: grows by one after a step that kept every guess, shrinks to
     the kept ones plus one after a miss; after `misses_before_rest` steps in a row that kept
-    no guess the row rests (no guesses) for `rest_steps` steps, so text that does not repeat
-    costs nothing."""
+    no guess the row rests (no guesses) for `rest_steps` steps, twice as long after each rest
+    that ended in misses again (up to `longest_rest`), so text that does not repeat costs
+    next to nothing; a kept guess starts the rests short again."""
 
     limit: int
     length: int = 0
@@ -36,6 +37,8 @@ class AdaptiveLength:
     resting: int = 0
     misses_before_rest: int = 2
     rest_steps: int = 8
+    shortest_rest: int = 8
+    longest_rest: int = 256
 
     def __post_init__(self):
         self.length = self.limit
@@ -51,11 +54,11 @@ class AdaptiveLength:
             return
         if accepted == guessed:
             self.length = min(self.limit, self.length + 1)
-            self.misses = 0
+            self.misses, self.rest_steps = 0, self.shortest_rest
             return
         self.length = max(1, accepted + 1)
         if accepted:
-            self.misses = 0
+            self.misses, self.rest_steps = 0, self.shortest_rest
         else:
             self._missed()
 
@@ -67,3 +70,4 @@ class AdaptiveLength:
         self.misses += 1
         if self.misses >= self.misses_before_rest:
             self.misses, self.resting = 0, self.rest_steps
+            self.rest_steps = min(2 * self.rest_steps, self.longest_rest)
