@@ -445,7 +445,7 @@ class DecodeLoop:
                 continue
             # The step produces tokens scheduled+1 .. scheduled+1+g: within max_new_tokens and max_seq_len.
             room = min(s.stopping.max_new_tokens - s.scheduled - 1, self.max_seq_len - s.prompt_len - s.scheduled - 1)
-            count = s.speculation.wanted(room)
+            count = s.speculation.wanted(room, may_rest=len(rows) > self.speculation.rest_above)
             if count:
                 wanted[i] = (s.speculation, count)
         proposed = self._propose(list(wanted.values())) if wanted else []

@@ -61,6 +61,10 @@ def test_a_row_whose_guesses_keep_missing_rests_and_one_that_hits_grows():
     length.no_proposal()
     length.no_proposal()
     assert [length.wanted() for _ in range(8)] == [0] * 8 and length.wanted() == 2
+    length.may_rest = False  # in a step of one or two sequences misses cost next to nothing: no rest
+    for _ in range(5):
+        length.no_proposal()
+    assert length.wanted() == 2
 
 
 def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: str = "ngram", proposer=None):

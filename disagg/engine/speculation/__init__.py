@@ -32,6 +32,7 @@ class SpeculationConfig:
     ngram_max: int = 4  # prompt lookup: the longest suffix looked for earlier in the sequence
     ngram_min: int = 2  # and the shortest (one token found earlier predicts too little: proposals wasted 3x as often here)
     max_batch: int = 8  # rows guess only in steps of at most this many sequences: above it, async steps of one token a row are worth more
+    rest_above: int = 2  # rows that keep missing rest only in steps of more sequences than this (below, a guess row costs next to nothing)
 
     def __post_init__(self):
         if self.method not in METHODS:

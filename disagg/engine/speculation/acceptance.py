@@ -39,6 +39,7 @@ class AdaptiveLength:
     rest_steps: int = 8
     shortest_rest: int = 8
     longest_rest: int = 256
+    may_rest: bool = True  # set per step: alone or nearly, a miss costs next to nothing and the row keeps guessing
 
     def __post_init__(self):
         self.length = self.limit
@@ -67,6 +68,8 @@ class AdaptiveLength:
         self._missed()
 
     def _missed(self) -> None:
+        if not self.may_rest:
+            return
         self.misses += 1
         if self.misses >= self.misses_before_rest:
             self.misses, self.resting = 0, self.rest_steps

@@ -28,8 +28,10 @@ class RowSpeculation:
         step in flight, since guesses follow the row's newest token."""
         return not self.length.resting
 
-    def wanted(self, budget: int) -> int:
-        """How many guesses this step: the adaptive length, at most budget (what the row's length limits allow)."""
+    def wanted(self, budget: int, may_rest: bool = True) -> int:
+        """How many guesses this step: the adaptive length, at most budget (what the row's length limits allow).
+        may_rest: whether misses at this step count towards a rest (not in a batch small enough that they cost nothing)."""
+        self.length.may_rest = may_rest
         return max(0, min(self.length.wanted(), budget))
 
     def no_proposal(self) -> None:
