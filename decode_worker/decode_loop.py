@@ -318,10 +318,6 @@ class DecodeLoop:
         # The first token came from prefill; it may already end the request.
         reason = token_finish(seq.first_token, 1, seq.prompt_len + 1, seq.stopping, self.max_seq_len)
         self._active[seq.slot] = seq
-        if seq.speculation is not None and self.proposer.on_device:
-            # The draft's KV of the context: on the device thread, before the row's first step.
-            drafted = self._device.submit(self.proposer.start, seq.speculation)
-            drafted.add_done_callback(lambda done: self._start_done(seq, done))
         if seq.table:
             # Queued on the device thread as the penalty state below: the slot's new table
             # lands after every step of its previous owner, before this sequence's first.

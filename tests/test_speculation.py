@@ -148,7 +148,7 @@ def test_a_draft_models_guesses_change_no_token_and_are_kept():
 
     from disagg.engine.backends import load_backend
     from disagg.engine.requests import Sampling
-    from disagg.engine.speculation.draft import DraftProposer
+    from disagg.engine.speculation.draft import CATCH_UP_ROWS, DraftProposer
 
     ref = reference("llama")
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
@@ -158,6 +158,9 @@ def test_a_draft_models_guesses_change_no_token_and_are_kept():
     text = paragraphs()
     samplings = [Sampling(), Sampling(temperature=0.8, seed=21), Sampling(), Sampling(temperature=1.0, top_p=0.9, seed=22), Sampling(logprobs=1)]
     cases = [(ref.ids(" ".join(text[5 * i % len(text)].split()[:6])), sampling, 30 + 7 * i) for i, sampling in enumerate(samplings)]
+    long_context = ref.ids(" ".join(text[:4]))  # the draft takes its prompt in pieces of CATCH_UP_ROWS the first time
+    assert len(long_context) > 2 * CATCH_UP_ROWS
+    cases.append((long_context, Sampling(), 40))
     plain, _ = decode_in_process(backend, None, cases)
     speculated, stats = decode_in_process(backend, GUESSES, cases, method="draft", proposer=DraftProposer(draft))
     assert speculated == plain

@@ -1,11 +1,12 @@
 """The draft-model proposer: a second, smaller checkpoint with the target's tokenizer, run by the
 same backend on the decode worker's device thread, with a KV slot of its own per decode slot.
 
-When a row joins, the draft prefills the row's context into its slot (the draft's prompt KV is
-recomputed here rather than sent by the prefill worker: a draft is the cheap model, and its
-prefill of a prompt costs a fraction of the target's). Each step, it first takes in the tokens
-the row kept since it last ran (several rows of one sequence in one step, as a verify step
-takes a row's guesses), then guesses greedily one token a step. Its K/V past the guesses the
+The first time a row guesses, the draft computes the K/V of the row's context into its slot
+(recomputed here rather than sent by the prefill worker: a draft is the cheap model, and its
+prefill of a prompt costs a fraction of the target's; and a row that never guesses, in a batch
+too large to speculate, costs the draft nothing). Each time, it first takes in the tokens the
+row kept since it last ran (several rows of one sequence in one step, as a verify step takes a
+row's guesses, in pieces of at most CATCH_UP_ROWS), then guesses greedily one token a step. Its K/V past the guesses the
 target kept is written over by the next catch-up, as the target's is.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from ...kv_transport.chunk_codec import KvKind
 from ..backends import Backend, StepInputs
 from ..requests import Sampling
 from ..sampler import params_row
@@ -36,8 +36,11 @@ def check_draft_matches(target: str, draft: str) -> None:
         raise ValueError(f"--draft-model {draft}: its BOS/EOS ids {specials[1]} are not the model's {specials[0]}")
 
 
+CATCH_UP_ROWS = 64  # a row's tokens the draft takes in at once (a prompt's, the first time): the native step's prefill size
+
+
 class DraftProposer:
-    """Runs on the device thread only (start, propose)."""
+    """Runs on the device thread only (propose)."""
 
     on_device = True
 
@@ -45,26 +48,20 @@ class DraftProposer:
         self.backend = backend
         self._greedy = params_row(Sampling())
 
-    def start(self, row: RowSpeculation) -> None:
-        """The draft's K/V of the row's context (all but its newest token, the next input) into its slot."""
-        context = row.tokens[:-1]
-        result = self.backend.prefill(context, Sampling())
-        for layer, (keys, values) in enumerate(result.layers):
-            self.backend.write_kv([row.slot], layer, KvKind.KEY, 0, keys)
-            self.backend.write_kv([row.slot], layer, KvKind.VALUE, 0, values)
-        row.draft_seen = len(context)
-
     @torch.inference_mode()
     def propose(self, wanted: list[tuple[RowSpeculation, int]]) -> list[list[int]]:
         wanted = [(row, min(count, self.backend.info.max_seq_len - len(row.tokens))) for row, count in wanted]
         guesses: list[list[int]] = [[] for _ in wanted]
         # First step: each row's tokens the draft has not seen, its newest last; the last row's logits give the first guess.
         # (At least the newest token: its K/V may be there from guesses made for a step that was rebuilt, but not its logits.)
-        starts = [min(row.draft_seen, len(row.tokens) - 1) for row, _ in wanted]
-        feeds = [(row.slot, row.tokens[start:], start) for (row, count), start in zip(wanted, starts) if count > 0]
         live = [i for i, (_, count) in enumerate(wanted) if count > 0]
         if not live:
             return guesses
+        feeds = []
+        for i in live:
+            row = wanted[i][0]
+            start = self._caught_up(row)
+            feeds.append((row.slot, row.tokens[start:], start))
         tokens = self._step(feeds)
         for i, token in zip(live, tokens):
             row = wanted[i][0]
@@ -79,6 +76,15 @@ class DraftProposer:
                 guesses[i].append(token)
                 wanted[i][0].draft_seen += 1
         return guesses
+
+    def _caught_up(self, row: RowSpeculation) -> int:
+        """Takes in the row's unseen tokens but the last CATCH_UP_ROWS (whose last row's logits give the first
+        guess) in pieces of CATCH_UP_ROWS; returns where the rest starts."""
+        start = min(row.draft_seen, len(row.tokens) - 1)
+        while len(row.tokens) - start > CATCH_UP_ROWS:
+            self._step([(row.slot, row.tokens[start : start + CATCH_UP_ROWS], start)])
+            start += CATCH_UP_ROWS
+        return start
 
     def _step(self, feeds: list[tuple[int, list[int], int]]) -> list[int]:
         """One draft step: per feed (slot, tokens, first position) its rows; the greedy token after each feed's last row."""

@@ -12,8 +12,5 @@ from .rows import RowSpeculation
 class NgramProposer:
     on_device = False  # cheap host work: on the decode loop's thread
 
-    def start(self, row: RowSpeculation) -> None:
-        pass
-
     def propose(self, wanted: list[tuple[RowSpeculation, int]]) -> list[list[int]]:
         return [row.index.propose(count) for row, count in wanted]
