@@ -7,7 +7,9 @@
   free:      the first words of a paragraph alone: nothing in the prompt to look up.
 
 Both greedy, ignore_eos, --output-len tokens out; max(12, 4 x streams) requests per stream count
-after a warm-up of one request per stream. The model is trained on local text as the tests' models
+after a warm-up of one request per stream. Every system is up at once and each point is measured for
+each in turn, --rounds times (this host is shared: a system measured minutes after another can read
+20% slower or faster on its own). The model is trained on local text as the tests' models
 are (--model overrides it). Reports tok/s, the ratio with / without, the acceptance rate (guesses
 kept / guesses scored) and the mean accepted length (tokens a speculating row emits per step), from
 the decode worker's metrics:
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -80,25 +83,47 @@ def speculation_counters(cluster) -> tuple[float, float, float]:
     return scored, kept, rows
 
 
-async def measure(make_client, counters, tokenizer, streams: list[int], workloads: list[str], output_len: int) -> dict:
-    """counters: () -> (scored, kept, rows that guessed), or None for a peer (no such metrics)."""
-    out: dict = {}
-    async with make_client() as client:
-        for name in workloads:
+async def measure_point(client, counters, work: list[RequestSpec], n: int) -> dict:
+    """One stream count's closed loop after a warm-up of one request per stream."""
+    await closed_loop(client, work[:n], n, _NoBar())
+    before = counters() if counters else (0.0, 0.0, 0.0)
+    started = time.perf_counter()
+    results = await closed_loop(client, work, n, _NoBar())
+    elapsed = time.perf_counter() - started
+    scored, kept, rows = (b - a for a, b in zip(before, counters() if counters else (0.0, 0.0, 0.0)))
+    return {
+        "tok_s": round(sum(r.output_tokens for r in results if r.ok) / elapsed, 2), "failed": sum(not r.ok for r in results),
+        "acceptance": round(kept / scored, 3) if scored else None, "mean_accepted_length": round(1 + kept / rows, 2) if rows else None,
+    }
+
+
+async def measure(systems: dict, tokenizer, streams: list[int], workloads: list[str], output_len: int, rounds: int) -> dict:
+    """systems: name -> (make_client, counters or None). Each point is measured for every system in turn,
+    `rounds` times, so a slow minute of this shared host falls on all of them alike; each system's point
+    is its median round, and each ratio to plain the median of the rounds' ratios."""
+    out: dict = {name: {} for name in systems}
+    clients = {name: make_client() for name, (make_client, _) in systems.items()}
+    for client in clients.values():
+        await client.__aenter__()
+    try:
+        for workload_name in workloads:
             for n in streams:
-                work = workload(tokenizer, name, max(12, 4 * n), output_len)
-                await closed_loop(client, work[:n], n, _NoBar())  # warm-up
-                before = counters() if counters else (0.0, 0.0, 0.0)
-                started = time.perf_counter()
-                results = await closed_loop(client, work, n, _NoBar())
-                elapsed = time.perf_counter() - started
-                scored, kept, rows = (b - a for a, b in zip(before, counters() if counters else (0.0, 0.0, 0.0)))
-                tok_s = sum(r.output_tokens for r in results if r.ok) / elapsed
-                out[f"{name}/{n}"] = {
-                    "tok_s": round(tok_s, 2), "failed": sum(not r.ok for r in results),
-                    "acceptance": round(kept / scored, 3) if scored else None, "mean_accepted_length": round(1 + kept / rows, 2) if rows else None,
-                }
-                print(f"  {name}, {n} streams: {out[f'{name}/{n}']}", flush=True)
+                work = workload(tokenizer, workload_name, max(12, 4 * n), output_len)
+                points: dict = {name: [] for name in systems}
+                for _ in range(rounds):
+                    for name, (_, counters) in systems.items():
+                        points[name].append(await measure_point(clients[name], counters, work, n))
+                key = f"{workload_name}/{n}"
+                for name, runs in points.items():
+                    best = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+                    out[name][key] = {**best, "rounds_tok_s": [r["tok_s"] for r in runs]}
+                    if "plain" in points and name != "plain":
+                        ratios = sorted(r["tok_s"] / p["tok_s"] for r, p in zip(runs, points["plain"]))
+                        out[name][key]["vs_plain"] = round(ratios[len(ratios) // 2], 3)
+                    print(f"  {name}, {key}: {out[name][key]}", flush=True)
+    finally:
+        for client in clients.values():
+            await client.__aexit__(None, None, None)
     return out
 
 
@@ -123,6 +148,7 @@ def main() -> None:
                              "with --spec-type ngram-simple, vLLM): repeatable")
     parser.add_argument("--draft-model", default=None, help="the draft checkpoint (default with the default model: DRAFT, trained on first use)")
     parser.add_argument("--systems", default="plain,ngram,draft", help="which of ours to run: plain, ngram, draft")
+    parser.add_argument("--rounds", type=int, default=3, help="each point measured this many times for every system in turn (median)")
     parser.add_argument("--only-peers", action="store_true", help="measure the --peer servers alone")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -137,22 +163,18 @@ def main() -> None:
         systems["draft"] = ["--speculative-method", "draft", "--draft-model", args.draft_model or str(ensure_tiny_model(DRAFT)), *guesses]
     systems = {name: systems[name] for name in args.systems.split(",")} if not args.only_peers else {}
     results = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": model, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M")}
-    for name, flags in systems.items():
-        print(f"{name}:", flush=True)
-        spec = ClusterSpec(model=model, batch_size=max(streams), worker_args=flags, log_dir=f"/tmp/bench-speculation-{name}")
-        with LocalCluster(spec) as cluster:
-            def make_client():
-                return AsyncClient(cluster.router_address, timeout=900)
-
-            results[name] = asyncio.run(measure(make_client, lambda: speculation_counters(cluster), tokenizer, streams, workloads, args.output_len))
-    for peer in args.peer:  # a server already running, over its OpenAI API: the same prompts as token ids
+    peers = {}
+    for peer in args.peer:  # servers already running, over their OpenAI API: the same prompts as token ids
         name, url = peer.split("=", 1)
-        print(f"{name}:", flush=True)
-        results[name] = asyncio.run(measure(lambda: OpenAIClient(url, timeout=900), None, tokenizer, streams, workloads, args.output_len))
-    for key, plain in results.get("plain", {}).items():
-        for name in results:
-            if isinstance(results[name], dict) and name != "plain" and key in results[name]:
-                results[name][key]["vs_plain"] = round(results[name][key]["tok_s"] / plain["tok_s"], 3)
+        peers[name] = (lambda url=url: OpenAIClient(url, timeout=900), None)
+    with contextlib.ExitStack() as stack:
+        measured = {}
+        for name, flags in systems.items():  # all of ours up at once: each point measured for each in turn
+            spec = ClusterSpec(model=model, batch_size=max(streams), worker_args=flags, log_dir=f"/tmp/bench-speculation-{name}")
+            cluster = stack.enter_context(LocalCluster(spec))
+            measured[name] = (lambda address=cluster.router_address: AsyncClient(address, timeout=900),
+                              lambda cluster=cluster: speculation_counters(cluster))
+        results.update(asyncio.run(measure({**measured, **peers}, tokenizer, streams, workloads, args.output_len, args.rounds)))
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:
