@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -115,11 +116,12 @@ async def measure(systems: dict, tokenizer, streams: list[int], workloads: list[
                         points[name].append(await measure_point(clients[name], counters, work, n))
                 key = f"{workload_name}/{n}"
                 for name, runs in points.items():
-                    best = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
-                    out[name][key] = {**best, "rounds_tok_s": [r["tok_s"] for r in runs]}
+                    middle = sorted(runs, key=lambda r: r["tok_s"])[(len(runs) - 1) // 2]  # the lower middle of an even count
+                    out[name][key] = {**middle, "tok_s": round(statistics.median(r["tok_s"] for r in runs), 2), "rounds_tok_s": [r["tok_s"] for r in runs]}
                     if "plain" in points and name != "plain":
-                        ratios = sorted(r["tok_s"] / p["tok_s"] for r, p in zip(runs, points["plain"]))
-                        out[name][key]["vs_plain"] = round(ratios[len(ratios) // 2], 3)
+                        ratios = [r["tok_s"] / p["tok_s"] for r, p in zip(runs, points["plain"])]
+                        out[name][key]["vs_plain"] = round(statistics.median(ratios), 3)
+                        out[name][key]["rounds_vs_plain"] = [round(ratio, 3) for ratio in ratios]
                     print(f"  {name}, {key}: {out[name][key]}", flush=True)
     finally:
         for client in clients.values():
