@@ -246,9 +246,17 @@ class DecodeLoop:
         are not known yet), or a row would guess next, in a batch small enough to speculate."""
         if in_flight.speculative:
             return True
+        return self._worth_guessing()
+
+    def _worth_guessing(self) -> bool:
+        """Whether the next step should guess: speculation on, a batch small enough, and rows ready to guess
+        whose recent guesses were kept enough to pay for the wait (any, alone or nearly: it costs next to nothing)."""
         if self.speculation is None or len(self._active) > self.speculation.max_batch:
             return False
-        return any(s.speculation is not None and s.speculation.ready for s in self._active.values())
+        ready = [s.speculation for s in self._active.values() if s.speculation is not None and s.speculation.ready]
+        if len(self._active) <= self.speculation.rest_above:
+            return bool(ready)
+        return sum(row.expected for row in ready) >= self.speculation.worth_share * len(self._active)
 
     def _take_in_arrivals(self, queued: _Step | None, running: _Step) -> _Step | None:
         """Until step k (`running`) ends, step k+1 (`queued`) only waits behind it on the
@@ -421,7 +429,8 @@ class DecodeLoop:
         for s in rows:
             s.scheduled += 1
             s.in_flight += 1
-        matchers = [rows[i].matcher if j == 0 else None for i, count in enumerate(counts) for j in range(count)]
+        # A speculating row's matcher on each of its rows: advanced by its input token, then by each guess in turn.
+        matchers = [rows[i].matcher for i, count in enumerate(counts) for _ in range(count)]
         matchers = matchers if any(m is not None for m in matchers) else None
         output = self._device.submit(self._device_step, inputs, torch.tensor(row_from_prev), self._resumed_from_idle, matchers)
         self._resumed_from_idle = False
@@ -430,7 +439,12 @@ class DecodeLoop:
     def _guesses(self, rows: list[Sequence], from_prev: list[int]) -> list[list[int]]:
         """Each sequence's guesses: only where its input token is on the host (the guesses follow
         it), the batch small enough, and as many as its length limits leave room for."""
-        if self.speculation is None or len(rows) > self.speculation.max_batch:
+        if self.speculation is None:
+            return [[] for _ in rows]
+        if not self._worth_guessing():
+            for s in rows:
+                if s.speculation is not None:
+                    s.speculation.step_without_guesses()
             return [[] for _ in rows]
         wanted: dict[int, tuple[RowSpeculation, int]] = {}
         for i, (s, prev) in enumerate(zip(rows, from_prev)):
@@ -474,7 +488,8 @@ class DecodeLoop:
             carried = last[from_prev.clamp(min=0)]
             inputs.input_ids = torch.where(from_prev >= 0, carried, inputs.input_ids.to(device))
         if matchers is not None:
-            inputs.token_bitmask = self._step_masks(matchers, inputs.input_ids.tolist())
+            guess_rows = None if inputs.guess_index is None else (inputs.guess_index > 0).tolist()
+            inputs.token_bitmask = self._step_masks(matchers, inputs.input_ids.tolist(), guess_rows)
         output = self._decode_step(inputs)
         self._last_output = output.token_ids
         self._last_step_end = time.perf_counter()
@@ -508,15 +523,15 @@ class DecodeLoop:
         self.stats.accepted_tokens += accepted
         self.metrics.count_speculation(proposed, accepted)
 
-    def _step_masks(self, matchers: list[RowMatcher | None], input_ids: list[int]) -> Callable[[], torch.Tensor]:
+    def _step_masks(self, matchers: list[RowMatcher | None], input_ids: list[int], guess_rows: list[bool] | None) -> Callable[[], torch.Tensor]:
         """Device thread: the step's bitmask, for the backend to take after the logits. On an
         accelerator it is filled on the mask thread while the logits compute; on the CPU, here
         and now: the model shares the cores, and a hand-off between threads costs more than it hides."""
         vocab = self.backend.info.vocab_size
         if self._masks_inline:
-            bitmask = step_bitmask(matchers, input_ids, vocab)
+            bitmask = step_bitmask(matchers, input_ids, vocab, guess_rows)
             return lambda: bitmask
-        return self._masks.submit(step_bitmask, matchers, input_ids, vocab).result
+        return self._masks.submit(step_bitmask, matchers, input_ids, vocab, guess_rows).result
 
     def _process(self, step: _Step) -> None:
         try:
@@ -537,6 +552,8 @@ class DecodeLoop:
             kept = seq.speculation.kept(guesses, produced) if guesses else produced
             if guesses:
                 self._count_guesses(len(guesses), len(kept) - 1)
+                if seq.matcher is not None:  # this step's masks are done with (the step was processed first): no other thread holds it
+                    seq.matcher.keep_guesses(len(kept) - 1)
             events.append(self._emit(seq, kept, logprobs[first : first + len(kept)]))
         self.stats.steps += 1
         self.stats.tokens += sum(len(e.token_ids) for e in events)

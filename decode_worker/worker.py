@@ -397,7 +397,7 @@ class DecodeWorker:
         self.decode_loop.admit(self._sequence(stream, reservation, commit.first_token))
 
     def _sequence(self, stream: DecodeStream, reservation: Reservation, first_token: int) -> Sequence:
-        speculation = row_speculation(self.decode_loop.speculation, reservation.slot, stream.context_ids, first_token, stream.matcher is not None)
+        speculation = row_speculation(self.decode_loop.speculation, reservation.slot, stream.context_ids, first_token)
         return Sequence(
             stream.key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step,
             stream.context_ids if stream.sampling.penalized else (), table=tuple(reservation.table) if self.blocks is not None else (),

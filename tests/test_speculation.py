@@ -100,7 +100,7 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: s
             backend.write_kv(table, layer, KvKind.KEY, 0, k)
             backend.write_kv(table, layer, KvKind.VALUE, 0, v)
         out[str(i)] = [result.first_token]
-        rows = row_speculation(config, i, tuple(ids), result.first_token, False)
+        rows = row_speculation(config, i, tuple(ids), result.first_token)
         loop.admit(Sequence(str(i), i, len(ids), result.first_token, sampling, Stopping(max_new), table=tuple(table), speculation=rows))
     assert done.wait(300), "the batch did not finish"
     loop.stop()
@@ -310,6 +310,27 @@ def test_logprobs_of_kept_guesses_are_the_targets(speculating_cluster, llama_ref
         assert abs(entry.logprob - reference[i, expected[i]].item()) < 1e-3, i
         top = reference[i].topk(2)
         assert [alt[0] for alt in entry.top] == top.indices.tolist()
+
+
+@pytest.mark.parametrize("kind", ["words", "json_schema", "regex"])
+def test_constrained_rows_speculate_and_equal_generate_under_the_same_mask(speculating_cluster, llama_ref, kind):
+    """A guess the grammar refuses is never consumed by the row's matcher, the kept ones stay consumed,
+    the rest are taken back: the same tokens as transformers' generate() with the grammar as a logits processor."""
+    import llguidance
+    from test_structured_output import CASES, PROMPT, constrained_reference
+
+    if kind == "words":  # a prompt whose words repeat, in the grammar's words: prompt lookup guesses, many kept
+        words = r"((the|a|cat|dog|sat|on|mat) ){10,40}"
+        constraint, grammar, prompt = dict(regex=words), llguidance.LLMatcher.grammar_from_regex(words), "the cat sat on the mat " * 4 + "the"
+    else:
+        constraint, make_grammar, _ = CASES[kind]
+        grammar, prompt = make_grammar(), PROMPT
+    expected, _ = constrained_reference(llama_ref, prompt, grammar, 80)
+    before = accepted(speculating_cluster)
+    with Client(speculating_cluster.router_address, timeout=120) as client:
+        assert client.complete(prompt, max_new_tokens=80, **constraint).token_ids == expected
+    if kind == "words":
+        assert accepted(speculating_cluster) - before >= 10
 
 
 @pytest.mark.parametrize("size", [6, 16])

@@ -26,6 +26,8 @@ class RowMatcher:
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
         self._warned = False
+        self.guessed = 0  # speculative guesses consumed in the step being computed (taken back after it: keep_guesses)
+        self._guessing = False
 
     def advance(self, token: int) -> None:
         """The row produced `token`. A token the grammar refuses (it was masked: only when the
@@ -33,6 +35,23 @@ class RowMatcher:
         if not self.matcher.consume_token(token) and not self._warned:
             self._warned = True
             log.warning("constraint matcher refused token %d: %s", token, self.matcher.get_error().splitlines()[:1])
+
+    def advance_guess(self, token: int) -> bool:
+        """A speculative guess follows: consumed where the grammar allows it (the next row's mask is then
+        the grammar's after it); a guess it refuses is not consumed, and this step's later guesses neither:
+        the token sampled before it cannot equal it, so no row after it is kept."""
+        self._guessing = self._guessing and self.matcher.try_consume_tokens([token]) == 1
+        self.guessed += self._guessing
+        return self._guessing
+
+    def start_step(self) -> None:
+        self.guessed, self._guessing = 0, True
+
+    def keep_guesses(self, kept: int) -> None:
+        """After a speculative step: of the guesses consumed, the first `kept` stay (the row kept them)."""
+        if self.guessed > kept:
+            self.matcher.rollback(self.guessed - kept)
+        self.guessed = 0
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into bitmask[row] (EOS only once the grammar is done or failed)."""
@@ -50,12 +69,19 @@ def first_token_bitmask(matcher: RowMatcher, vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-def step_bitmask(matchers: list[RowMatcher | None], input_ids: list[int], vocab_size: int) -> torch.Tensor:
+def step_bitmask(matchers: list[RowMatcher | None], input_ids: list[int], vocab_size: int, guess_rows: list[bool] | None = None) -> torch.Tensor:
     """[n, words] int32 for one decode step: each constrained row's matcher advanced by its input
-    token, then its mask filled; the unconstrained rows' rows all ones."""
+    token, then its mask filled; the unconstrained rows' rows all ones. guess_rows: which rows are a
+    speculating row's guesses (its matcher repeated on them, in order: each advanced by its guess)."""
     bitmask = torch.full((len(matchers), bitmask_words(vocab_size)), -1, dtype=torch.int32)
     for row, (matcher, token) in enumerate(zip(matchers, input_ids)):
-        if matcher is not None:
-            matcher.advance(token)
-            matcher.fill(bitmask, row)
+        if matcher is None:
+            continue
+        if guess_rows is not None and guess_rows[row]:
+            if matcher.advance_guess(token):
+                matcher.fill(bitmask, row)
+            continue  # past a refused guess: the row is not kept, its mask does not matter
+        matcher.advance(token)
+        matcher.start_step()
+        matcher.fill(bitmask, row)
     return bitmask

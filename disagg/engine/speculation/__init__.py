@@ -33,6 +33,9 @@ class SpeculationConfig:
     ngram_min: int = 2  # and the shortest (one token found earlier predicts too little: proposals wasted 3x as often here)
     max_batch: int = 8  # rows guess only in steps of at most this many sequences: above it, async steps of one token a row are worth more
     rest_above: int = 2  # rows that keep missing rest only in steps of more sequences than this (below, a guess row costs next to nothing)
+    # Above rest_above sequences, a step waits for the one before it (to guess) only where the rows' recent kept
+    # guesses add at least this share of the batch's tokens: the wait costs every row its async overlap.
+    worth_share: float = 0.25
 
     def __post_init__(self):
         if self.method not in METHODS:

@@ -7,6 +7,8 @@ from . import SpeculationConfig
 from .acceptance import AdaptiveLength, kept_tokens
 from .ngram import NgramIndex
 
+EXPECTATION_RECOVERY = 0.02  # a row that does not guess is trusted again after about 25 steps
+
 
 class RowSpeculation:
     def __init__(self, config: SpeculationConfig, slot: int, context_ids: tuple[int, ...], first_token: int):
@@ -16,6 +18,9 @@ class RowSpeculation:
         self.draft_seen = 0  # positions whose K/V the draft model holds (draft.py); 0 until its prefill
         self.proposed = 0  # guesses made, over the row's life
         self.accepted = 0  # of those, kept
+        # Tokens its guesses add to a step, recently (halved each step with guesses, then the step's kept guesses
+        # added at half weight); while it does not guess it drifts back up, so a row is tried again in time.
+        self.expected = 1.0
 
     @property
     def tokens(self) -> list[int]:
@@ -36,10 +41,13 @@ class RowSpeculation:
 
     def no_proposal(self) -> None:
         self.length.no_proposal()  # text that never repeats rests the row
+        self.expected *= 0.5
 
     def step_without_guesses(self) -> None:
-        """A step the row joins without guessing (its input token not on the host yet): a resting row's rest goes on."""
+        """A step the row joins without guessing (its input token not on the host yet, or guesses not worth a
+        step's wait): a resting row's rest goes on, and its expectation drifts back up."""
         self.length.wanted()
+        self.expected = min(1.0, self.expected + EXPECTATION_RECOVERY)
 
     def kept(self, guesses: list[int], produced: list[int]) -> list[int]:
         """The tokens the row keeps from its step (produced: the target's, one per row), counted."""
@@ -48,6 +56,7 @@ class RowSpeculation:
         self.proposed += len(guesses)
         self.accepted += accepted
         self.length.observe(len(guesses), accepted)
+        self.expected = 0.5 * self.expected + 0.5 * accepted
         # The draft's K/V at the guesses' positions holds for the guesses kept only.
         self.draft_seen = min(self.draft_seen, len(self.tokens) + accepted)
         return kept
@@ -56,10 +65,10 @@ class RowSpeculation:
         self.index.extend(tokens)
 
 
-def row_speculation(config: SpeculationConfig | None, slot: int, context_ids: tuple[int, ...], first_token: int, constrained: bool):
-    """The row's speculation, or None where it decodes one token a step: speculation off, or a row
-    with a constraint (its matcher's state per guess is not built yet; such rows run beside
-    speculating ones in the same steps, unchanged)."""
-    if config is None or constrained:
+def row_speculation(config: SpeculationConfig | None, slot: int, context_ids: tuple[int, ...], first_token: int):
+    """The row's speculation, or None with speculation off. Every row speculates: penalized ones (their
+    guesses counted as generated, torch_backend.guesses_before) and constrained ones (their matcher
+    advanced by each guess the grammar allows, and taken back to the kept ones: constraints/rows.py)."""
+    if config is None:
         return None
     return RowSpeculation(config, slot, context_ids, first_token)
