@@ -170,6 +170,16 @@ def test_a_draft_models_guesses_change_no_token_and_are_kept():
     assert stats.accepted_tokens >= 0.3 * stats.proposed_tokens > 0
 
 
+def test_lmis_speculative_draft_model_and_length_are_a_draft_models_speculation(tmp_path):
+    from decode_worker.__main__ import parse_config
+
+    properties = tmp_path / "serving.properties"
+    properties.write_text("option.model_id=/models/target\noption.speculative_draft_model=/models/draft\noption.speculative_length=5\n")
+    config = parse_config(["--serving-properties", str(properties)])
+    assert (config.model, config.speculative_method, config.draft_model, config.num_speculative_tokens) == ("/models/target", "draft", "/models/draft", 5)
+    assert config.speculation().num_tokens == 5
+
+
 def test_a_draft_of_another_tokenizer_is_refused_at_start_up_with_one_line():
     """Before either model loads (decode_worker/grpc_edge.py's check_draft, the first thing serve() does)."""
     from conftest import tiny_model

@@ -45,6 +45,9 @@ LMI_OPTIONS = {
     "option.max_input_len": ("max_context_length", int),
     "option.quantize": ("quantization", lmi_quantize),
     "option.load_in_8bit": ("quantization", lmi_load_in_8bit),
+    # transformers-neuronx's speculative sampling with a draft model, as LMI configures it: --speculative-method draft.
+    "option.speculative_draft_model": ("draft_model", str),
+    "option.speculative_length": ("num_speculative_tokens", int),
 }
 LMI_UNSUPPORTED = {
     "option.rolling_batch": "ignored: disagg always batches continuously",
