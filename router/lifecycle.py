@@ -45,7 +45,11 @@ log = logging.getLogger(__name__)
 # the router counted as free (it is still retiring the previous request's slot).
 SLOT_RETRY_SECONDS = 0.005
 # Worker codes that mean "this worker, not the request": try elsewhere.
-LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+# A worker's call ending so means the worker went away, not the request: it moves to another worker.
+# CANCELLED too: no worker cancels a call itself; a worker's server cancels the calls it still holds
+# when it stops (a worker that lost its device drains and exits), and the router's own cancel of a
+# call surfaces as asyncio's CancelledError, never as this status.
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
 # What a worker stream yields: new token ids, the finish they bring, their logprobs when asked.
 Tokens = tuple[list[int], FinishReason, list[TokenLogprobs] | None]
 
@@ -130,7 +134,7 @@ def worker_failure(worker: Worker, exc: grpc.aio.AioRpcError) -> Exception:
     code = exc.code()
     if code in LOST:
         return WorkerLost(worker, f"{code.name}: {exc.details()}", unreachable=code is grpc.StatusCode.UNAVAILABLE)
-    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return RequestError(f"{worker.role} worker {worker.address}: {exc.details()}", code)
     return RequestError(f"{worker.role} worker {worker.address} failed: {code.name}: {exc.details()}", grpc.StatusCode.INTERNAL)
 
