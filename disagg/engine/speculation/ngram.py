@@ -2,7 +2,7 @@
 prompt or output, propose the tokens that followed them there.
 
 The index keeps, for each n in [min_n, max_n], where each n-gram last ended, updated
-as tokens arrive (max_n dictionary writes a token), so a proposal costs max_n look-ups
+as tokens arrive (a dictionary write a size, a token), so a proposal costs a look-up a size
 however long the sequence: no scan of the history per step.
 """
 
