@@ -45,6 +45,7 @@ model runs on a single device thread.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -404,7 +405,7 @@ class DecodeLoop:
         from_prev = [prev_index.get(id(s), -1) for s in rows]
         guesses = self._guesses(rows, from_prev)
         counts = [1 + len(g) for g in guesses]
-        first_row = [sum(counts[:i]) for i in range(len(counts))]
+        first_row = list(itertools.accumulate(counts[:-1], initial=0))
         # A sequence's rows: its input token at its position, then each guess at the positions after it.
         ids = [t for i, s in enumerate(rows) for t in [s.last_token if from_prev[i] < 0 else 0, *guesses[i]]]
         positions = [s.prompt_len + s.scheduled - 1 + j for i, s in enumerate(rows) for j in range(counts[i])]

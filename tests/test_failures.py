@@ -36,14 +36,19 @@ def cluster(cluster_logs, request):
     cluster.stop()
 
 
-@pytest.fixture
-def held_cluster(cluster_logs, request, tmp_path, monkeypatch):
-    """The cluster above, its decode workers' steps after HELD_AFTER_STEPS held until
-    the returned path exists (faults.TEST_HOLD_DECODE_STEP): a stream the test acts on
-    is certainly still running then, however fast the host (300 tiny-model tokens take
-    well under a second on a fast one)."""
+def hold_decode_steps(monkeypatch, tmp_path):
+    """The path whose creation releases the decode steps after HELD_AFTER_STEPS of the workers started
+    from here on (faults.TEST_HOLD_DECODE_STEP): a stream the test acts on is certainly still running
+    then, however fast the host (300 tiny-model tokens take well under a second on a fast one)."""
     release = tmp_path / "release-decode-steps"
     monkeypatch.setenv(TEST_HOLD_DECODE_STEP, f"after={HELD_AFTER_STEPS},until={release}")
+    return release
+
+
+@pytest.fixture
+def held_cluster(cluster_logs, request, tmp_path, monkeypatch):
+    """The cluster above, its decode steps held (hold_decode_steps) until the returned path exists."""
+    release = hold_decode_steps(monkeypatch, tmp_path)
     wait = ["--worker-wait-seconds", "1"]
     cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=2, decode=2, batch_size=4, http_port=0, router_args=wait)
     yield cluster, release

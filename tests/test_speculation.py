@@ -7,17 +7,15 @@ import asyncio
 import signal
 import urllib.request
 
-import grpc
 import pytest
 from conftest import assert_nothing_held, start_cluster
 from prometheus_client.parser import text_string_to_metric_families
+from test_failures import active_decode_worker, first_tokens, hold_decode_steps
 
 from disagg.clients.grpc_client import AsyncClient, Client
 from disagg.engine.speculation.acceptance import AdaptiveLength, kept_tokens
 from disagg.engine.speculation.ngram import NgramIndex
 from disagg.tools.tinymodel import paragraphs
-from disagg.v1 import worker_pb2 as wpb
-from disagg.v1 import worker_pb2_grpc as wgrpc
 
 # A paragraph of the tiny model's training text, then its first words again: the model goes on to recite it
 # (loosely: it is tiny), and prompt lookup finds what comes next in the prompt, about two tokens a step.
@@ -357,17 +355,7 @@ def test_a_mixed_batch_gets_what_each_request_gets_alone(speculating_cluster, ll
         if i % 8 == 3:
             params.update(repetition_penalty=1.3)
         cases.append((prompt, params))
-
-    async def batch():
-        async with AsyncClient(speculating_cluster.router_address, timeout=300) as client:
-            return await asyncio.gather(*(client.complete(prompt, **params) for prompt, params in cases))
-
-    together = asyncio.run(batch())
-    with Client(speculating_cluster.router_address, timeout=120) as client:
-        for (prompt, params), result in zip(cases, together):
-            if "temperature" not in params and "repetition_penalty" not in params:
-                assert result.token_ids == llama_ref.greedy(prompt, params["max_new_tokens"], ignore_eos=True)
-            assert result.token_ids == client.complete(prompt, **params).token_ids
+    assert_batch_gets_what_each_gets_alone(speculating_cluster, llama_ref, cases)
     assert accepted(speculating_cluster) > before
     assert_nothing_held(speculating_cluster)
 
@@ -416,12 +404,9 @@ def test_other_architectures_and_transports_with_prefix_hits_equal_generate(clus
 
 @pytest.fixture
 def held_speculating_cluster(cluster_logs, tmp_path, monkeypatch):
-    """Two speculating decode workers, their steps after the 20th held until the returned path exists
-    (faults.TEST_HOLD_DECODE_STEP): the stream is certainly running when its worker is killed."""
-    from disagg.engine.faults import TEST_HOLD_DECODE_STEP
-
-    release = tmp_path / "release"
-    monkeypatch.setenv(TEST_HOLD_DECODE_STEP, f"after=20,until={release}")
+    """Two speculating decode workers, their steps held (test_failures.hold_decode_steps) until the
+    returned path exists: the stream is certainly running when its worker is killed."""
+    release = hold_decode_steps(monkeypatch, tmp_path)
     cluster = start_cluster(cluster_logs / "speculating-held", "llama", decode=2, batch_size=4,
                             worker_args=["--speculative-method", "ngram"], router_args=["--worker-wait-seconds", "1"])
     yield cluster, release
@@ -434,15 +419,9 @@ def test_a_speculating_decode_worker_killed_mid_stream_loses_and_repeats_no_toke
     expected = llama_ref.greedy(REPEATING, 300, ignore_eos=True)
     with Client(cluster.router_address, timeout=120) as client:
         stream = client.generate(REPEATING, max_new_tokens=300, ignore_eos=True)
-        received: list[int] = []
-        while len(received) < 5:
-            received += next(stream).token_ids
-        victim = None
-        for name in ("decode-0", "decode-1"):
-            with grpc.insecure_channel(cluster.process(name).address) as channel:
-                if wgrpc.DecodeServiceStub(channel).GetLoad(wpb.LoadRequest(), timeout=5).active:
-                    victim = name
-        assert victim is not None and accepted(cluster) > 0  # held mid-stream, having kept guesses
+        received = first_tokens(stream, 5)
+        victim = active_decode_worker(cluster)  # held mid-stream
+        assert accepted(cluster) > 0  # having kept guesses
         cluster.signal(victim, signal.SIGKILL)
         cluster.process(victim).popen.wait()
         release.touch()
@@ -456,6 +435,21 @@ def test_a_speculating_decode_worker_killed_mid_stream_loses_and_repeats_no_toke
     assert_nothing_held(cluster, within=10.0)
 
 
+def assert_batch_gets_what_each_gets_alone(cluster, llama_ref, cases: list[tuple[str, dict]]) -> None:
+    """The cases sent together: greedy ones equal generate(), every one what it gets alone."""
+
+    async def batch():
+        async with AsyncClient(cluster.router_address, timeout=300) as client:
+            return await asyncio.gather(*(client.complete(prompt, **params) for prompt, params in cases))
+
+    together = asyncio.run(batch())
+    with Client(cluster.router_address, timeout=120) as client:
+        for (prompt, params), result in zip(cases, together):
+            if "temperature" not in params and "repetition_penalty" not in params:
+                assert result.token_ids == llama_ref.greedy(prompt, params["max_new_tokens"], ignore_eos=True)
+            assert result.token_ids == client.complete(prompt, **params).token_ids
+
+
 def test_a_draft_model_through_the_service_with_a_mixed_batch(cluster_logs, llama_ref):
     """--speculative-method draft end to end: greedy rows equal generate(), sampled rows what they get alone."""
     from conftest import tiny_model
@@ -467,17 +461,7 @@ def test_a_draft_model_through_the_service_with_a_mixed_batch(cluster_logs, llam
         cases = [(" ".join(text[3 * i].split()[:6]), dict(max_new_tokens=20 + 9 * i, ignore_eos=True)) for i in range(6)]
         cases[1][1].update(temperature=0.8, seed=5)
         cases[4][1].update(repetition_penalty=1.2)
-
-        async def batch():
-            async with AsyncClient(cluster.router_address, timeout=300) as client:
-                return await asyncio.gather(*(client.complete(prompt, **params) for prompt, params in cases))
-
-        together = asyncio.run(batch())
-        with Client(cluster.router_address, timeout=120) as client:
-            for (prompt, params), result in zip(cases, together):
-                if "temperature" not in params and "repetition_penalty" not in params:
-                    assert result.token_ids == llama_ref.greedy(prompt, params["max_new_tokens"], ignore_eos=True)
-                assert result.token_ids == client.complete(prompt, **params).token_ids
+        assert_batch_gets_what_each_gets_alone(cluster, llama_ref, cases)
         assert accepted(cluster) >= 20
         assert_nothing_held(cluster)
     finally:
