@@ -167,11 +167,20 @@ def draft_proposer(config: DecodeWorkerConfig):
         return None
     from disagg.engine.speculation.draft import DraftProposer
 
-    draft_config = dataclasses.replace(config, model=config.draft_model, quantization=None, kv_cache_dtype=None)
+    draft_config = dataclasses.replace(config, model=config.draft_model, quantization=None, kv_cache_dtype=None, compile=False)
     draft = load_backend(config.backend, **backend_options(draft_config))
+    refuse_unless_scores_guesses(draft, "the draft model's")
     draft.allocate_slots(config.batch_size)
     log.info("speculation: draft model %s, %d layers, up to %s guesses a row", config.draft_model, draft.info.num_layers, config.speculation().num_tokens)
     return DraftProposer(draft)
+
+
+def refuse_unless_scores_guesses(backend, whose: str) -> None:
+    """Speculation needs steps that take a sequence's guesses as rows of their own (Backend.scores_guesses):
+    refused with one line where the backend's step would not (the compiled step, chosen by default on CUDA)."""
+    if not backend.scores_guesses:
+        raise SystemExit(f"decode_worker: --speculative-method: {whose} {type(backend).__name__} step takes one row a sequence "
+                         "(compiled: run it with --no-compile)")
 
 
 def check_draft(config: DecodeWorkerConfig) -> None:
@@ -203,6 +212,8 @@ async def serve(config: DecodeWorkerConfig) -> None:
     startup.report(startup.Phase.LOADING, f"decode worker on port {server.port}: loading {config.model} ({config.backend} backend)")
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **backend_options(config)))
     config = size_slots(config, backend.info, backend.pages_kv)
+    if config.speculative_method is not None:
+        await stop_on_failure(server, lambda: refuse_unless_scores_guesses(backend, "the model's"))
     if not backend.pages_kv:
         log.info("KV cache: one slot of max_seq_len positions per sequence (%s backend%s): no paging, no prefix caching",
                  config.backend, ", compiled step" if config.backend == "torch" else "")

@@ -8,6 +8,7 @@ import signal
 import urllib.request
 
 import pytest
+import torch
 from conftest import assert_nothing_held, start_cluster
 from prometheus_client.parser import text_string_to_metric_families
 from test_failures import active_decode_worker, first_tokens, hold_decode_steps
@@ -108,17 +109,30 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: s
 BLOCK = 8
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral-sw", "gemma2-sw"])
-def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(architecture):
+MODELS = [("llama", None), ("qwen2", None), ("mistral-sw", None), ("gemma2-sw", None), ("llama", "int8"), ("qwen2", "fp8")]
+
+
+@pytest.mark.parametrize("architecture,quantization", MODELS, ids=[a + (f"-{q}" if q else "") for a, q in MODELS])
+def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(architecture, quantization):
     """The same requests decoded with and without guesses: greedy and seeded sampled rows (temperature,
-    top-k, top-p, min-p), penalized ones (their guesses counted as generated), each token the same."""
+    top-k, top-p, min-p), penalized ones (their guesses counted as generated), each token the same; with
+    8-bit weights too (the guesses' rows through the same 8-bit kernels), greedy against generate() on
+    the dequantized checkpoint."""
     from conftest import reference, tiny_model
 
     from disagg.engine.backends import load_backend
+    from disagg.engine.cpu_kernels import small_gemm
     from disagg.engine.requests import Sampling
 
-    ref = reference(architecture)
-    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32")
+    if quantization and small_gemm.kernel(torch.int8) is None:
+        pytest.skip("no AVX2 CPU or C compiler: the 8-bit kernels are not built here")
+    if quantization:
+        from test_quantization import dequantized_reference
+
+        ref = dequantized_reference(architecture, quantization)
+    else:
+        ref = reference(architecture)
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", torch={"quantization": quantization})
     backend.allocate_slots(8, num_blocks=1 + 8 * (backend.info.max_seq_len // BLOCK), block_size=BLOCK)
     text = paragraphs()
     samplings = [
@@ -166,6 +180,21 @@ def test_a_draft_models_guesses_change_no_token_and_are_kept():
         if sampling.temperature == 0:
             assert plain[i] == ref.greedy(ids, n, ignore_eos=True), i
     assert stats.accepted_tokens >= 0.3 * stats.proposed_tokens > 0
+
+
+def test_a_step_that_takes_one_row_a_sequence_is_refused_for_speculation():
+    """The compiled step (chosen by default on CUDA, not by --compile alone) is refused after it loads, in one line."""
+    from conftest import tiny_model
+
+    from decode_worker.grpc_edge import refuse_unless_scores_guesses
+    from disagg.engine.backends import load_backend
+
+    compiled = load_backend("torch", model=tiny_model("llama"), dtype="float32", torch={"compile": True})  # compiles only when slots are allocated
+    with pytest.raises(SystemExit) as refused:
+        refuse_unless_scores_guesses(compiled, "the model's")
+    expected = "decode_worker: --speculative-method: the model's TorchBackend step takes one row a sequence (compiled: run it with --no-compile)"
+    assert str(refused.value) == expected
+    refuse_unless_scores_guesses(load_backend("torch", model=tiny_model("llama"), dtype="float32"), "the model's")  # eager: served
 
 
 def test_lmis_speculative_draft_model_and_length_are_a_draft_models_speculation(tmp_path):

@@ -133,6 +133,12 @@ class Backend(abc.ABC):
         num_blocks); otherwise one slot of every position per sequence, its table [slot]."""
         return False
 
+    @property
+    def scores_guesses(self) -> bool:
+        """Whether a decode step takes several rows of one sequence at consecutive positions (speculation's
+        guesses: StepInputs.guess_index), each writing its K/V line and then attending up to its own position."""
+        return False
+
     @abc.abstractmethod
     def allocate_slots(self, num_slots: int, num_blocks: int = 0, block_size: int = 0) -> int:
         """Allocates the decode KV cache once, for num_slots sequences at a time: num_blocks

@@ -353,6 +353,11 @@ class TorchBackend(Backend):
         """Eager steps read block tables; the compiled step keeps one slot of every position per sequence."""
         return not self.compile
 
+    @property
+    def scores_guesses(self) -> bool:
+        """The eager steps (native, in-place attention, transformers' modules) do; the compiled step takes one row a sequence."""
+        return not self.compile
+
     def allocate_slots(self, num_slots: int, num_blocks: int = 0, block_size: int = 0) -> int:
         """The KV cache for num_slots sequences: num_blocks blocks of block_size positions
         (pages_kv), or else a slot of every position per sequence; compiled, also every
