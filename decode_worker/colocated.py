@@ -93,4 +93,4 @@ class ColocatedPrefillServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._decode._ready(context)
-        return worker_messages.worker_load("prefill", worker.info, capacity=1, queued=self.pending)
+        return worker_messages.worker_load("prefill", worker.info, worker.config, capacity=1, queued=self.pending)

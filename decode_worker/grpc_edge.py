@@ -106,7 +106,7 @@ class DecodeServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._ready(context)
-        return worker_messages.worker_load("decode", worker.info, **worker.load())
+        return worker_messages.worker_load("decode", worker.info, worker.config, **worker.load())
 
 
 _parse_kv_header = lenient_parser(wpb.KvChunk)

@@ -55,7 +55,7 @@ class PrefillServicer:
 
     async def GetLoad(self, request, context) -> wpb.WorkerLoad:
         worker = await self._ready(context)
-        return worker_messages.worker_load("prefill", worker.info, **worker.load())
+        return worker_messages.worker_load("prefill", worker.info, worker.config, **worker.load())
 
 
 async def serve(config: PrefillWorkerConfig) -> None:

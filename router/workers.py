@@ -11,6 +11,9 @@ new requests, the calls it has run to the end, and its channel is closed once
 the router holds no request on it (close waits up to `drain_seconds` for calls
 still open, such as a KV hand-off).
 
+Speculation (router/speculation.py): a worker that answers SERVING is used only where its speculation
+settings are the pool's; one that carries others is refused with one line and gets no requests.
+
 Cache-aware routing (router/prefix_index.py): with a prompt's block hashes, the
 prefill and decode picks weigh where its prefix was sent before against load;
 the pool records each choice, and forgets a worker's blocks when it is marked
@@ -35,6 +38,7 @@ from disagg.v1 import worker_pb2 as wpb
 from disagg.v1 import worker_pb2_grpc as wgrpc
 
 from .prefix_index import PREFILL_QUEUE_SLACK, PrefixIndex, RoutedPrompt, choose_by_overlap
+from .speculation import Speculation, most_carried, refusal
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,7 @@ class Worker:
     load: wpb.WorkerLoad | None = None
     outstanding: int = 0  # this router's requests on it now
     closing: asyncio.Task | None = None  # retired: the channel is closing
+    refused: Speculation | None = None  # serving, but with speculation settings other than the pool's: not used
 
     @property
     def free_slots(self) -> int:
@@ -100,6 +105,7 @@ class WorkerPool:
     worker_wait_seconds: float = 0.0  # with no worker of a role up, how long a request waits for one (wait_for_worker)
     # Called with the worker whenever its health changes (the router's metrics and its own health follow it).
     observe_health: Callable[[Worker], None] | None = None
+    speculation: Speculation | None = None  # the pool's speculation settings (router/speculation.py); None until a worker is taken in
     retired: list[Worker] = field(default_factory=list)  # gone from DNS, finishing their calls
     _answers: dict[Target, frozenset[str]] = field(default_factory=dict)  # last good answer per DNS target
     _waiters: collections.deque = field(default_factory=collections.deque)
@@ -237,14 +243,18 @@ class WorkerPool:
     # -- load polling --------------------------------------------------------
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll(w) for w in self.workers))
+            workers = self.workers
+            serving = await asyncio.gather(*(self._poll(w) for w in workers))
+            self._take_in([w for w, up in zip(workers, serving) if up and w not in self.retired])
             self._changed.set()
             self._admit_waiters()
             self._fail_waiters_if_no_decode()
             self._close_idle_retired()
             await asyncio.sleep(self.poll_seconds)
 
-    async def _poll(self, worker: Worker) -> None:
+    async def _poll(self, worker: Worker) -> bool:
+        """Whether the worker says SERVING, its load taken in (`_take_in` then decides whether it is used);
+        one that does not is marked unavailable here and now."""
         # A worker takes requests while its health says SERVING: a draining
         # worker (SIGTERM) says NOT_SERVING and finishes what it has.
         timeout = max(1.0, self.poll_seconds)
@@ -262,14 +272,36 @@ class WorkerPool:
             reason = exc.code().name
         else:
             reason = "NOT_SERVING"
-        if serving != worker.healthy:
-            log.log(
-                logging.INFO if serving else logging.WARNING, "%s worker %s is %s",
-                worker.role, worker.address, "ready" if serving else f"unavailable ({reason})",
-            )
         if not serving:
+            if worker.healthy:
+                log.warning("%s worker %s is unavailable (%s)", worker.role, worker.address, reason)
+            worker.refused = None  # one refused that comes back is checked (and told about) afresh
             self.prefix.forget(worker)  # down, draining or restarting: its cache will not be there when it is back
-        self._set_healthy(worker, serving)
+            self._set_healthy(worker, False)
+        return serving
+
+    def _take_in(self, serving: list[Worker]) -> None:
+        """Uses the workers that answered SERVING this poll, but those whose speculation settings are not
+        the pool's (router/speculation.py: the pool's are decided anew, by most of these, when it serves on none)."""
+        if not any(w.healthy for w in self.workers) and serving:
+            decided = most_carried(w.load for w in serving)
+            if decided != self.speculation:
+                log.info("the pool's speculation: %s (carried by %d of the %d workers answering)", decided,
+                         sum(Speculation.from_load(w.load) == decided for w in serving), len(serving))
+            self.speculation = decided
+        for worker in serving:
+            carried = Speculation.from_load(worker.load)
+            if carried != self.speculation:
+                if worker.refused != carried:
+                    log.error(refusal(worker.role, worker.address, carried, self.speculation))
+                worker.refused = carried
+                self.prefix.forget(worker)
+                self._set_healthy(worker, False)
+                continue
+            if not worker.healthy:
+                log.info("%s worker %s is ready", worker.role, worker.address)
+            worker.refused = None
+            self._set_healthy(worker, True)
 
     def _set_healthy(self, worker: Worker, serving: bool) -> None:
         if serving == worker.healthy:

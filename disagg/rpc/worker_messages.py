@@ -141,14 +141,24 @@ def finish_from_pb(value: int) -> FinishReason:
     return FinishReason(value)
 
 
-def worker_load(role: str, info, **counts) -> wpb.WorkerLoad:
-    """GetLoad's answer: the model this worker serves, and what it holds now (its memory included)."""
+def worker_load(role: str, info, config, **counts) -> wpb.WorkerLoad:
+    """GetLoad's answer: the model this worker serves and how (config: its WorkerConfig), and what it holds now (its memory included)."""
     memory = sampled_process_memory()
     return wpb.WorkerLoad(
         role=role, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype,
-        kv_cache_dtype=getattr(info, "kv_cache_dtype", ""),
+        kv_cache_dtype=getattr(info, "kv_cache_dtype", ""), speculation=speculation_to_pb(config),
         resident_bytes=memory.resident_bytes, proportional_bytes=memory.proportional_bytes, shared_bytes=memory.shared_bytes, **counts,
     )
+
+
+def speculation_to_pb(config) -> wpb.WorkerSpeculation | None:
+    """The worker's speculation settings as the router compares them (None: off). A draft is named as a
+    model is (its directory's name or hub id), so workers that mount one checkpoint at different paths agree."""
+    settings = config.speculation()
+    if settings is None:
+        return None
+    draft = (config.draft_model or "").rstrip("/").rsplit("/", 1)[-1]
+    return wpb.WorkerSpeculation(method=settings.method, num_tokens=settings.num_tokens, draft_model=draft)
 
 
 # -- the requests a worker takes, checked whole --------------------------------

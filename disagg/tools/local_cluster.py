@@ -262,6 +262,12 @@ class LocalCluster:
                     part.popen.wait()
             raise
 
+    def add_router(self, prefill: list[str], decode: list[str], extra: list[str] = ()) -> Process:
+        """Starts one more router over these workers' addresses, once it has bound its port (its health
+        says SERVING once it uses a prefill and a decode worker: wait_serving)."""
+        targets = [a for address in prefill for a in ("--prefill", address)] + [a for address in decode for a in ("--decode", address)]
+        return self._spawn(f"router-extra-{len(self.processes)}", "router", ["--model", self.spec.model, *self.spec.router_args, *extra, *targets])
+
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> Process:
         """Starts a part on the given port (0: one it picks itself) and waits for
         it to announce its bound ports, so no two processes race for one port."""

@@ -259,7 +259,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "capacity", "slots_in_use", "reservations", "active", "inflight_transfers", "queued", "model_name", "max_seq_len", "backend", "vocab_size", "dtype", "resident_bytes", "proportional_bytes", "shared_bytes", "kv_cache_dtype")
+    __slots__ = ("role", "capacity", "slots_in_use", "reservations", "active", "inflight_transfers", "queued", "model_name", "max_seq_len", "backend", "vocab_size", "dtype", "resident_bytes", "proportional_bytes", "shared_bytes", "kv_cache_dtype", "speculation")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,7 @@ class WorkerLoad(_message.Message):
     PROPORTIONAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     role: str
     capacity: int
     slots_in_use: int
@@ -292,4 +293,15 @@ class WorkerLoad(_message.Message):
     proportional_bytes: int
     shared_bytes: int
     kv_cache_dtype: str
-    def __init__(self, role: _Optional[str] = ..., capacity: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., reservations: _Optional[int] = ..., active: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., queued: _Optional[int] = ..., model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., proportional_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    speculation: WorkerSpeculation
+    def __init__(self, role: _Optional[str] = ..., capacity: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., reservations: _Optional[int] = ..., active: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., queued: _Optional[int] = ..., model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., proportional_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[_Union[WorkerSpeculation, _Mapping]] = ...) -> None: ...
+
+class WorkerSpeculation(_message.Message):
+    __slots__ = ("method", "num_tokens", "draft_model")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_tokens: int
+    draft_model: str
+    def __init__(self, method: _Optional[str] = ..., num_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ...) -> None: ...
