@@ -1,9 +1,10 @@
 """Speculation across the split: the router uses only workers whose speculation settings are the pool's
-(router/speculation.py)."""
+(router/speculation.py), and `disagg bench` reports what the decode workers' speculative steps did."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import pathlib
 import re
@@ -19,6 +20,7 @@ from test_speculation import PLAIN, REPEATING
 from disagg.clients.grpc_client import AsyncClient, Client
 from disagg.rpc.worker_config import WorkerConfig
 from disagg.rpc.worker_messages import speculation_to_pb
+from disagg.tools.loadgen import scrape_speculation, speculation_lines, speculation_summary
 from disagg.v1 import worker_pb2 as wpb
 from router.speculation import Speculation
 from router.workers import Worker, WorkerPool
@@ -79,6 +81,21 @@ def test_the_pools_speculation_is_most_workers_and_one_that_differs_gets_no_requ
     fresh = WorkerPool(prefill=[worker("p0")], decode=[worker("d0", method="ngram", num_tokens=2)], max_queue=4, poll_seconds=1.0)
     fresh._take_in(fresh.workers)
     assert fresh.speculation == Speculation() and fresh.prefill[0].healthy and not fresh.decode[0].healthy
+
+
+def test_the_speculation_summary_is_the_counters_growth_and_none_without_guesses():
+    before = {"a": {("proposed", 1): 10.0, ("proposed", 2): 8.0, ("accepted", 1): 6.0, ("accepted", 2): 3.0}, "b": {}, "c": None}
+    after = {"a": {("proposed", 1): 30.0, ("proposed", 2): 20.0, ("accepted", 1): 16.0, ("accepted", 2): 6.0},
+             "b": {("proposed", 1): 5.0, ("accepted", 1): 5.0}, "c": None}
+    spec = speculation_summary(before, after)
+    assert spec["steps"] == 25 and spec["proposed_per_step"] == 37 / 25 and spec["accepted_per_step"] == 18 / 25
+    assert spec["emitted_per_step"] == 1 + 18 / 25 and spec["acceptance_rate"] == 18 / 37
+    assert spec["acceptance_by_position"] == {"1": 15 / 25, "2": 3 / 12} and spec["unreachable"] == ["c"]
+    assert speculation_lines(spec)[0] == "speculation: metrics not read from c"
+    restarted = speculation_summary({"a": {("proposed", 1): 50.0}}, {"a": {("proposed", 1): 4.0, ("accepted", 1): 1.0}})
+    assert restarted["steps"] == 4 and restarted["acceptance_rate"] == 0.25  # its counters began again from zero
+    del after["c"]
+    assert speculation_summary(after, after) is None and speculation_lines(None) == []  # nothing guessed in between
 
 
 # -- through real processes ------------------------------------------------------------
@@ -147,3 +164,26 @@ def test_a_decode_worker_of_other_speculation_gets_no_request_and_the_rest_serve
     assert scrape(plain).get("disagg_decode_tokens_total[]", 0.0) == 0  # four at once, and none on it
     assert scrape(speculating)["disagg_decode_tokens_total[]"] > 0 and scrape(speculating)["disagg_decode_spec_accepted_tokens_total[('position', '1')]"] > 0
     assert scrape(router)["disagg_router_workers_available[('role', 'decode')]"] == 1
+
+
+def test_bench_reports_the_speculating_workers_figures(mixed_workers, router_over_all, tmp_path, capsys):
+    """`disagg bench` against a speculating service: its speculation section, consistent with the workers' own counters."""
+    from disagg.cli.main import main
+
+    (_, _, speculating, plain), router = mixed_workers, router_over_all
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": prompt, "output_len": 32}) + "\n" for prompt in [REPEATING, PLAIN[2], REPEATING, PLAIN[3]]))
+    before = scrape_speculation(speculating.metrics_address)
+    status = main(["bench", "--address", router.address, "--metrics", speculating.metrics_address, "--metrics", plain.metrics_address,
+                   "--dataset", str(dataset), "--requests", "4", "--warmup", "0", "--concurrency", "2", "--no-progress", "--json", str(tmp_path / "run.json")])
+    assert status == 0
+    grown = {key: value - before.get(key, 0.0) for key, value in scrape_speculation(speculating.metrics_address).items()}
+    report = capsys.readouterr().out
+    assert re.search(r"speculation \(\d+ steps with guesses\): per step [\d.]+ proposed, [\d.]+ accepted, [\d.]+ emitted; acceptance [\d.]+%", report)
+    assert "acceptance by position: 1: " in report
+    (run,) = json.loads((tmp_path / "run.json").read_text())
+    spec = run["speculation"]
+    assert spec["steps"] == grown["proposed", 1] > 0 and spec["unreachable"] == []
+    assert spec["proposed_per_step"] * spec["steps"] == pytest.approx(sum(v for (kind, _), v in grown.items() if kind == "proposed"))
+    assert 0 <= spec["accepted_per_step"] <= spec["proposed_per_step"] and spec["emitted_per_step"] == pytest.approx(1 + spec["accepted_per_step"])
+    assert 0 <= spec["acceptance_rate"] <= 1 and all(0 <= rate <= 1 for rate in spec["acceptance_by_position"].values())

@@ -246,6 +246,7 @@ def cmd_bench(args) -> int:
         itl_target=args.itl_target / 1000,
         seed=args.seed,
         progress=not args.no_progress,
+        metrics=args.metrics,
     )
     cluster = None
     if args.start_cluster:
@@ -253,8 +254,10 @@ def cmd_bench(args) -> int:
         from disagg.tools.tinymodel import ensure_tiny_model
 
         http_port = 0 if args.api == "openai" else None
-        cluster = LocalCluster(ClusterSpec(model=args.model or str(ensure_tiny_model()), log_dir=args.log_dir, http_port=http_port)).start()
+        spec = ClusterSpec(model=args.model or str(ensure_tiny_model()), log_dir=args.log_dir, http_port=http_port, worker_args=speculation_flags(args))
+        cluster = LocalCluster(spec).start()
         config.address = cluster.http_url if args.api == "openai" else cluster.router_address
+        config.metrics = config.metrics or [p.metrics_address for p in cluster.processes if p.name.startswith("decode")]
     try:
         runs = asyncio.run(run_bench(config))
     finally:
@@ -399,6 +402,8 @@ def add_generate_parser(sub) -> None:
 
 
 def add_bench_parser(sub) -> None:
+    from disagg.cli.flags import add_speculation_flags
+
     bench = sub.add_parser("bench", help="load-test the public API and report latency, throughput and goodput")
     bench.add_argument("--address", default="127.0.0.1:50050", help="our gRPC API (--api grpc)")
     bench.add_argument("--api", default="grpc", choices=["grpc", "openai"],
@@ -423,6 +428,11 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--plot", default=None, help="write PNG plots with this path prefix (needs matplotlib: pip install 'disagg[bench]')")
     bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--metrics", action="append", default=[], metavar="HOST:PORT",
+                       help="a decode worker's Prometheus metrics (its --metrics-port), read before and after each run: the report adds what "
+                            "its speculative steps did (guesses proposed, accepted, tokens emitted per step; acceptance by position). "
+                            "Repeat for each decode worker (default with --start-cluster: its decode workers)")
+    add_speculation_flags(bench.add_argument_group("--start-cluster: speculative decoding on its workers (docs/speculation.md)"))
     bench.set_defaults(run=cmd_bench)
 
 

@@ -9,6 +9,12 @@ Open loop (Poisson arrivals at --rate, or a --sweep of rates) or closed loop
 ignore_eos. Reports TTFT, ITL (time per output token after the first),
 end-to-end latency, throughput, errors by status code, and goodput: the share
 of requests that meet --ttft-target and --itl-target.
+
+Speculation: given the decode workers' metrics endpoints (--metrics, or the
+cluster --start-cluster started), each run's report adds what their speculative
+steps did during it, from their counters scraped before and after the run:
+guesses proposed, accepted and tokens emitted per step that guessed, and the
+acceptance rate by the guess's position (only where a worker guessed).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import random
 import statistics
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -174,7 +181,77 @@ def table(summary: dict, label: str = "") -> str:
         lines.append(f"{name:14s}" + "".join(f" {ms(p[k])}" for k in ("p50", "p90", "p99", "mean")))
     g = summary["goodput"]
     lines.append(f"goodput: {g['share'] * 100:.1f}% of requests met TTFT <= {g['ttft_target'] * 1000:.0f} ms and ITL <= {g['itl_target'] * 1000:.0f} ms")
-    return "\n".join(lines)
+    return "\n".join(lines + speculation_lines(summary.get("speculation")))
+
+
+# -- speculation, from the decode workers' metrics (docs/metrics.md) ----------------
+
+SPEC_COUNTERS = {"disagg_decode_spec_proposed_tokens_total": "proposed", "disagg_decode_spec_accepted_tokens_total": "accepted"}
+
+
+def scrape_speculation(address: str) -> dict[tuple[str, int], float]:
+    """A decode worker's speculation counters: (proposed or accepted, position) -> guesses. OSError where it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return {
+        (SPEC_COUNTERS[sample.name], int(sample.labels["position"])): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples if sample.name in SPEC_COUNTERS
+    }
+
+
+def scrape_all(addresses: list[str]) -> dict[str, dict | None]:
+    """Each endpoint's counters; None for one that did not answer."""
+    counters: dict[str, dict | None] = {}
+    for address in addresses:
+        try:
+            counters[address] = scrape_speculation(address)
+        except OSError:
+            counters[address] = None
+    return counters
+
+
+def speculation_summary(before: dict[str, dict | None], after: dict[str, dict | None]) -> dict | None:
+    """What the workers' speculative steps did between two scrapes, or None where none guessed. A step
+    here is one row's decode step with guesses: each such step counts one guess at position 1."""
+    grown: dict[tuple[str, int], float] = {}
+    for address, then in before.items():
+        now = after.get(address)
+        if then is None or now is None:
+            continue
+        restarted = any(now.get(key, 0.0) < value for key, value in then.items())  # its counters began again from zero
+        for key, value in now.items():
+            grown[key] = grown.get(key, 0.0) + value - (0.0 if restarted else then.get(key, 0.0))
+    steps = grown.get(("proposed", 1), 0.0)
+    unreachable = sorted(a for a in before if before[a] is None or after.get(a) is None)
+    if steps <= 0:
+        return {"unreachable": unreachable} if unreachable else None
+    positions = sorted(p for kind, p in grown if kind == "proposed" and grown[kind, p] > 0)
+    proposed = sum(grown["proposed", p] for p in positions)
+    accepted = sum(grown.get(("accepted", p), 0.0) for p in positions)
+    return {
+        "steps": steps,
+        "proposed_per_step": proposed / steps,
+        "accepted_per_step": accepted / steps,
+        "emitted_per_step": 1 + accepted / steps,  # the target's own token, then each kept guess
+        "acceptance_rate": accepted / proposed,
+        "acceptance_by_position": {str(p): grown.get(("accepted", p), 0.0) / grown["proposed", p] for p in positions},
+        "unreachable": unreachable,
+    }
+
+
+def speculation_lines(spec: dict | None) -> list[str]:
+    if not spec:
+        return []
+    lines = [f"speculation: metrics not read from {', '.join(spec['unreachable'])}"] if spec["unreachable"] else []
+    if "steps" not in spec:
+        return lines
+    by_position = "  ".join(f"{p}: {rate * 100:.1f}%" for p, rate in spec["acceptance_by_position"].items())
+    return lines + [
+        f"speculation ({spec['steps']:.0f} steps with guesses): per step {spec['proposed_per_step']:.2f} proposed,"
+        f" {spec['accepted_per_step']:.2f} accepted, {spec['emitted_per_step']:.2f} emitted; acceptance {spec['acceptance_rate'] * 100:.1f}%",
+        f"acceptance by position: {by_position}",
+    ]
 
 
 @dataclass
@@ -194,6 +271,7 @@ class BenchConfig:
     itl_target: float = 0.05
     seed: int = 0
     progress: bool = True
+    metrics: list[str] = field(default_factory=list)  # host:port of the decode workers' Prometheus metrics: the report's speculation
 
     def __post_init__(self):
         if self.api not in ("grpc", "openai"):
@@ -225,6 +303,7 @@ async def run_bench(config: BenchConfig) -> list[dict]:
             if rate and config.duration:
                 todo = measured[: max(1, int(rate * config.duration))]
             label = f"rate {rate}/s" if rate else f"concurrency {config.concurrency}"
+            counters = await asyncio.to_thread(scrape_all, config.metrics)
             with tqdm(total=len(todo), desc=label, disable=not config.progress) as bar:
                 started = time.perf_counter()
                 if rate:
@@ -233,6 +312,7 @@ async def run_bench(config: BenchConfig) -> list[dict]:
                     results = await closed_loop(client, todo, config.concurrency, bar)
                 elapsed = time.perf_counter() - started
             summary = summarize(results, elapsed, config.ttft_target, config.itl_target)
+            summary["speculation"] = speculation_summary(counters, await asyncio.to_thread(scrape_all, config.metrics))
             summary.update(mode="open" if rate else "closed", rate=rate, concurrency=None if rate else config.concurrency)
             summary["_raw"] = [asdict(r) for r in results]
             runs.append(summary)
