@@ -148,8 +148,9 @@ class DecodeLoop:
         proposer=None,
     ):
         self.speculation = speculation
-        # Guesses: the draft model's (speculation/draft.py, given by the worker) or prompt lookup's.
+        # Guesses: the draft model's or EAGLE head's (speculation/draft.py, eagle.py; given by the worker) or prompt lookup's.
         self.proposer = proposer if proposer is not None or speculation is None else NgramProposer()
+        self._after_step = getattr(self.proposer, "after_step", None)
         self.backend = backend
         self._decode_step = decode_step or backend.decode_step  # the worker may put the test-only fault hook in front
         self._on_fatal = on_fatal or (lambda cause: None)
@@ -492,6 +493,8 @@ class DecodeLoop:
             guess_rows = None if inputs.guess_index is None else (inputs.guess_index > 0).tolist()
             inputs.token_bitmask = self._step_masks(matchers, inputs.input_ids.tolist(), guess_rows)
         output = self._decode_step(inputs)
+        if self._after_step is not None:  # EAGLE's head keeps the step's hidden states (speculation/eagle.py)
+            self._after_step(inputs.slots, inputs.positions)
         self._last_output = output.token_ids
         self._last_step_end = time.perf_counter()
         elapsed = self._last_step_end - start

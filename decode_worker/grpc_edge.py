@@ -160,9 +160,16 @@ def size_slots(config: DecodeWorkerConfig, info, pages_kv: bool = False) -> Deco
 GIL_SWITCH_SECONDS = 0.001
 
 
-def draft_proposer(config: DecodeWorkerConfig):
+def draft_proposer(config: DecodeWorkerConfig, backend):
     """--speculative-method draft: the draft model, checked against the model's tokenizer, loaded by the
-    same backend with a KV slot per decode slot (disagg/engine/speculation/draft.py); else None."""
+    same backend with a KV slot per decode slot (disagg/engine/speculation/draft.py); eagle: the EAGLE
+    head over the model's own hidden states (eagle.py); else None."""
+    if config.speculative_method == "eagle":
+        from disagg.engine.speculation.eagle import EagleProposer, load_eagle_head
+
+        head = load_eagle_head(config.draft_model)
+        log.info("speculation: EAGLE head %s, %d layer(s), up to %s guesses a row", config.draft_model, len(head.layers), config.speculation().num_tokens)
+        return EagleProposer(backend, head, config.batch_size)
     if config.speculative_method != "draft":
         return None
     from disagg.engine.speculation.draft import DraftProposer
@@ -184,12 +191,17 @@ def refuse_unless_scores_guesses(backend, whose: str) -> None:
 
 
 def check_draft(config: DecodeWorkerConfig) -> None:
-    """A draft model of another tokenizer is refused with one line, before either model loads."""
-    if config.speculative_method == "draft":
+    """A draft model of another tokenizer, or an EAGLE head that does not fit the model, is refused with one line, before the model loads."""
+    if config.speculative_method in ("draft", "eagle"):
         from disagg.engine.speculation.draft import check_draft_matches
+        from disagg.engine.speculation.eagle import check_eagle_matches, load_eagle_head
 
         try:
-            check_draft_matches(config.model, config.draft_model)
+            if config.speculative_method == "draft":
+                check_draft_matches(config.model, config.draft_model)
+            else:
+                check_eagle_matches(config.model, config.draft_model)
+                load_eagle_head(config.draft_model)  # its tensors, by name and shape (a small file: one or two layers)
         except (ValueError, OSError) as exc:
             raise SystemExit(f"decode_worker: {exc}") from None
 
@@ -217,7 +229,7 @@ async def serve(config: DecodeWorkerConfig) -> None:
     if not backend.pages_kv:
         log.info("KV cache: one slot of max_seq_len positions per sequence (%s backend%s): no paging, no prefix caching",
                  config.backend, ", compiled step" if config.backend == "torch" else "")
-    proposer = await load_while_not_serving(server, lambda: draft_proposer(config))
+    proposer = await load_while_not_serving(server, lambda: draft_proposer(config, backend))
     worker = DecodeWorker(backend, config, metrics, proposer)
     await stop_on_failure(server, worker.start)
     servicer.worker = worker

@@ -182,6 +182,86 @@ def test_a_draft_models_guesses_change_no_token_and_are_kept():
     assert stats.accepted_tokens >= 0.3 * stats.proposed_tokens > 0
 
 
+def eagle_head(architecture: str = "llama") -> str:
+    """An EAGLE head trained for the tiny model on its text (disagg/tools/tiny_eagle.py), cached as the models are."""
+    from conftest import checkpoints_root, tiny_model
+
+    from disagg.tools.tiny_eagle import ensure_eagle_head
+
+    return str(ensure_eagle_head(tiny_model(architecture), root=checkpoints_root()))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral-sw"])
+def test_an_eagle_heads_guesses_change_no_token_and_are_kept(architecture):
+    """The EAGLE proposer (a head over the model's own hidden states, from NxDI's checkpoint layout) beside
+    greedy, sampled and penalized rows: the same tokens as without speculation, greedy ones generate()'s, and
+    the head's guesses kept (it reads the model's features from the native step or transformers' modules alike)."""
+    from conftest import reference, tiny_model
+
+    from disagg.engine.backends import load_backend
+    from disagg.engine.requests import Sampling
+    from disagg.engine.speculation.eagle import EagleProposer, load_eagle_head
+
+    ref = reference(architecture)
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32")
+    backend.allocate_slots(8, num_blocks=1 + 8 * (backend.info.max_seq_len // BLOCK), block_size=BLOCK)
+    text = paragraphs()
+    samplings = [Sampling(), Sampling(temperature=0.8, seed=31), Sampling(), Sampling(temperature=1.0, top_p=0.9, seed=32),
+                 Sampling(logprobs=1), Sampling(repetition_penalty=1.3)]
+    cases = [(ref.ids(" ".join(text[5 * i % len(text)].split()[:6])), sampling, 30 + 7 * i) for i, sampling in enumerate(samplings)]
+    plain, _ = decode_in_process(backend, None, cases)
+    proposer = EagleProposer(backend, load_eagle_head(eagle_head(architecture)), 8)
+    speculated, stats = decode_in_process(backend, GUESSES, cases, method="eagle", proposer=proposer)
+    assert speculated == plain
+    for i, (ids, sampling, n) in enumerate(cases):
+        if sampling == Sampling() or sampling == Sampling(logprobs=1):
+            assert plain[i] == ref.greedy(ids, n, ignore_eos=True), i
+    assert stats.accepted_tokens >= 0.3 * stats.proposed_tokens > 0
+
+
+def test_an_eagle_checkpoint_that_does_not_fit_is_refused_at_start_up_naming_what(tmp_path):
+    """Before the model loads (check_draft): another width, a tensor missing or misshapen, an EAGLE-3 head."""
+    import json
+    import shutil
+
+    from conftest import tiny_model
+    from safetensors.torch import load_file, save_file
+
+    from decode_worker.__main__ import parse_config
+    from decode_worker.grpc_edge import check_draft
+
+    model, head = tiny_model("llama"), eagle_head("llama")
+
+    def variant(name: str, edit_config=None, edit_state=None) -> str:
+        path = tmp_path / name
+        shutil.copytree(head, path)
+        if edit_config:
+            config = json.loads((path / "config.json").read_text())
+            edit_config(config)
+            (path / "config.json").write_text(json.dumps(config))
+        if edit_state:
+            state = load_file(str(path / "model.safetensors"))
+            edit_state(state)
+            save_file(state, str(path / "model.safetensors"))
+        return str(path)
+
+    def refusal(path: str) -> str:
+        with pytest.raises(SystemExit) as refused:
+            check_draft(parse_config(["--model", model, "--speculative-method", "eagle", "--draft-model", path]))
+        assert "\n" not in str(refused.value)
+        return str(refused.value)
+
+    wide = variant("wide", edit_config=lambda c: c.update(hidden_size=96))
+    assert refusal(wide) == f"decode_worker: --draft-model {wide}: an EAGLE head 96 wide for a model 64 wide"
+    missing = variant("missing", edit_state=lambda s: s.pop("fc.weight"))
+    assert refusal(missing) == f"decode_worker: --draft-model {missing}: no tensor fc.weight"
+    bent = variant("bent", edit_state=lambda s: s.update({"layers.0.mlp.up_proj.weight": s["layers.0.mlp.up_proj.weight"][:-1]}))
+    assert refusal(bent) == f"decode_worker: --draft-model {bent}: layers.0.mlp.up_proj.weight is (191, 64), expected (192, 64)"
+    eagle3 = variant("eagle3", edit_state=lambda s: s.update({"d2t": torch.zeros(4, dtype=torch.long)}))
+    assert refusal(eagle3) == f"decode_worker: --draft-model {eagle3}: an EAGLE-3 checkpoint (midlayer, d2t): only EAGLE v1 heads are served"
+    check_draft(parse_config(["--model", model, "--speculative-method", "eagle", "--draft-model", head]))  # its own head passes
+
+
 def test_a_step_that_takes_one_row_a_sequence_is_refused_for_speculation():
     """The compiled step (chosen by default on CUDA, not by --compile alone) is refused after it loads, in one line."""
     from conftest import tiny_model
@@ -397,7 +477,7 @@ def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_li
         (["--speculative-method", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens must be 1..16, got 17"),
         (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-method"),
         (["--speculative-method", "draft"], "--speculative-method draft needs --draft-model"),
-        (["--speculative-method", "ngram", "--draft-model", "d"], "--draft-model is for --speculative-method draft, not ngram"),
+        (["--speculative-method", "ngram", "--draft-model", "d"], "--draft-model is for --speculative-method draft or eagle, not ngram"),
         (["--speculative-method", "ngram", "--kv-cache-dtype", "int8"], "--speculative-method with --kv-cache-dtype int8: not served yet"),
     ]:
         with pytest.raises(SystemExit) as refused:
@@ -485,6 +565,23 @@ def test_a_draft_model_through_the_service_with_a_mixed_batch(cluster_logs, llam
 
     cluster = start_cluster(cluster_logs / "speculating-draft", "llama", batch_size=8,
                             worker_args=["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft")])
+    try:
+        text = paragraphs()
+        cases = [(" ".join(text[3 * i].split()[:6]), dict(max_new_tokens=20 + 9 * i, ignore_eos=True)) for i in range(6)]
+        cases[1][1].update(temperature=0.8, seed=5)
+        cases[4][1].update(repetition_penalty=1.2)
+        assert_batch_gets_what_each_gets_alone(cluster, llama_ref, cases)
+        assert accepted(cluster) >= 20
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()
+
+
+def test_an_eagle_head_through_the_service_with_a_mixed_batch(cluster_logs, llama_ref):
+    """--speculative-method eagle end to end: greedy rows equal generate(), sampled and penalized rows what they get alone,
+    guesses kept, and every block freed."""
+    cluster = start_cluster(cluster_logs / "speculating-eagle", "llama", batch_size=8,
+                            worker_args=["--speculative-method", "eagle", "--draft-model", eagle_head("llama")])
     try:
         text = paragraphs()
         cases = [(" ".join(text[3 * i].split()[:6]), dict(max_new_tokens=20 + 9 * i, ignore_eos=True)) for i in range(6)]

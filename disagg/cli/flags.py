@@ -83,14 +83,16 @@ def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def add_speculation_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
+    group.add_argument("--speculative-method", choices=("ngram", "draft", "eagle"), default=None,
                        help="speculative decoding on the decode worker, as vLLM's speculative_config method: ngram (prompt lookup: the "
-                            "sequence's latest tokens found earlier in it propose what followed them there) or draft (--draft-model "
-                            "guesses); output is token for token what it is without it (default: off)")
+                            "sequence's latest tokens found earlier in it propose what followed them there), draft (--draft-model "
+                            "guesses) or eagle (an EAGLE v1 head, --draft-model, guesses from the model's own hidden states); output is "
+                            "token for token what it is without it (default: off)")
     group.add_argument("--draft-model", default=None,
                        help="--speculative-method draft: a smaller checkpoint with the model's tokenizer, run beside it on the decode "
                             "worker (as vLLM's speculative_config model, LMI's option.speculative_draft_model); a draft whose vocabulary "
-                            "or tokenizer differs is refused at start-up")
+                            "or tokenizer differs is refused at start-up. eagle: the EAGLE head's checkpoint as NxDI takes it (fc and "
+                            "the layers; the LM head and embeddings are the model's)")
     group.add_argument("--num-speculative-tokens", type=int, default=0,
                        help="the most tokens a row guesses in one step, as vLLM's num_speculative_tokens and NxDI's speculation_length; "
                             "each row's count follows how many of its guesses are kept, down to none (default with a method: 4)")

@@ -42,7 +42,7 @@ class WorkerConfig:
     kv_cache_dtype: str | None = None  # the KV cache in 8 bits: int8 or fp8, a scale per block and head (quantization/kv_cache.py); None: in dtype
     speculative_method: str | None = None  # speculative decoding on the decode worker (disagg/engine/speculation): ngram; None: off
     num_speculative_tokens: int = 0  # the most guesses a row gets in one step (0: the method's default)
-    draft_model: str | None = None  # --speculative-method draft: the smaller checkpoint that guesses
+    draft_model: str | None = None  # --speculative-method draft: the smaller checkpoint that guesses; eagle: the EAGLE head's checkpoint
 
     def __post_init__(self):
         self.speculation()  # a combination not served yet is refused before anything loads
@@ -57,11 +57,16 @@ class WorkerConfig:
             if self.num_speculative_tokens or self.draft_model:
                 raise ValueError(f"{'--num-speculative-tokens' if self.num_speculative_tokens else '--draft-model'} needs --speculative-method")
             return None
-        if (self.speculative_method == "draft") != bool(self.draft_model):
-            raise ValueError("--speculative-method draft needs --draft-model" if self.draft_model is None else
-                             f"--draft-model is for --speculative-method draft, not {self.speculative_method}")
+        if (self.speculative_method in ("draft", "eagle")) != bool(self.draft_model):
+            raise ValueError(f"--speculative-method {self.speculative_method} needs --draft-model" if self.draft_model is None else
+                             f"--draft-model is for --speculative-method draft or eagle, not {self.speculative_method}")
         from disagg.engine.speculation import DEFAULT_SPECULATIVE_TOKENS, SpeculationConfig
 
+        if self.backend == "neuron":  # the mapping to NxDI's fused speculation is backends/neuron/config.speculation_options
+            why = "NxDI has no prompt lookup" if self.speculative_method == "ngram" else "NxDI's fused steps return several tokens a row, " \
+                "which the decode loop does not take yet"
+            raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not neuron: {why} "
+                             "(docs/neuron.md#speculation)")
         if self.backend != "torch":
             raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not {self.backend} (yet)")
         if self.kv_cache_dtype is not None:

@@ -219,6 +219,9 @@ class TorchBackend(Backend):
             self.native_prefill = self._check_native_prefill()
         self.prefill_attention = self._check_prefill_attention()  # long bf16 prompts' attention in prefill_attention.c
         self.token_counts: SlotTokenCounts | None = None  # with the slots: what penalties read
+        # EAGLE (speculation/eagle.py) reads each decode step's final hidden states [n, hidden]: kept only where asked.
+        self.keep_hidden = False
+        self.step_hidden: torch.Tensor | None = None
         self.kv_quantization = config.kv_quantization()
         if self.kv_quantization is not None:
             if self.compile:
@@ -574,12 +577,26 @@ class TorchBackend(Backend):
         return self.native_model
 
     def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """[n, vocab]: the next-token logits of one step over the active slots."""
+        """[n, vocab]: the next-token logits of one step over the active slots (with keep_hidden, the rows'
+        final hidden states in step_hidden)."""
         if self.compiled is not None:
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         if self.native is not None:
-            return self.native.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len)
-        return self._eager_logits(inputs)
+            hidden = [] if self.keep_hidden else None
+            logits = self.native.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len, hidden)
+            self.step_hidden = hidden[0] if hidden else None
+            return logits
+        if not self.keep_hidden:
+            return self._eager_logits(inputs)
+        kept = []
+        # transformers' decoder models end in `norm` before the LM head: its output is the final hidden state.
+        hook = self.model.model.norm.register_forward_hook(lambda module, args, out: kept.append(out))
+        try:
+            logits = self._eager_logits(inputs)
+        finally:
+            hook.remove()
+        self.step_hidden = kept[-1][:, -1].float()
+        return logits
 
     def _tables(self, inputs: StepInputs) -> torch.Tensor:
         """[n, w]: the rows' block tables, as many blocks as cover the step's KV length."""

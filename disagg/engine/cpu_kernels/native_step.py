@@ -322,14 +322,15 @@ class NativeModel:
         slot_cache = _kv_cache(cache.keys, cache.values, code_dtype or self.dtype, cache.key_scales, cache.value_scales)
         self.slot_cache, self.slot_shape, self.step_library, self.step_model = slot_cache, cache.keys[0].shape, library, model
 
-    def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int, hidden: list | None = None) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step; row i is token input_ids[i] at
         positions[i] of the sequence whose block table is tables[i] ([n, blocks]; [n]: slots,
-        one block each), its K/V line written there; its earlier positions hold its K/V."""
+        one block each), its K/V line written there; its earlier positions hold its K/V.
+        hidden: where given, gets the rows' final hidden states [n, hidden] (float32, after the final norm)."""
         tables, positions, input_ids = (t.to(torch.long).contiguous() for t in (tables, positions, input_ids))
         table_width = tables.shape[1] if tables.dim() == 2 else 1
         self._check_rows(tables, positions, input_ids, self.slot_shape[0], min(kv_len, table_width * self.slot_shape[2]))
-        return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model)
+        return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model, hidden)
 
     def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv=None) -> torch.Tensor:
         """[1, vocab]: the logits after the prompt; each layer's K/V [kv_heads, tokens,
@@ -377,9 +378,11 @@ class NativeModel:
         ):
             raise ValueError(f"native step: slots {tuple(slots.shape)}, positions {tuple(positions.shape)}, ids {tuple(input_ids.shape)}, kv_len {kv_len}")
 
-    def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done, library=None, model=None) -> torch.Tensor:
+    def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done, library=None, model=None,
+             hidden: list | None = None) -> torch.Tensor:
         """slots: [n] (each row's one block) or [n, blocks] block tables. library, model: the build and model struct
-        that run it (default: over a cache in the model's dtype; a decode step's: its cache's)."""
+        that run it (default: over a cache in the model's dtype; a decode step's: its cache's). hidden: where given,
+        gets the final-normed rows the LM head multiplied: native_step leaves them in its workspace, after x."""
         library, model = library or self.library, model or self.model
         n = slots.shape[0]
         table_stride = slots.stride(0) if slots.dim() == 2 else 1
@@ -392,4 +395,7 @@ class NativeModel:
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             int(self.kernel.splits_here()), layer_done or _LAYER_DONE(), logit_from, logits.data_ptr(), work.data_ptr(),
         )
+        if hidden is not None:
+            width = self.embed.shape[1]
+            hidden.append(work[n * width : (2 * n - logit_from) * width].view(n - logit_from, width))
         return logits

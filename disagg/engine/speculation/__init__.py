@@ -11,8 +11,9 @@ position), so greedy, seeded and sampled output are what they are without it. Th
 K/V of rejected guesses lies past the sequence's length: never read, and written
 over by the next step.
 
-Proposers (proposers.py): `ngram` (prompt lookup, ngram.py) and `draft` (a smaller model with the
-same tokenizer, draft.py). The number of guesses a row gets
+Proposers (proposers.py): `ngram` (prompt lookup, ngram.py), `draft` (a smaller model with the
+same tokenizer, draft.py) and `eagle` (a draft head over the model's own hidden states, eagle.py).
+The number of guesses a row gets
 follows its acceptance (acceptance.AdaptiveLength), down to none.
 """
 
@@ -20,14 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_SPECULATIVE_TOKENS = 4
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    method: str  # ngram
+    method: str  # ngram, draft or eagle
     num_tokens: int  # the most guesses a row gets in one step
     ngram_max: int = 4  # prompt lookup: the longest suffix looked for earlier in the sequence
     ngram_min: int = 2  # and the shortest (one token found earlier predicts too little: proposals wasted 3x as often here)

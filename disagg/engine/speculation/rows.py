@@ -15,7 +15,8 @@ class RowSpeculation:
         self.slot = slot
         self.index = NgramIndex([*context_ids, first_token], config.ngram_min, config.ngram_max)
         self.length = AdaptiveLength(config.num_tokens)
-        self.draft_seen = 0  # positions whose K/V the draft model holds (draft.py); 0 until its prefill
+        self.draft_seen = 0  # positions whose K/V the draft model holds (draft.py; eagle.py: pairs); 0 until its prefill
+        self.first_position = len(context_ids)  # first_token's: the first decode step's input
         self.proposed = 0  # guesses made, over the row's life
         self.accepted = 0  # of those, kept
         # Tokens its guesses add to a step, recently (halved each step with guesses, then the step's kept guesses
