@@ -161,6 +161,66 @@ def test_a_worker_config_sets_the_quantization_by_our_names(tmp_path):
     assert (options.quantization, options.quantization_type, options.quantization_skip) == ("fp8", "per_channel", ("lm_head", "mlp.down_proj"))
 
 
+# -- speculation: our flags -> NxDI's fused speculation (built on NxDI's own classes: test_neuron_on_nxdi_cpu.py) ----
+def test_speculation_flags_map_onto_nxdis_fused_speculation(tmp_path):
+    from disagg.engine.backends.neuron.config import SPECULATION_FIELDS, compiled_key_options, speculation_options
+
+    fields = speculation_options("draft", 4, "/models/draft")
+    assert fields == {"speculation": "draft", "speculation_length": 5, "draft_model": "/models/draft"}  # 4 guesses + the input token
+    assert speculation_options(None, 0, None) == {}
+    options = NeuronOptions(model="/m", seq_len=4096, token_buckets=(512, 4096), compiled_root=str(tmp_path), **fields)
+    kwargs = neuron_config_kwargs(options, object())
+    assert {k: kwargs[k] for k in ("speculation_length", "enable_fused_speculation", "disable_kv_cache_tiling")} == {
+        "speculation_length": 5, "enable_fused_speculation": True, "disable_kv_cache_tiling": True}
+    assert "enable_eagle_speculation" not in kwargs
+    # A fused step at our last position asks for a bucket of the mask's length + speculation_length (get_target_bucket).
+    assert kwargs["seq_len"] == 4101 and kwargs["token_generation_buckets"] == [512, 4101]
+    eagle = neuron_config_kwargs(NeuronOptions(model="/m", **speculation_options("eagle", 3, "/models/eagle")), object())
+    assert (eagle["speculation_length"], eagle["enable_eagle_speculation"], eagle["enable_fused_speculation"]) == (4, True, True)
+    # Speculation off: the same kwargs and compiled key as before these fields existed.
+    plain = NeuronOptions(model="/m", seq_len=4096, token_buckets=(512, 4096), compiled_root=str(tmp_path))
+    assert not set(SPECULATION_FIELDS) & set(compiled_key_options(plain)) and neuron_config_kwargs(plain, None)["seq_len"] == 4096
+    assert "speculation_length" not in neuron_config_kwargs(plain, None)
+    assert compiled_path(options) != compiled_path(plain) and "-draft5-" in compiled_path(options).name
+
+
+@pytest.mark.parametrize("bad,why", [
+    (dict(speculation="ngram", speculation_length=5, draft_model="/d"), "ngram is served by the torch backend only"),
+    (dict(speculation="draft", speculation_length=5), "needs --draft-model"),
+    (dict(speculation="draft", speculation_length=1, draft_model="/d"), "at least one guess"),
+    (dict(speculation_length=5), "need speculation"),
+    (dict(speculation="draft", speculation_length=5, draft_model="/d", extra={"on_cpu": True}), "CPU mode"),
+    (dict(speculation="draft", speculation_length=5, draft_model="/d", quantization="int8"), "target's quantized state dict"),
+    (dict(speculation="draft", speculation_length=5, draft_model="/d", nxdi_async_mode=True), "async_mode"),
+    (dict(speculation="draft", speculation_length=5, draft_model="/d", extra={"enable_eagle_speculation": True}), "enable_eagle_speculation"),
+])
+def test_speculation_nxdi_cannot_run_as_asked_is_refused_in_one_line(bad, why):
+    with pytest.raises(ValueError, match=why) as error:
+        NeuronOptions(model="/m", **bad)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("method,draft,why", [("draft", "/d", "several tokens a row"), ("ngram", None, "NxDI has no prompt lookup")])
+def test_the_workers_refuse_speculation_on_neuron_until_the_decode_loop_takes_fused_steps(method, draft, why):
+    from disagg.rpc.worker_config import WorkerConfig
+
+    with pytest.raises(ValueError, match=f"served by the torch backend only, not neuron: .*{why}"):
+        WorkerConfig(model="/m", backend="neuron", speculative_method=method, draft_model=draft)
+
+
+def test_a_fused_step_returns_each_rows_accepted_tokens_padded_as_nxdi_pads_them():
+    """NeuronFusedSpecModel's outputs (fused_outputs: accepted tokens padded with -1, next input ids, next attention
+    mask, next position ids) -> [rows, speculation_length]; a plain step's tokens -> [rows, 1]."""
+    from types import SimpleNamespace
+
+    from disagg.engine.backends.neuron.backend import step_tokens
+
+    accepted = torch.tensor([[7, 8, -1, -1], [9, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32)
+    fused = SimpleNamespace(fused_outputs=[accepted, accepted[:, :1], None, torch.tensor([[12], [30], [8]])])
+    assert step_tokens(fused).tolist() == accepted.tolist() and step_tokens(fused).dtype == torch.long
+    assert step_tokens(SimpleNamespace(tokens=torch.tensor([[5], [6]]))).tolist() == [[5], [6]]
+
+
 # -- rows, sampling parameters -----------------------------------------------------------
 def test_rows_sort_by_seq_id_and_outputs_go_back():
     slots = [5, 1, 7, 3]

@@ -155,3 +155,56 @@ def test_a_window_below_seq_len_is_refused_at_start_up(mistral_window, tmp_path)
     out = run_backend(tmp_path, "refused", mistral_window, [], seq_len=256)
     assert out["load_error"].startswith("UnsupportedLayout: ")
     assert "sliding_window 200 is below seq_len 256" in out["load_error"] and "\n" not in out["load_error"]
+
+
+# -- speculation: NxDI's fused speculation configs, built through ours (its CPU mode runs no speculation) ----------------
+@pytest.fixture(scope="module")
+def llama_draft() -> str:
+    return tiny_checkpoint(architecture="llama", num_layers=1, hidden_size=32, intermediate_size=96)
+
+
+def speculation_job(tmp_path: pathlib.Path, name: str, model: str, method: str, draft: str, num_tokens: int = 3) -> dict:
+    import torch
+
+    job = {"nxdi_src": NXDI_SRC, "model": model, "seq_len": SEQ_LEN, "batch_size": BATCH, "out": str(tmp_path / f"{name}.pt"),
+           "speculation": {"method": method, "num_tokens": num_tokens, "draft_model": draft}}
+    (tmp_path / f"{name}.json").write_text(json.dumps(job))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "nxdi_cpu.run_backend", str(tmp_path / f"{name}.json")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(job["out"])
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_fused_speculation_configs_built_through_ours_are_what_nxdi_builds(llama, llama_draft, tmp_path, method):
+    """--speculative-method draft|eagle --num-speculative-tokens 3 --draft-model D: NxDI's own NeuronConfig,
+    FusedSpecNeuronConfig and draft InferenceConfig (as its inference_demo derives the draft's), accepted by NxDI's
+    application (a context-encoding and a fused-speculation graph, both NeuronFusedSpecModel); its to_cpu() refuses
+    speculation, which is why no fused step runs here; the fused model, built in CPU mode, holds the target's KV under
+    the state key the backend reads, in the layout the hand-off converts."""
+    from disagg.engine.backends.neuron.backend import FUSED_TARGET_PREFIX, KV_STATE_KEY, SEQ_IDS_MASK_PAD
+
+    out = speculation_job(tmp_path, method, llama, method, llama_draft)
+    length = 4  # 3 guesses and the input token
+    eagle = method == "eagle"
+    assert out["target"] == {
+        "speculation_length": length, "enable_fused_speculation": True, "enable_eagle_speculation": eagle, "is_eagle_draft": False,
+        "kv_cache_tiling": False, "seq_len": SEQ_LEN + length, "max_length": SEQ_LEN + length, "batch_size": BATCH + 1,
+        "tkg_batch_size": BATCH + 1, "apply_seq_ids_mask": True, "is_continuous_batching": True,
+    }
+    assert out["draft"] == dict(out["target"], speculation_length=length if eagle else 0, enable_fused_speculation=False, is_eagle_draft=eagle)
+    assert (out["draft_layers"], out["draft_hidden"], out["target_layers"]) == (1, 32, 2)  # read from the draft's checkpoint
+    assert out["fused_spec_config"] == "neuronx_distributed_inference.models.config.FusedSpecNeuronConfig"
+    assert (out["worker_cls"], out["draft_model_cls"], out["draft_model_path"]) == ("NeuronLlamaModel", None, llama_draft)
+    assert (out["graphs"], out["tags"]) == (["NeuronFusedSpecModel"] * 2, ["context_encoding_model", "fused_speculation_model"])
+    assert out["to_cpu"] == "NotImplementedError: Speculation is not yet supported for CPU inference."
+    targets = [name for name in out["kv_parameters"] if name.startswith(FUSED_TARGET_PREFIX)]
+    assert targets == [FUSED_TARGET_PREFIX + KV_STATE_KEY.format(i) for i in range(4)]  # 2 layers, K and V
+    assert out["kv_shapes"][targets[0]] == (BATCH + 1, 2, SEQ_LEN + length + SEQ_IDS_MASK_PAD, 16)
+
+
+def test_a_draft_of_another_architecture_is_refused_in_one_line(llama, mistral_window, tmp_path):
+    out = speculation_job(tmp_path, "refused", llama, "draft", mistral_window)
+    assert out["load_error"].startswith("ValueError: ") and "\n" not in out["load_error"]
+    assert "is a MistralForCausalLM: NxDI's fused speculation builds the draft with the model's own class" in out["load_error"]

@@ -94,7 +94,8 @@ def add_speculation_flags(group: argparse._ArgumentGroup) -> None:
                             "or tokenizer differs is refused at start-up. eagle: the EAGLE head's checkpoint as NxDI takes it (fc and "
                             "the layers; the LM head and embeddings are the model's)")
     group.add_argument("--num-speculative-tokens", type=int, default=0,
-                       help="the most tokens a row guesses in one step, as vLLM's num_speculative_tokens and NxDI's speculation_length; "
+                       help="the most tokens a row guesses in one step, as vLLM's num_speculative_tokens (NxDI's speculation_length is one more: "
+                            "it counts the input token's position too); "
                             "each row's count follows how many of its guesses are kept, down to none (default with a method: 4)")
 
 

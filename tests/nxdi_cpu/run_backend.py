@@ -13,6 +13,10 @@ Actions, run in order; the results go to JOB.json's "out" file (torch.save):
   {"do": "decode", "rows": [{"slot", "first", "position", "steps"}]} -> greedy tokens per row, all rows
         stepping together (a row whose steps run out leaves the batch)
   {"do": "line", "slot": s, "length": n}             -> a slot's KV lines as the backend reads them
+
+A job with "speculation": {"method", "num_tokens", "draft_model"} builds no backend: it builds NxDI's config through
+ours (compile.build_config) with fused speculation, NxDI's application over it and NxDI's fused model in CPU mode, and
+records what NxDI made of them (speculation_summary), or the refusal.
 """
 
 from __future__ import annotations
@@ -51,6 +55,65 @@ def load_backend(job: dict):
     return NeuronBackend(options)
 
 
+def speculation_summary(job: dict) -> dict:
+    """Our flags -> NeuronOptions -> NxDI's NeuronConfig, FusedSpecNeuronConfig and draft InferenceConfig (NxDI's own
+    classes), then NxDI's application built over them, its to_cpu(), and NeuronFusedSpecModel itself built in CPU mode."""
+    import torch
+
+    sys.path[:0] = nxdi_paths(job["nxdi_src"])
+    from nxdi_cpu import shims
+
+    shims.install()
+    os.environ["MASTER_PORT"] = str(free_port())
+    from transformers import AutoConfig
+
+    from disagg.engine.backends.neuron.compile import build_config, model_class
+    from disagg.engine.backends.neuron.config import NeuronOptions, speculation_options
+
+    spec = job["speculation"]
+    try:
+        options = NeuronOptions(
+            model=job["model"], dtype="float32", seq_len=job["seq_len"], batch_size=job["batch_size"], global_topk=64,
+            **speculation_options(spec["method"], spec["num_tokens"], spec["draft_model"]), extra=job.get("extra", {}),
+        )
+        cls = model_class(AutoConfig.from_pretrained(options.model).architectures[0])
+        config = build_config(cls, options)
+    except ValueError as exc:
+        return {"load_error": f"{type(exc).__name__}: {exc}"}
+    neuron, fused = config.neuron_config, config.fused_spec_config
+    draft = fused.draft_config
+    fields = ("speculation_length", "enable_fused_speculation", "enable_eagle_speculation", "is_eagle_draft", "kv_cache_tiling", "seq_len",
+              "max_length", "batch_size", "tkg_batch_size", "apply_seq_ids_mask", "is_continuous_batching")
+    summary = {
+        "target": {name: getattr(neuron, name) for name in fields},
+        "draft": {name: getattr(draft.neuron_config, name) for name in fields},
+        "draft_layers": draft.num_hidden_layers, "target_layers": config.num_hidden_layers, "draft_hidden": draft.hidden_size,
+        "fused_spec_config": type(fused).__module__ + "." + type(fused).__name__,
+        "worker_cls": fused.worker_cls.__name__, "draft_model_cls": fused.draft_model_cls, "draft_model_path": fused.draft_model_path,
+    }
+    model = cls(options.model, config)
+    summary["graphs"] = sorted(m.model_cls.__name__ for m in model.models)
+    summary["tags"] = sorted(m.tag for m in model.models)
+    try:
+        model.to_cpu()
+    except NotImplementedError as exc:
+        summary["to_cpu"] = f"{type(exc).__name__}: {exc}"
+    # NxDI's fused model itself, built in CPU mode as to_cpu builds a model (gloo group, model parallel state): the names
+    # of its KV parameters, which are the device state's keys once compiled.
+    from neuronx_distributed.parallel_layers.parallel_state import initialize_model_parallel
+    from neuronx_distributed_inference.models.application_base import init_custom_process_group_fn
+
+    os.environ["NXD_CPU_MODE"] = "1"
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    torch.distributed.init_process_group(backend="gloo", world_size=1, rank=0)
+    initialize_model_parallel(tensor_model_parallel_size=1, skip_collective_init=True)
+    init_custom_process_group_fn(config)  # the draft's group, as NxDI's builder sets it up before tracing
+    fused_model = model.fused_spec_model.model_cls(model.fused_spec_model.config)
+    summary["kv_parameters"] = sorted(name for name, _ in fused_model.named_parameters() if "past_key_values" in name)
+    summary["kv_shapes"] = {name: tuple(p.shape) for name, p in fused_model.named_parameters() if name.endswith("past_key_values.0")}
+    return summary
+
+
 def decode(backend, rows: list[dict]) -> dict[int, list[int]]:
     import torch
 
@@ -79,6 +142,8 @@ def run(job: dict) -> dict:
     from disagg.engine.requests import Sampling
     from disagg.kv_transport.chunk_codec import KvKind
 
+    if "speculation" in job:
+        return speculation_summary(job)
     results: dict = {}
     try:
         backend = load_backend(job)

@@ -37,6 +37,10 @@ from .sampling import nxdi_sampling_params
 log = logging.getLogger(__name__)
 
 KV_STATE_KEY = "kv_mgr.past_key_values.{}"  # 2*layer: K, 2*layer+1: V, per rank
+# The fused speculation model (NeuronFusedSpecModel) holds the draft's and the target's models as submodules
+# draft_model and target_model (the prefixes application_base.checkpoint_loader_fn gives their weights, _FUSED_PREFIX):
+# the target's KV, the one handed off, is under target_model.
+FUSED_TARGET_PREFIX = "target_model."
 # kv_cache_manager.KV_CACHE_PAD_FOR_SEQ_IDS_MASKING (NxDI 0.7-0.9): with apply_seq_ids_mask,
 # KVCacheManager._init_kv_shape adds this many positions, where padded rows write.
 SEQ_IDS_MASK_PAD = 128
@@ -74,7 +78,8 @@ class DeviceState:
         # handles are taken once (the runtime updates these tensors in place).
         ranks = model.context_encoding_model.model.nxd_model.state
         self.ranks = len(ranks)
-        self._tensors = [[state_tensor(rank_state, rank, index) for rank, rank_state in enumerate(ranks)] for index in range(2 * num_layers)]
+        prefix = FUSED_TARGET_PREFIX if getattr(model.config.neuron_config, "enable_fused_speculation", False) else ""
+        self._tensors = [[state_tensor(rank_state, rank, index, prefix) for rank, rank_state in enumerate(ranks)] for index in range(2 * num_layers)]
 
     @staticmethod
     def load(options: NeuronOptions):
@@ -116,8 +121,8 @@ class CpuModeState:
         return [self._parameters[2 * layer + (0 if kind is KvKind.KEY else 1)].data]
 
 
-def state_tensor(rank_state: dict, rank: int, index: int) -> torch.Tensor:
-    key = KV_STATE_KEY.format(index)
+def state_tensor(rank_state: dict, rank: int, index: int, prefix: str = "") -> torch.Tensor:
+    key = prefix + KV_STATE_KEY.format(index)
     if key not in rank_state:
         raise UnsupportedLayout(f"NxDI device state of rank {rank} has no {key!r}; keys: {sorted(rank_state)[:6]}")
     return rank_state[key]
@@ -200,7 +205,7 @@ class NeuronBackend(Backend):
             seq_ids=torch.tensor([line], dtype=torch.int32),
             sampling_params=self._sampling_rows(params_tensor([sampling])),  # [1, 3] once mapped
         )
-        first = int(out.tokens.reshape(-1)[0])
+        first = int(step_tokens(out)[0, 0])
         layers = []
         for layer in range(self.info.num_layers):
             keys = self.layout.read_line(self._caches(layer, KvKind.KEY), line, length)
@@ -253,10 +258,28 @@ class NeuronBackend(Backend):
             seq_ids=slots.to(torch.int32),
             sampling_params=self._sampling_rows(inputs.params[order]),
         )
-        return SampleOutput(out.tokens.reshape(-1).to(torch.long)[inverse])
+        tokens = step_tokens(out)[inverse]
+        # One token a row; a fused speculation step's rows keep their accepted tokens, then NxDI's padding (-1).
+        return SampleOutput(tokens if self.options.speculates else tokens[:, 0])
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The most tokens a decode step returns a row: 1, or NxDI's speculation_length with fused speculation
+        (SampleOutput.token_ids then [rows, speculation_length], docs/neuron.md#speculation)."""
+        return self.options.speculation_length if self.options.speculates else 1
 
     def _sampling_rows(self, params: torch.Tensor) -> torch.Tensor:
         return nxdi_sampling_params(params, self.options.global_topk)
+
+
+def step_tokens(out) -> torch.Tensor:
+    """[rows, k] int64 token ids of a step: out.tokens ([rows] or [rows, 1]) with k = 1; with fused speculation
+    NxDI's out.fused_outputs[0] (NeuronFusedSpecModel._cte_postprocessor / _tkg_postprocessor): each row's accepted
+    tokens, the target's, first, then acceptance_padding_token (-1), k = speculation_length. The number a row keeps is
+    its count of tokens before the first -1 (fused_outputs[3], next_pos_ids, minus the step's position_ids, says the same)."""
+    fused = getattr(out, "fused_outputs", None)
+    tokens = out.tokens.reshape(-1, 1) if fused is None else fused[0]
+    return tokens.to(torch.long)
 
 
 def context_buckets(model, context_limit: int) -> list[int]:

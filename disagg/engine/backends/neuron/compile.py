@@ -19,7 +19,7 @@ import time
 from disagg.rpc import startup
 
 from . import artifacts
-from .config import MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, full_attention_window, neuron_config_kwargs
+from .config import MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, draft_neuron_config, full_attention_window, neuron_config_kwargs
 from .packages import INSTALL, NeuronPackagesMissing, UnsupportedNxdi, import_nxdi
 
 log = logging.getLogger(__name__)
@@ -65,13 +65,36 @@ def build_config(cls, options: NeuronOptions):
     neuron_config = config_cls.get_neuron_config_cls()(**neuron_config_kwargs(options, sampling))
     config = config_cls(neuron_config, load_config=hf_adapter.load_pretrained_config(options.model))
     full_attention_window(config, options.seq_len)  # before the model is built from it
+    if options.speculation is not None:
+        config.fused_spec_config = fused_spec_config(cls, config, options)
     return config
+
+
+def fused_spec_config(cls, config, options: NeuronOptions):
+    """NxDI's FusedSpecNeuronConfig, built as its inference_demo builds it: the draft's InferenceConfig of the target's
+    config class over the draft checkpoint, and worker_cls the target's model (NeuronFusedSpecModel builds the draft
+    from worker_cls when draft_model_cls is None, so the draft must be of the target's architecture)."""
+    from transformers import AutoConfig
+
+    target, draft = ((AutoConfig.from_pretrained(path).architectures or ["?"])[0] for path in (options.model, options.draft_model))
+    if draft != target:
+        raise ValueError(f"--draft-model {options.draft_model} is a {draft}: NxDI's fused speculation builds the draft with the model's own "
+                         f"class (FusedSpecNeuronConfig.worker_cls), so it must be a {target}")
+    nxdi_config = import_nxdi("neuronx_distributed_inference.models.config")
+    hf_adapter = import_nxdi("neuronx_distributed_inference.utils.hf_adapter")
+    draft_config = cls.get_config_cls()(
+        draft_neuron_config(config.neuron_config, options.speculation), load_config=hf_adapter.load_pretrained_config(options.draft_model)
+    )
+    full_attention_window(draft_config, options.seq_len)
+    return nxdi_config.FusedSpecNeuronConfig(cls._model_cls, draft_config=draft_config, draft_model_path=options.draft_model)
 
 
 def describe(options: NeuronOptions) -> str:
     model = pathlib.Path(options.model.rstrip("/")).name
     weights = f", {options.quantization} {options.quantization_type} weights" if options.quantization else ""
-    return f"{model} for Neuron (tp {options.tp_degree}, {compiled_lines(options)} KV lines, seq {options.seq_len}, {options.dtype}{weights})"
+    draft = pathlib.Path(options.draft_model.rstrip("/")).name
+    draft = f", {options.speculation} {draft} fused, {options.speculation_length} positions a step" if options.speculation else ""
+    return f"{model} for Neuron (tp {options.tp_degree}, {compiled_lines(options)} KV lines, seq {options.seq_len}, {options.dtype}{weights}{draft})"
 
 
 def set_quantization_env(options: NeuronOptions) -> None:

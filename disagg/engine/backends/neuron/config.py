@@ -28,6 +28,16 @@ QUANTIZATION_FIELDS = ("quantization", "quantization_type", "quantization_skip")
 # NeuronConfig's own quantization arguments: set from `quantization`, never also through `extra`.
 NXDI_QUANTIZATION_KWARGS = ("quantized", "quantized_checkpoints_path", "quantization_dtype", "quantization_type", "modules_to_not_convert")
 
+# --speculative-method -> NeuronConfig's speculation switches. Both run the draft inside the target's
+# compiled step (NxDI's fused speculation, NeuronFusedSpecModel); eagle's draft is an EAGLE head
+# checkpoint (FusedSpecNeuronConfig's draft with is_eagle_draft). NxDI has no prompt lookup (ngram).
+NXDI_SPECULATION = {"draft": {"enable_fused_speculation": True}, "eagle": {"enable_fused_speculation": True, "enable_eagle_speculation": True}}
+# The fields that mean nothing without `speculation`: left out of the compiled key then (as QUANTIZATION_FIELDS).
+SPECULATION_FIELDS = ("speculation", "speculation_length", "draft_model")
+# NeuronConfig's own speculation arguments: set from `speculation`, never also through `extra`.
+NXDI_SPECULATION_KWARGS = ("speculation_length", "enable_fused_speculation", "enable_eagle_speculation", "is_eagle_draft", "is_eagle3",
+                           "medusa_speculation_length", "is_medusa", "token_tree_config", "spec_batch_size")
+
 
 @dataclass(frozen=True)
 class NeuronOptions:
@@ -51,6 +61,9 @@ class NeuronOptions:
     quantization: str | None = None  # int8 or fp8 weights (NxDI's quantized=True), quantized once before the compile
     quantization_type: str = "per_channel"  # per_channel or per_tensor (symmetric)
     quantization_skip: tuple[str, ...] = ("lm_head",)  # module-name substrings kept in full precision (modules_to_not_convert)
+    speculation: str | None = None  # NxDI's fused speculation with a draft checkpoint: draft or eagle (NXDI_SPECULATION); None: off
+    speculation_length: int = 0  # NeuronConfig.speculation_length: the positions a fused step scores a row, guesses + 1
+    draft_model: str = ""  # the draft checkpoint (FusedSpecNeuronConfig.draft_model_path), the target's architecture
     extra: dict = field(default_factory=dict)  # other NeuronConfig keyword arguments, passed through
 
     def __post_init__(self):
@@ -64,6 +77,7 @@ class NeuronOptions:
             raise ValueError("k_cache_transposed is not supported: each KV write would become head_dim copies of a few bytes (docs/neuron.md)")
         self._check_buckets()
         self._check_quantization()
+        self._check_speculation()
 
     def _check_quantization(self) -> None:
         object.__setattr__(self, "quantization_skip", tuple(self.quantization_skip))  # a JSON list -> a hashable, keyed tuple
@@ -89,6 +103,38 @@ class NeuronOptions:
                 f"quantization_type per_tensor quantizes every linear in NxDI's quantized state dict, so quantization_skip "
                 f"{list(self.quantization_skip)} cannot be kept in full precision: use per_channel, or an empty --quantization-skip ''"
             )
+
+    def _check_speculation(self) -> None:
+        """What NxDI's fused speculation cannot run, or this backend cannot carry, each refused in one line."""
+        if self.speculation is None:
+            if self.speculation_length or self.draft_model:
+                raise ValueError("speculation_length and draft_model need speculation (draft or eagle)")
+            return
+        if self.speculation not in NXDI_SPECULATION:
+            raise ValueError(f"--speculative-method {self.speculation}: NxDI speculates with a draft checkpoint inside the compiled step "
+                             f"({' or '.join(NXDI_SPECULATION)}); {self.speculation} is served by the torch backend only")
+        if not self.draft_model:
+            raise ValueError(f"--speculative-method {self.speculation} on the neuron backend needs --draft-model (FusedSpecNeuronConfig.draft_model_path)")
+        if self.speculation_length < 2:
+            raise ValueError(f"speculation_length {self.speculation_length}: NxDI's fused step scores the input token and at least one guess (2 or more)")
+        both = sorted(key for key in NXDI_SPECULATION_KWARGS if key in self.extra)
+        if both:
+            raise ValueError(f"speculation {self.speculation!r} sets NeuronConfig's {', '.join(both)}: leave them out of the pass-through settings")
+        if self.extra.get("on_cpu"):
+            # application_base.to_cpu, 0.4 to 0.9: "Speculation is not yet supported for CPU inference."
+            raise ValueError("speculation is not supported in NxDI's CPU mode (on_cpu): to_cpu() raises for any speculation_length")
+        if self.quantization is not None:
+            # inference_demo copies the target's NeuronConfig into the draft's, quantized_checkpoints_path included:
+            # the draft would read the target's quantized state dict; a draft's own is not made here.
+            raise ValueError(f"--quantization {self.quantization} with speculation on the neuron backend is not served yet: "
+                             "NxDI's draft config would read the target's quantized state dict")
+        if self.nxdi_async_mode:
+            raise ValueError("NxDI's async_mode with fused speculation is not served: each fused step's tokens decide the next step's positions")
+
+    @property
+    def speculates(self) -> bool:
+        """Whether NxDI's fused speculation runs in the decode step (its steps return several tokens a row)."""
+        return self.speculation is not None
 
     @property
     def context_limit(self) -> int:
@@ -129,6 +175,13 @@ def compiled_lines(options: NeuronOptions) -> int:
     return options.batch_size + 1
 
 
+def compiled_seq_len(options: NeuronOptions) -> int:
+    """NeuronConfig.seq_len: ours, plus speculation_length where a fused step scores that many positions past a row's
+    input. ModelWrapper.get_target_bucket wants a token-generation bucket of the mask's length + speculation_length
+    (else "exceeds largest bucket", for the whole step): a row at our last position still fits."""
+    return options.seq_len + (options.speculation_length if options.speculation else 0)
+
+
 def prefill_line(options: NeuronOptions) -> int:
     """The line every context encoding writes: NxDI's context encoding fills the whole
     padded prompt into line seq_ids[0], so it must be a line no request owns (a
@@ -146,7 +199,7 @@ def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
         ctx_batch_size=1,
         tkg_batch_size=lines,
         max_batch_size=lines,
-        seq_len=options.seq_len,
+        seq_len=compiled_seq_len(options),
         max_context_length=options.context_limit,
         torch_dtype=DTYPES[options.dtype],
         is_continuous_batching=True,
@@ -165,11 +218,48 @@ def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
     )
     if options.context_buckets:
         kwargs["context_encoding_buckets"] = options.context_encoding_buckets
-    if options.token_buckets:
-        kwargs["token_generation_buckets"] = list(options.token_buckets)
+    if options.token_buckets:  # the last is seq_len (_check_buckets): with speculation, the longer compiled length
+        kwargs["token_generation_buckets"] = [*options.token_buckets[:-1], compiled_seq_len(options)]
     kwargs.update(quantization_kwargs(options))
+    kwargs.update(speculation_kwargs(options))
     kwargs.update(options.extra)
     return kwargs
+
+
+def speculation_options(method: str | None, num_tokens: int, draft_model: str | None) -> dict:
+    """Our flags (--speculative-method, --num-speculative-tokens, --draft-model) -> NeuronOptions' speculation fields.
+
+    --num-speculative-tokens counts a row's guesses; NxDI's speculation_length counts the positions a fused step
+    scores: the input token and speculation_length - 1 draft tokens (NeuronFusedSpecModel._token_gen_forward runs the
+    draft speculation_length times and feeds candidate_input_ids[:, :-1] to the target), so it is one more. (vLLM's
+    Neuron worker passes num_speculative_tokens as speculation_length unchanged: one guess fewer than asked.)"""
+    if method is None:
+        return {}
+    return dict(speculation=method, speculation_length=num_tokens + 1, draft_model=draft_model or "")
+
+
+def speculation_kwargs(options: NeuronOptions) -> dict:
+    """NeuronConfig's fused speculation: speculation_length positions scored per row and step (the input token and
+    speculation_length - 1 draft tokens, NeuronFusedSpecModel._token_gen_forward). disable_kv_cache_tiling: with fused
+    speculation NeuronConfig tiles the KV positions by 128 whenever max_length is a multiple of 128 above it, a layout the
+    KV hand-off does not convert (refuse_unconvertible_layout); NxDI's own flag keeps the plain one."""
+    if options.speculation is None:
+        return {}
+    return dict(speculation_length=options.speculation_length, disable_kv_cache_tiling=True, **NXDI_SPECULATION[options.speculation])
+
+
+def draft_neuron_config(neuron_config, speculation: str):
+    """The draft's NeuronConfig as NxDI's inference_demo derives it from the target's: a copy with speculation off,
+    except EAGLE's draft, which keeps speculation_length (its last draft run) and is marked is_eagle_draft."""
+    import copy
+
+    draft = copy.deepcopy(neuron_config)
+    if speculation != "eagle":
+        draft.speculation_length = 0
+    draft.enable_fused_speculation = False
+    if speculation == "eagle":
+        draft.is_eagle_draft = True
+    return draft
 
 
 def quantization_kwargs(options: NeuronOptions) -> dict:
@@ -197,6 +287,7 @@ def compiled_key_options(options: NeuronOptions) -> dict:
     """The options a compile depends on: not the decode loop's async_mode, and the quantization
     settings only where quantization is on (unquantized keys stay as they were before them)."""
     skipped = {"async_mode"} | (set(QUANTIZATION_FIELDS) if options.quantization is None else set())
+    skipped |= set(SPECULATION_FIELDS) if options.speculation is None else set()
     return {k: v for k, v in asdict(options).items() if k not in skipped}
 
 
@@ -220,10 +311,14 @@ def compiled_path(options: NeuronOptions, nxdi_version: str | None = None) -> pa
     from .artifacts import checkpoint_fingerprint, digest, toolchain
 
     tools = toolchain(nxdi_version)
-    key = digest({"options": compiled_key_options(options), "checkpoint": checkpoint_fingerprint(options.model), "toolchain": tools})
+    parts = {"options": compiled_key_options(options), "checkpoint": checkpoint_fingerprint(options.model), "toolchain": tools}
+    if options.speculation is not None:  # the draft's weights are sharded into the same directory
+        parts["draft_checkpoint"] = checkpoint_fingerprint(options.draft_model)
+    key = digest(parts)
     name = pathlib.Path(options.model.rstrip("/")).name or "model"
     quantized = f"-{options.quantization}" if options.quantization else ""
-    return compiled_root(options) / f"{name}-nxdi{tools['nxdi']}-tp{options.tp_degree}-b{options.batch_size}-s{options.seq_len}{quantized}-{key}"
+    speculated = f"-{options.speculation}{options.speculation_length}" if options.speculation else ""
+    return compiled_root(options) / f"{name}-nxdi{tools['nxdi']}-tp{options.tp_degree}-b{options.batch_size}-s{options.seq_len}{quantized}{speculated}-{key}"
 
 
 def full_attention_window(inference_config, seq_len: int) -> None:
