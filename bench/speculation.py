@@ -39,6 +39,7 @@ from disagg.clients.grpc_client import AsyncClient  # noqa: E402
 from disagg.clients.openai_client import OpenAIClient  # noqa: E402
 from disagg.tools.loadgen import RequestSpec, closed_loop  # noqa: E402
 from disagg.tools.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
+from disagg.tools.tiny_eagle import ensure_eagle_head  # noqa: E402
 from disagg.tools.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs  # noqa: E402
 
 # The target: trained on the local text as the tests' models are, large enough that a step's weights,
@@ -49,6 +50,8 @@ TARGET = TinyModelSpec(vocab_size=2048, hidden_size=512, intermediate_size=1536,
 # Its draft: the same tokenizer (vocabulary size and text), a fifth of its width and two layers: about 1/50 of its weights.
 DRAFT = TinyModelSpec(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1,
                       max_position_embeddings=2048, train_steps=300)
+# Its EAGLE head: one layer of its width over its own hidden states (disagg/tools/tiny_eagle.py), a fifth of its weights.
+EAGLE_STEPS = 600
 
 
 class _NoBar:
@@ -149,7 +152,9 @@ def main() -> None:
                         help="also measure a server already running with this model, over its OpenAI API (llama.cpp's llama-server "
                              "with --spec-type ngram-simple, vLLM): repeatable")
     parser.add_argument("--draft-model", default=None, help="the draft checkpoint (default with the default model: DRAFT, trained on first use)")
-    parser.add_argument("--systems", default="plain,ngram,draft", help="which of ours to run: plain, ngram, draft")
+    parser.add_argument("--eagle-head", default=None, help="the EAGLE head (default with the default model: one trained for TARGET on first use, "
+                        "disagg/tools/tiny_eagle.py)")
+    parser.add_argument("--systems", default="plain,ngram,draft,eagle", help="which of ours to run: plain, ngram, draft, eagle")
     parser.add_argument("--rounds", type=int, default=3, help="each point measured this many times for every system in turn (median)")
     parser.add_argument("--only-peers", action="store_true", help="measure the --peer servers alone")
     args = parser.parse_args()
@@ -163,6 +168,8 @@ def main() -> None:
     systems = {"plain": [], "ngram": ["--speculative-method", "ngram", *guesses]}
     if args.draft_model or not args.model:
         systems["draft"] = ["--speculative-method", "draft", "--draft-model", args.draft_model or str(ensure_tiny_model(DRAFT)), *guesses]
+    if args.eagle_head or not args.model:
+        systems["eagle"] = ["--speculative-method", "eagle", "--draft-model", args.eagle_head or str(ensure_eagle_head(model, EAGLE_STEPS)), *guesses]
     systems = {name: systems[name] for name in args.systems.split(",")} if not args.only_peers else {}
     results = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": model, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M")}
     peers = {}

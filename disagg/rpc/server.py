@@ -271,6 +271,7 @@ async def serve_until_signal(server: RunningServer, grace_seconds: float, busy) 
     """Serves until SIGTERM or SIGINT, then drains: health goes NOT_SERVING (and
     keeps answering), new calls are refused with UNAVAILABLE, and the work in
     flight (busy() is true while there is some) gets grace_seconds to finish."""
+    freeze_startup_objects()
     await stop_signals().wait()
     log.info("draining: NOT_SERVING; work in flight has %.1fs to finish", grace_seconds)
     await server.set_serving(False)
@@ -281,6 +282,18 @@ async def serve_until_signal(server: RunningServer, grace_seconds: float, busy) 
     if busy():
         log.warning("grace period over; cutting the work still in flight")
     await server.server.stop(0.5)
+
+
+def freeze_startup_objects() -> None:
+    """Takes what start-up made (modules, transformers' and torch's objects, the model's: some 360,000
+    for the tests' tiny model) out of the collector's sight for good (gc.freeze). A full collection
+    walks every tracked object, and here it took 0.6 s whenever one ran while serving, a pause of every
+    thread, the decode loop's included; at exit, the interpreter's last one took 3 s of a worker's
+    3.5 s stop (0.6 s with this). The backends collect before they return (memory.return_freed_memory),
+    so little garbage is frozen with them."""
+    import gc
+
+    gc.freeze()
 
 
 async def load_while_not_serving(server: RunningServer, load):

@@ -196,35 +196,42 @@ class LocalCluster:
         decode_args = [*common, "--threads", str(spec.worker_threads("decode")), "--batch-size", str(spec.batch_size), *compile_flag(spec.compile)]
         decode_args += spec.decode_args
         decode_args += ["--colocated"] if spec.colocated else []
-        # Every worker is started before any is waited for: each spends seconds importing
-        # torch before it binds its port, and those imports can run side by side. The prefill
-        # workers need the decode workers' addresses (--decode: where they may send KV), so those
-        # ports are reserved here first (reserve_port) and each decode worker binds its own.
-        reserved = [reserve_port() for _ in range(spec.decode_workers)] if not spec.colocated else []
+        # Every part is started before any is waited for: each spends seconds importing torch (the
+        # router, transformers for its tokenizer) before it binds its port, and those imports can run
+        # side by side. The prefill workers need the decode workers' addresses (--decode: where they
+        # may send KV) and the router everyone's, so the workers' ports are reserved here first
+        # (reserve_port) and each worker binds its own; the router waits for them to serve.
+        reserved = [reserve_port() for _ in range(spec.decode_workers + (0 if spec.colocated else spec.prefill_workers))]
+        addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in reserved]
+        decode_addresses = addresses[: spec.decode_workers]
+        prefill_addresses = decode_addresses if spec.colocated else addresses[spec.decode_workers :]
+        router_args = ["--model", spec.model, *spec.router_args]
+        if spec.http_port is not None:
+            router_args += ["--http-port", str(spec.http_port)]
+        router_args += [a for address in prefill_addresses for a in ("--prefill", address)]
+        router_args += [a for address in decode_addresses for a in ("--decode", address)]
         try:
             launched = [
-                self._launch(f"decode-{i}", "decode_worker", decode_args + spec.neuron_args("decode"), port=reserved[i].getsockname()[1] if reserved else 0)
+                self._launch(f"decode-{i}", "decode_worker", decode_args + spec.neuron_args("decode"), port=reserved[i].getsockname()[1])
                 for i in range(spec.decode_workers)
             ]
             if not spec.colocated:
-                pool = [a for r in reserved for a in ("--decode", f"127.0.0.1:{r.getsockname()[1]}")]
+                pool = [a for address in decode_addresses for a in ("--decode", address)]
                 prefill_args = common + ["--threads", str(spec.worker_threads("prefill"))] + pool + spec.prefill_args + spec.neuron_args("prefill")
-                launched += [self._launch(f"prefill-{i}", "prefill_worker", prefill_args) for i in range(spec.prefill_workers)]
-            workers = self._bind_all(launched, silence)
+                launched += [
+                    self._launch(f"prefill-{i}", "prefill_worker", prefill_args, port=reserved[spec.decode_workers + i].getsockname()[1])
+                    for i in range(spec.prefill_workers)
+                ]
+            # Through _bind_all as the workers: a start interrupted while the router binds (Ctrl-C, SIGTERM to
+            # `disagg serve`) must not leave it running unknown to stop(), holding the port (gRPC binds with
+            # SO_REUSEPORT, so the next cluster's router would share the port with it, half the calls going nowhere).
+            launched.append(self._launch("router", "router", router_args, port=spec.router_port))
+            *workers, router = self._bind_all(launched, silence)
         finally:
             for sock in reserved:
                 sock.close()
         decode = workers[: spec.decode_workers]
         prefill = decode if spec.colocated else workers[spec.decode_workers :]
-        router_args = ["--model", spec.model, *spec.router_args]
-        if spec.http_port is not None:
-            router_args += ["--http-port", str(spec.http_port)]
-        router_args += [a for p in prefill for a in ("--prefill", p.address)]
-        router_args += [a for d in decode for a in ("--decode", d.address)]
-        # Through _bind_all as the workers: a start interrupted while the router binds (Ctrl-C, SIGTERM to
-        # `disagg serve`) must not leave it running unknown to stop(), holding the port (gRPC binds with
-        # SO_REUSEPORT, so the next cluster's router would share the port with it, half the calls going nowhere).
-        (router,) = self._bind_all([self._launch("router", "router", router_args, port=spec.router_port)], silence)
         self.router_address = router.address
         if router.http_port is not None:
             self.http_url = f"{'https' if spec.public_tls_ca else 'http'}://127.0.0.1:{router.http_port}"
