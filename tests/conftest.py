@@ -45,8 +45,19 @@ def checkpoints_root() -> pathlib.Path:
 # checkpoints while the first tests run, on the core they leave idle. In the order
 # the suite first needs them, after llama, which the first test trains itself;
 # a test that needs one being trained waits for it (ensure_tiny_model's lock).
-BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama-held-out", "llama-tools", "llama")
+BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama-held-out", "llama-tools", "llama", "llama-draft")
+# Speculation's EAGLE heads (disagg/tools/tiny_eagle.py), trained after the models they read.
+EAGLE_HEADS = ("llama", "qwen2", "mistral-sw")
+EAGLE_STEPS = 200
 _builder = None
+
+
+@functools.cache
+def eagle_head(name: str = "llama") -> str:
+    """An EAGLE head trained for the tiny model on its text, cached as the models are."""
+    from disagg.tools.tiny_eagle import ensure_eagle_head
+
+    return str(ensure_eagle_head(tiny_model(name), EAGLE_STEPS, root=checkpoints_root()))
 
 
 def pytest_sessionstart(session) -> None:
@@ -57,7 +68,10 @@ def pytest_sessionstart(session) -> None:
 
     missing = [name for name in BACKGROUND_ORDER if not checkpoint_path(TEST_MODELS[name], checkpoints_root()).exists()]
     if len(missing) > 1:  # one alone, the test that needs it trains as fast
-        script = f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); import conftest; [conftest.tiny_model(n) for n in {missing!r}]"
+        # One torch thread: on the core the tests leave idle; beside their processes a second OpenMP thread
+        # made each training step 1.7x slower here.
+        script = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); import torch; torch.set_num_threads(1); "
+                  f"import conftest; [conftest.tiny_model(n) for n in {missing!r}]; [conftest.eagle_head(n) for n in conftest.EAGLE_HEADS]")
         quiet = subprocess.DEVNULL  # a checkpoint it fails to make, the test that needs it makes, and says why
         _builder = subprocess.Popen([sys.executable, "-c", script], stdout=quiet, stderr=quiet, preexec_fn=lambda: os.nice(5))
 

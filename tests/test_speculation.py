@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import assert_nothing_held, start_cluster
+from conftest import EAGLE_HEADS, assert_nothing_held, eagle_head, start_cluster
 from prometheus_client.parser import text_string_to_metric_families
 from test_failures import active_decode_worker, first_tokens, hold_decode_steps
 
@@ -182,16 +182,7 @@ def test_a_draft_models_guesses_change_no_token_and_are_kept():
     assert stats.accepted_tokens >= 0.3 * stats.proposed_tokens > 0
 
 
-def eagle_head(architecture: str = "llama") -> str:
-    """An EAGLE head trained for the tiny model on its text (disagg/tools/tiny_eagle.py), cached as the models are."""
-    from conftest import checkpoints_root, tiny_model
-
-    from disagg.tools.tiny_eagle import ensure_eagle_head
-
-    return str(ensure_eagle_head(tiny_model(architecture), root=checkpoints_root()))
-
-
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral-sw"])
+@pytest.mark.parametrize("architecture", EAGLE_HEADS)
 def test_an_eagle_heads_guesses_change_no_token_and_are_kept(architecture):
     """The EAGLE proposer (a head over the model's own hidden states, from NxDI's checkpoint layout) beside
     greedy, sampled and penalized rows: the same tokens as without speculation, greedy ones generate()'s, and
