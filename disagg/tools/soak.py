@@ -185,12 +185,12 @@ async def send(client: AsyncClient, hurried: AsyncClient, sent: Sent, cancel_aft
         sent.outcome, sent.details = exc.code().name, exc.details()
 
 
-async def closed_loop(address: str, args, rng: random.Random, report: Report, until: float) -> None:
+async def closed_loop(address: str, args, rng: random.Random, report: Report, keep_going) -> None:
     texts = paragraphs()
     async with AsyncClient(address, timeout=PLAIN_TIMEOUT) as client, AsyncClient(address, timeout=args.deadline) as hurried:
 
         async def user() -> None:
-            while time.monotonic() < until:
+            while keep_going():
                 sent = plan_request(rng, texts, args)
                 report.sent.append(sent)
                 await send(client, hurried, sent, cancel_after=rng.randint(1, args.max_new_tokens))
@@ -199,7 +199,7 @@ async def closed_loop(address: str, args, rng: random.Random, report: Report, un
 
 
 # -- the chaos -----------------------------------------------------------------------
-async def chaos(cluster: LocalCluster, supervisor: Supervisor, args, rng: random.Random, report: Report, until: float) -> None:
+async def chaos(cluster: LocalCluster, supervisor: Supervisor, args, rng: random.Random, report: Report, keep_going) -> None:
     """Every LOW-HIGH s, a random prefill or decode worker gets SIGKILL, once all of them serve
     (so one of each role is always up); the supervisor restarts it."""
     low, high = args.kill_every
@@ -207,7 +207,7 @@ async def chaos(cluster: LocalCluster, supervisor: Supervisor, args, rng: random
         await asyncio.sleep(rng.uniform(low, high))
         while any(p.state is not PartState.RUNNING for p in supervisor.parts.values()):
             await asyncio.sleep(0.1)
-        if time.monotonic() >= until:
+        if not keep_going():
             return
         role = rng.choice(["prefill", "decode"])
         victim = rng.choice([p for p in cluster.processes if p.name.startswith(role)])
@@ -295,9 +295,16 @@ async def load_and_chaos(cluster: LocalCluster, supervisor: Supervisor, args, se
     rng = random.Random(args.seed)
     report.started = time.monotonic()
     until = report.started + seconds
-    killer = asyncio.create_task(chaos(cluster, supervisor, args, rng, report, until)) if args.chaos else None
+
+    def keep_going() -> bool:
+        # --min-kills: on a loaded host restarts are slow and kills (made only while every worker serves) few;
+        # the run goes on until that many were made, for at most three times its length.
+        now = time.monotonic()
+        return now < until or (args.chaos and len(report.kills) < args.min_kills and now < report.started + 3 * seconds)
+
+    killer = asyncio.create_task(chaos(cluster, supervisor, args, rng, report, keep_going)) if args.chaos else None
     try:
-        await closed_loop(cluster.router_address, args, rng, report, until)
+        await closed_loop(cluster.router_address, args, rng, report, keep_going)
     finally:
         if killer is not None:
             killer.cancel()
@@ -336,6 +343,8 @@ def parse_args(argv=None):
     parser.add_argument("--model", default=None, help="default: a tiny trained Llama made offline")
     parser.add_argument("--chaos", action="store_true", help="kill a random worker every --kill-every seconds (the supervisor restarts it)")
     parser.add_argument("--seconds", type=float, default=600, help="the whole run, split evenly between the transports")
+    parser.add_argument("--min-kills", type=int, default=0,
+                        help="--chaos: each transport's run goes on past its time (up to three times it) until this many kills were made")
     parser.add_argument("--transports", default="grpc,nixl", help="KV transports, one run each (nixl needs nixl-cu12)")
     parser.add_argument("--kill-every", type=lambda t: tuple(float(v) for v in t.split(":")), default=(10.0, 30.0), metavar="LOW:HIGH")
     parser.add_argument("--concurrency", type=int, default=16)
