@@ -45,7 +45,8 @@ class _RmsNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        wide = x.float()  # as transformers' RMSNorm: the statistics in float32 whatever the head's dtype
+        return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class _Attention(nn.Module):
@@ -130,12 +131,13 @@ class EagleHead(nn.Module):
         for layer, (keys, values) in zip(self.layers, cache.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x) if layer.input_layernorm is not None else x
-            q = _rotate(attn.q_proj(h).view(-1, attn.heads, attn.head_dim), cos[:, None], sin[:, None])
-            keys[slot_index, :, line_index] = _rotate(attn.k_proj(h).view(-1, attn.kv_heads, attn.head_dim), cos[:, None], sin[:, None])
-            values[slot_index, :, line_index] = attn.v_proj(h).view(-1, attn.kv_heads, attn.head_dim)
+            # The attention in the cache's dtype (float32: a bf16 one cost 5x as much at these sizes).
+            q = _rotate(attn.q_proj(h).view(-1, attn.heads, attn.head_dim), cos[:, None], sin[:, None]).to(keys.dtype)
+            keys[slot_index, :, line_index] = _rotate(attn.k_proj(h).view(-1, attn.kv_heads, attn.head_dim), cos[:, None], sin[:, None]).to(keys.dtype)
+            values[slot_index, :, line_index] = attn.v_proj(h).view(-1, attn.kv_heads, attn.head_dim).to(keys.dtype)
             k, v = keys[slot_index, :, :width], values[slot_index, :, :width]  # [n, kv_heads, width, d]
             out = nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=visible, enable_gqa=attn.heads != attn.kv_heads)
-            x = x + attn.o_proj(out.reshape(x.shape[0], -1))
+            x = x + attn.o_proj(out.reshape(x.shape[0], -1).to(x.dtype))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
@@ -221,12 +223,22 @@ class EagleProposer:
     on_device = True
 
     def __init__(self, backend: Backend, head: EagleHead, num_slots: int):
-        self.backend, self.head = backend, head
+        from ..cpu_kernels.packed_linear import can_prepack, group_shared_inputs, prepack_linears
+
+        # In the model's dtype and, on a CPU, through the same packed product kernels as its step: a head of the
+        # model's width reads a layer's weights (and fc's) for each guess, so its bytes are what it costs.
+        self.dtype = backend.dtype
+        self.backend, self.head = backend, head.to(self.dtype)
         backend.keep_hidden = True  # each step's final hidden states: the head's input
         self.embed = backend.model.get_input_embeddings()
         self.lm_head = backend.model.get_output_embeddings()
         self.recent = torch.zeros(num_slots, RECENT_POSITIONS, head.config.hidden_size)
         self.cache = EagleCache(head, num_slots, backend.info.max_seq_len + MAX_SPECULATIVE_TOKENS + 1)
+        if backend.device.type == "cpu" and can_prepack(backend.device, self.dtype):
+            prepack_linears(self.head)
+            with torch.inference_mode():  # q, k and v (gate and up) read one input: one product each group, as in the model's step
+                group_shared_inputs(self.head, lambda: self._run([0], [0], [0], torch.zeros(1, head.config.hidden_size)))
+            self.cache.lengths[0] = 0
 
     @torch.inference_mode()
     def after_step(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
@@ -273,8 +285,9 @@ class EagleProposer:
         return list(range(max(row.draft_seen, newest - READABLE_POSITIONS + 1), newest))
 
     def _run(self, slots: list[int], positions: list[int], tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        embedded = self.embed(torch.tensor(tokens, device=self.embed.weight.device)).float().cpu()
-        return self.head.cached(torch.cat([embedded, hidden], dim=-1), slots, torch.tensor(positions), self.cache)
+        embedded = self.embed(torch.tensor(tokens, device=self.embed.weight.device)).cpu()
+        features = torch.cat([embedded.to(self.dtype), hidden.to(self.dtype)], dim=-1)
+        return self.head.cached(features, slots, torch.tensor(positions), self.cache)
 
     def _greedy(self, features: torch.Tensor) -> list[int]:
-        return self.lm_head(features.to(self.backend.device, self.backend.dtype)).argmax(dim=-1).tolist()
+        return self.lm_head(features.to(self.backend.device, self.dtype)).argmax(dim=-1).tolist()
