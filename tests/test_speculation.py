@@ -550,29 +550,15 @@ def assert_batch_gets_what_each_gets_alone(cluster, llama_ref, cases: list[tuple
             assert result.token_ids == client.complete(prompt, **params).token_ids
 
 
-def test_a_draft_model_through_the_service_with_a_mixed_batch(cluster_logs, llama_ref):
-    """--speculative-method draft end to end: greedy rows equal generate(), sampled rows what they get alone."""
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_a_draft_model_or_eagle_head_through_the_service_with_a_mixed_batch(cluster_logs, llama_ref, method):
+    """--speculative-method draft (a one-layer model) and eagle (a head over the model's hidden states) end to end:
+    greedy rows equal generate(), sampled and penalized rows what they get alone, guesses kept, every block freed."""
     from conftest import tiny_model
 
-    cluster = start_cluster(cluster_logs / "speculating-draft", "llama", batch_size=8,
-                            worker_args=["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft")])
-    try:
-        text = paragraphs()
-        cases = [(" ".join(text[3 * i].split()[:6]), dict(max_new_tokens=20 + 9 * i, ignore_eos=True)) for i in range(6)]
-        cases[1][1].update(temperature=0.8, seed=5)
-        cases[4][1].update(repetition_penalty=1.2)
-        assert_batch_gets_what_each_gets_alone(cluster, llama_ref, cases)
-        assert accepted(cluster) >= 20
-        assert_nothing_held(cluster)
-    finally:
-        cluster.stop()
-
-
-def test_an_eagle_head_through_the_service_with_a_mixed_batch(cluster_logs, llama_ref):
-    """--speculative-method eagle end to end: greedy rows equal generate(), sampled and penalized rows what they get alone,
-    guesses kept, and every block freed."""
-    cluster = start_cluster(cluster_logs / "speculating-eagle", "llama", batch_size=8,
-                            worker_args=["--speculative-method", "eagle", "--draft-model", eagle_head("llama")])
+    guesser = tiny_model("llama-draft") if method == "draft" else eagle_head("llama")
+    cluster = start_cluster(cluster_logs / f"speculating-{method}", "llama", batch_size=8,
+                            worker_args=["--speculative-method", method, "--draft-model", guesser])
     try:
         text = paragraphs()
         cases = [(" ".join(text[3 * i].split()[:6]), dict(max_new_tokens=20 + 9 * i, ignore_eos=True)) for i in range(6)]

@@ -110,6 +110,11 @@ class ClusterSpec:
         return ["--backend", "neuron", "--tp-degree", str(self.neuron.prefill_tp if role == "prefill" else self.neuron.decode_tp)]
 
 
+def router_targets(prefill: list[str], decode: list[str]) -> list[str]:
+    """A router's flags for these workers' addresses."""
+    return [a for address in prefill for a in ("--prefill", address)] + [a for address in decode for a in ("--decode", address)]
+
+
 def reserve_port() -> socket.socket:
     """A bound (not listening) socket holding a free port on 127.0.0.1 until closed. SO_REUSEPORT
     lets a gRPC server (which sets it too) bind the same port meanwhile; no one else can take it."""
@@ -208,8 +213,7 @@ class LocalCluster:
         router_args = ["--model", spec.model, *spec.router_args]
         if spec.http_port is not None:
             router_args += ["--http-port", str(spec.http_port)]
-        router_args += [a for address in prefill_addresses for a in ("--prefill", address)]
-        router_args += [a for address in decode_addresses for a in ("--decode", address)]
+        router_args += router_targets(prefill_addresses, decode_addresses)
         try:
             launched = [
                 self._launch(f"decode-{i}", "decode_worker", decode_args + spec.neuron_args("decode"), port=reserved[i].getsockname()[1])
@@ -272,8 +276,8 @@ class LocalCluster:
     def add_router(self, prefill: list[str], decode: list[str], extra: list[str] = ()) -> Process:
         """Starts one more router over these workers' addresses, once it has bound its port (its health
         says SERVING once it uses a prefill and a decode worker: wait_serving)."""
-        targets = [a for address in prefill for a in ("--prefill", address)] + [a for address in decode for a in ("--decode", address)]
-        return self._spawn(f"router-extra-{len(self.processes)}", "router", ["--model", self.spec.model, *self.spec.router_args, *extra, *targets])
+        args = ["--model", self.spec.model, *self.spec.router_args, *extra, *router_targets(prefill, decode)]
+        return self._spawn(f"router-extra-{len(self.processes)}", "router", args)
 
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> Process:
         """Starts a part on the given port (0: one it picks itself) and waits for

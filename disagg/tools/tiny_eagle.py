@@ -12,7 +12,6 @@ q + 2 (cross-entropy, weight 0.1).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import pathlib
@@ -98,15 +97,9 @@ def eagle_head_path(model_dir: str, steps: int = 400, root: pathlib.Path | None 
 
 def ensure_eagle_head(model_dir: str, steps: int = 400, root: pathlib.Path | None = None) -> pathlib.Path:
     """The cached head for model_dir, trained on first use (once, where processes ask at once)."""
-    path = eagle_head_path(model_dir, steps, root)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            make_eagle_head(model_dir, path, steps)
-    return path
+    from .tinymodel import made_once
+
+    return made_once(eagle_head_path(model_dir, steps, root), lambda path: make_eagle_head(model_dir, path, steps))
 
 
 def main(argv: list[str] | None = None) -> None:

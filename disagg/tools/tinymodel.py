@@ -316,14 +316,17 @@ def checkpoint_path(spec: TinyModelSpec = DEFAULT_SPEC, root: pathlib.Path | Non
 
 def ensure_tiny_model(spec: TinyModelSpec = DEFAULT_SPEC, root: pathlib.Path | None = None) -> pathlib.Path:
     """The cached checkpoint for spec, made on first use."""
-    path = checkpoint_path(spec, root)
+    return made_once(checkpoint_path(spec, root), lambda path: make_tiny_model(path, spec))
+
+
+def made_once(path: pathlib.Path, make) -> pathlib.Path:
+    """path, made by make(path) unless it exists. Processes that want the same one at once (workers
+    starting side by side, the tests' background builder) make it once: the others wait for the first."""
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Processes that want the same checkpoint at once (workers starting side by side, the
-    # tests' background builder) make it once: the others wait for the first.
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
-            make_tiny_model(path, spec)
+            make(path)
     return path
