@@ -114,6 +114,99 @@ def test_the_few_row_kernel_equals_nn_linear(out_features, in_features, bias):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rows
 
 
+FLOAT32_BUILDS = ["float32", "float32-avx512"]
+
+
+def float32_build(name: str) -> small_gemm.SmallGemm:
+    """One float32 build by name, or the test skipped with the reason it cannot run here."""
+    kernel = small_gemm.build_kernel(name)
+    if kernel is None:
+        needs = [feature for feature in small_gemm.BUILDS[name][2] if feature not in small_gemm.cpu_flags()]
+        pytest.skip(f"{name} does not run here: " + (f"the CPU lacks {', '.join(needs)}" if needs else "no AVX2 CPU or C compiler"))
+    return kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", FLOAT32_BUILDS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features, in_features", [(160, 96), (97, 600), (50, 7), (1, 300), (24, 256)])
+def test_each_float32_build_equals_torch_s_product_and_the_avx2_build_s_bits(out_features, in_features, bias, build):
+    """Each float32 build, forced by name, for 1 to 64 rows: 97 outputs are 5 panels (two pairs for the
+    avx512 build's blocks of 16 rows or more, then a last narrow panel alone), 50 are 3 (a pair and a
+    half-empty one); K of 600 spans three chunks. Every build sums each column in the same order: the same bits."""
+    kernel, avx2 = float32_build(build), small_gemm.build_kernel("float32")
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features)
+    bias_values = torch.randn(out_features) if bias else None
+    panels = kernel.pack(weight)
+    assert torch.equal(panels, avx2.pack(weight)) and kernel.layout == "float32"  # the one layout, whichever build reads it
+    for rows in [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 63, 64]:
+        x = torch.randn(rows, in_features)
+        want = torch.nn.functional.linear(x, weight, bias_values)
+        got = kernel.product(x, panels, out_features, bias_values)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rows
+        assert torch.equal(got, avx2.product(x, panels, out_features, bias_values)), rows
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def f32_kernel(request, monkeypatch):
+    """kernel(torch.float32) as DISAGG_F32_KERNEL names it (skipped where that build cannot run)."""
+    name = {"avx2": "float32", "avx512": "float32-avx512"}[request.param]
+    float32_build(name)
+    monkeypatch.setenv("DISAGG_F32_KERNEL", request.param)
+    small_gemm._kernel.cache_clear()
+    yield name
+    small_gemm._kernel.cache_clear()
+
+
+@needs_kernel
+def test_the_f32_variable_names_the_float32_build(f32_kernel, caplog):
+    with caplog.at_level("INFO", logger=small_gemm.__name__):
+        assert small_gemm.kernel(torch.float32).name == f32_kernel
+    assert f"float32 products: the {f32_kernel} kernel (DISAGG_F32_KERNEL)" in caplog.text
+
+
+@needs_kernel
+def test_a_float32_build_is_chosen_by_a_measured_product_unless_the_cpu_runs_only_avx2(monkeypatch, caplog):
+    monkeypatch.delenv("DISAGG_F32_KERNEL", raising=False)
+    small_gemm._kernel.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger=small_gemm.__name__):
+            chosen = small_gemm.kernel(torch.float32)
+        if small_gemm.build_kernel("float32-avx512") is not None:  # both ran: each one's time logged
+            assert f"float32 products: the {chosen.name} kernel, faster here (float32-avx512 " in caplog.text and ", float32 " in caplog.text
+        # Without AVX-512F/VL: the AVX2 build, no measurement.
+        monkeypatch.setattr(small_gemm, "cpu_flags", lambda: {"avx2", "fma"})
+        small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
+        caplog.clear()
+        with caplog.at_level("INFO", logger=small_gemm.__name__):
+            assert small_gemm.kernel(torch.float32).name == "float32"
+        assert "the CPU lacks avx512f, avx512vl" in caplog.text and "float32 products: the float32 kernel (the only one this CPU runs)" in caplog.text
+        monkeypatch.setenv("DISAGG_F32_KERNEL", "avx-512")
+        small_gemm._kernel.cache_clear()
+        with pytest.raises(ValueError, match="DISAGG_F32_KERNEL must be avx512 or avx2"):
+            small_gemm.kernel(torch.float32)
+    finally:
+        monkeypatch.undo()
+        small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # qwen2: q, k and v biases
+def test_the_float32_native_step_on_each_build_equals_transformers_step(name, f32_kernel, one_thread):
+    """The native step calls the chosen build through its function pointers: transformers' step within tolerance on either."""
+    from test_native_step import both_steps, random_cache, step_inputs
+
+    backend = load_backend("torch", model=tiny_model(name), dtype="float32")
+    backend.allocate_slots(40)
+    assert backend.native is not None
+    random_cache(backend)
+    for slots in ([0, 3, 4, 5], list(range(1, 21))):  # 20 rows: the avx512 build's pairs of panels
+        inputs = step_inputs(slots, [(7 * slot) % 30 for slot in slots], [slot % 50 for slot in slots])
+        reference, _, native, _ = both_steps(backend, inputs)
+        torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
+
+
 @needs_kernel
 @pytest.mark.parametrize("build", ["bf16-widen", "bf16-dot"])
 @pytest.mark.parametrize("bias", [False, True])
@@ -234,12 +327,14 @@ def splittable(monkeypatch, helper_computes):
 @two_cpus
 @pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (49, 7), (24, 256)])
 @pytest.mark.parametrize("caller_panels", [1, 0], ids=["helper-takes-the-rest", "as-the-threads-run"])
-def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, caller_panels, monkeypatch):
-    # 24 outputs are one panel: nothing to share, the caller computes it alone.
+@pytest.mark.parametrize("build", FLOAT32_BUILDS)
+def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, caller_panels, build, monkeypatch):
+    # 24 outputs are one panel: nothing to share, the caller computes it alone. The avx512 build's
+    # helper claims pairs of panels (its 17 and 64 rows read them two at a time).
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # these weights are smaller than a real model's
     monkeypatch.setattr(small_gemm, "SPLIT_MAX_ROWS", 64)  # the C side shares any number of rows
     torch.manual_seed(0)
-    kernel = small_gemm.kernel()
+    kernel = float32_build(build)
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     panels = kernel.pack(weight)
 
@@ -249,7 +344,7 @@ def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_feat
 
     kernel.limit_caller_panels(caller_panels)
     try:
-        for rows in (1, 3, 8, 64):
+        for rows in (1, 3, 8, 17, 64):
             x = torch.randn(rows, in_features)
             alone = in_new_thread(lambda: product(x, False))
             before = kernel.helper_jobs()

@@ -1,7 +1,7 @@
 """The few-row kernel's split product (the caller and its helper threads, lock-free
 claims, late helpers) built with AddressSanitizer and ThreadSanitizer and driven by
 tests/sanitize/split_driver.c: every product the same bits as the kernel alone, and
-no report from the sanitizer. Each build of the kernel (float32, bf16-widen, bf16-dot)."""
+no report from the sanitizer. Each build of the kernel (float32, float32-avx512, bf16-widen, bf16-dot)."""
 
 import os
 import pathlib
@@ -15,7 +15,7 @@ from disagg.engine.dtype_choice import cpu_flags
 
 DRIVER = pathlib.Path(__file__).with_name("sanitize") / "split_driver.c"
 COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-BYTES_PER_WEIGHT = {"float32": 4, "bf16-widen": 2, "bf16-dot": 2}
+BYTES_PER_WEIGHT = {"float32": 4, "float32-avx512": 4, "bf16-widen": 2, "bf16-dot": 2}
 
 
 def sanitized_driver(tmp_path: pathlib.Path, sanitizer: str, build: str) -> pathlib.Path:

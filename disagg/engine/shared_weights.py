@@ -67,7 +67,7 @@ def key_for(model: str, dtype: torch.dtype, quantization: str = "") -> str | Non
     content = {p.name: [p.stat().st_size, file_crc32(p)] for p in files}
     content["config.json"] = hashlib.sha256((root / "config.json").read_bytes()).hexdigest()
     facts = {
-        "checkpoint": content, "dtype": str(dtype), "layout": [kernel.name, small_gemm.PANEL], "format": FORMAT, "quantization": quantization,
+        "checkpoint": content, "dtype": str(dtype), "layout": [kernel.layout, small_gemm.PANEL], "format": FORMAT, "quantization": quantization,
         "disagg": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]

@@ -194,7 +194,7 @@ def unserved(model, plans: list[LayerPlan]) -> str | None:
         return f"it runs in {dtype}, not float32 or bfloat16"
     if not all(isinstance(linear, PackedLinear) and linear.panels is not None and linear.panels.dtype in (dtype, *small_gemm.QUANTIZED_DTYPES)
                for linear in linears):
-        return f"its linears are not packed for the few-row kernel ({dtype} or 8-bit on an AVX2 CPU with a C compiler)"
+        return f"its linears are not packed for the few-row kernel ({dtype} or 8-bit panels; {small_gemm.host_note(dtype)})"
     if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
         return "it has layers that are neither full nor sliding-window attention"
     if len({layer.self_attn.scaling for layer in layers}) != 1 or len(

@@ -1,6 +1,15 @@
 """The few-row product of `small_gemm.c`, built on first use: float32 rows times
-float32 weights; or times bfloat16 weights (half the bytes a decode step streams),
-in one of two builds chosen per host at first use (`kernel(torch.bfloat16)`):
+float32 weights, in one of two builds chosen per host at first use
+(`kernel(torch.float32)`):
+
+- `float32` (any AVX2 CPU): 256-bit FMAs, blocks of 4 rows.
+- `float32-avx512` (AVX-512F/VL CPUs): 512-bit FMAs over two panels at a time,
+  blocks of 8 rows in AVX-512's 32 registers; the same panels and the same
+  bits, 1.7-1.9x the AVX2 build's speed from 32 rows on a Zen 5 EPYC
+  (docs/benchmarks.md, "Float32 on AVX-512").
+
+or times bfloat16 weights (half the bytes a decode step streams), in one of
+two builds chosen likewise (`kernel(torch.bfloat16)`):
 
 - `bf16-widen` (any AVX2 CPU): each weight widened to float32 as it is read,
   float32 FMAs; the product is float32's over the bf16 weights.
@@ -8,8 +17,9 @@ in one of two builds chosen per host at first use (`kernel(torch.bfloat16)`):
   pairs of k, twice the products per instruction; the product is a bf16
   model's own (bf16 inputs, float32 sums).
 
-Where both run, a short measured product at first use picks the faster (logged
-with both times); `DISAGG_BF16_KERNEL=widen|dot` names one instead.
+Where both of a dtype's builds run, a short measured product at first use picks
+the faster (logged with both times); `DISAGG_F32_KERNEL=avx2|avx512` and
+`DISAGG_BF16_KERNEL=widen|dot` name one instead.
 
 The C file is compiled once with the system's C compiler (`$CC`, else `cc` or
 `gcc`) into `$DISAGG_CACHE/small_gemm/` (default `~/.cache/disagg`), named by
@@ -45,6 +55,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 # beyond AVX2 and FMA. Each is a library of its own, helper thread included.
 BUILDS = {
     "float32": (torch.float32, (), ()),
+    # The same float32 panels read two at a time in 16-float vectors (small_gemm.c, WIDE_F32): AVX-512VL's 32 registers.
+    "float32-avx512": (torch.float32, ("-DWIDE_F32", "-mavx512f", "-mavx512vl"), ("avx512f", "avx512vl")),
     "bf16-widen": (torch.bfloat16, ("-DWEIGHT_BF16",), ()),
     "bf16-dot": (torch.bfloat16, ("-DWEIGHT_BF16", "-DDOT_BF16", "-mavx512f", "-mavx512bf16", "-mavx512vl"), ("avx512f", "avx512vl", "avx512_bf16")),
     # 8-bit weights (disagg/engine/quantization), widened to float32 as they are read; each panel carries its scales.
@@ -110,6 +122,7 @@ class SmallGemm:
 
     def __init__(self, library: ctypes.CDLL, name: str = "float32"):
         self.name = name
+        self.layout = name.removesuffix("-avx512")  # an -avx512 build reads its AVX2 build's panels
         self.weight_dtype = BUILDS[name][0]
         self.pairs = name.endswith("-dot")  # panels hold pairs of k; the rows are rounded to bf16
         self.scale_rows = SCALE_ROWS if self.weight_dtype in QUANTIZED_DTYPES else 0  # each panel's scales, after its K rows
@@ -275,36 +288,58 @@ def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
     return _kernel(weight_dtype)  # one object per dtype, however it is asked for
 
 
+# The dtypes with two builds, chosen per host at first use: (what the log calls its products, the
+# variable that names one instead, its values' builds with the wider first). Either runs the same
+# panels, so a worker need not know which chose.
+CHOICES = {
+    torch.bfloat16: ("bf16", "DISAGG_BF16_KERNEL", {"dot": "bf16-dot", "widen": "bf16-widen"}),
+    torch.float32: ("float32", "DISAGG_F32_KERNEL", {"avx512": "float32-avx512", "avx2": "float32"}),
+}
+
+
 @functools.cache
 def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
-    if weight_dtype == torch.float32:
-        return build_kernel("float32")
+    if weight_dtype in CHOICES:
+        return chosen_build(*CHOICES[weight_dtype])
     if weight_dtype in (torch.uint8, torch.float8_e4m3fnuz):
         return build_kernel("int8-dot" if weight_dtype == torch.uint8 else "fp8-dot")
     if weight_dtype in QUANTIZED_DTYPES:
         name = "int8" if weight_dtype == torch.int8 else "fp8"
         return build_kernel(f"{name}-avx512") or build_kernel(name)  # the wider build where the CPU has it
-    if weight_dtype != torch.bfloat16:
-        return None
-    named = os.environ.get("DISAGG_BF16_KERNEL")
+    return None
+
+
+def chosen_build(products: str, variable: str, builds: dict[str, str]) -> SmallGemm | None:
+    """The build the variable names, else the faster of those the CPU runs by a short measured product (logged with both times)."""
+    named = os.environ.get(variable)
     if named:
-        if named not in ("widen", "dot"):
-            raise ValueError(f"DISAGG_BF16_KERNEL must be widen or dot, not {named!r}")
-        chosen = build_kernel(f"bf16-{named}")
-        log.info("bf16 products: %s", f"the bf16-{named} kernel (DISAGG_BF16_KERNEL)" if chosen else f"bf16-{named} cannot run here")
+        if named not in builds:
+            raise ValueError(f"{variable} must be {' or '.join(builds)}, not {named!r}")
+        chosen = build_kernel(builds[named])
+        log.info("%s products: %s", products, f"the {builds[named]} kernel ({variable})" if chosen else f"{builds[named]} cannot run here")
         return chosen
-    candidates = [k for k in (build_kernel("bf16-dot"), build_kernel("bf16-widen")) if k is not None]
+    candidates = [k for k in map(build_kernel, builds.values()) if k is not None]
     if len(candidates) < 2:
         if candidates:
-            log.info("bf16 products: the %s kernel (the only one this CPU runs)", candidates[0].name)
+            log.info("%s products: the %s kernel (the only one this CPU runs)", products, candidates[0].name)
         return candidates[0] if candidates else None
     times = {k.name: measured_seconds(k) for k in candidates}
     chosen = min(candidates, key=lambda k: times[k.name])
     log.info(
-        "bf16 products: the %s kernel, faster here (%s; 1 and 16 rows over a [%d, %d] weight)",
-        chosen.name, ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in times.items()), *CHOICE_SHAPE,
+        "%s products: the %s kernel, faster here (%s; 1 and 16 rows over a [%d, %d] weight)",
+        products, chosen.name, ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in times.items()), *CHOICE_SHAPE,
     )
     return chosen
+
+
+def host_note(weight_dtype: torch.dtype) -> str:
+    """What this host's few-row products over weights of this dtype run on, for log lines: the build
+    and the instructions it uses (AVX-512 where the CPU has it), or that none runs here."""
+    chosen = kernel(weight_dtype)
+    if chosen is None:
+        return f"no build for {weight_dtype} runs here: it needs AVX2, FMA and a C compiler"
+    needs = BUILDS[chosen.name][2]
+    return f"the {chosen.name} build here, " + ("AVX512_BF16" if "avx512_bf16" in needs else "AVX-512" if "avx512f" in needs else "AVX2")
 
 
 @functools.cache
