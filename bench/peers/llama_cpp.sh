@@ -31,7 +31,8 @@
 #   edited); GGUF_TOKENIZER_PRE=<name> forces another name;
 # - serve: -t = the cores, --parallel SLOTS (default 32) with continuous
 #   batching, -c = SLOTS * 256 (each slot gets 256 tokens: an explicit
-#   --parallel leaves the KV cache split per slot), flash attention off.
+#   --parallel leaves the KV cache split per slot; LLAMA_SLOT_CTX=N gives each
+#   N instead), flash attention off.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -207,7 +208,7 @@ serve() {
   local name
   name="$(basename "$gguf" .gguf)"
   local cmd=("$server" -m "$gguf" --alias "$name" --host 127.0.0.1 --port "$port"
-    -t "$threads" -tb "$threads" --parallel "$slots" --cont-batching -c $(( slots * 256 ))
+    -t "$threads" -tb "$threads" --parallel "$slots" --cont-batching -c $(( slots * ${LLAMA_SLOT_CTX:-256} ))
     --flash-attn off "$@")
   echo "${cmd[*]}"
   exec "${cmd[@]}"
