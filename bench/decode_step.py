@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import logging
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -84,6 +86,34 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
         sync(device)
         times.append(time.perf_counter() - started)
     return nbytes / min(times)
+
+
+PEAK_SOURCE = pathlib.Path(__file__).resolve().parent / "kernels" / "fma_peak.c"
+
+
+def fma_peak(dtype: str) -> dict[int, float] | None:
+    """FLOP/s of the instruction this host's products of `dtype` weights multiply with (VDPBF16PS for bf16 on
+    an AVX512_BF16 CPU, else float32 FMAs in the widest vectors), on 1 and 2 threads at once (kernels/fma_peak.c):
+    the ceiling a batched step's products are held against. None where it cannot be built here."""
+    from disagg.engine.dtype_choice import cpu_flags
+
+    library = small_gemm.load_library(PEAK_SOURCE, ("-O2", "-pthread", "-shared", "-fPIC"), (), "the FMA peak")
+    if library is None:
+        return None
+    flags = cpu_flags()
+    name = "fma_peak_bf16" if dtype == "bfloat16" and "avx512_bf16" in flags else "fma_peak_f32_512" if "avx512f" in flags else "fma_peak_f32"
+    function = getattr(library, name)
+    function.argtypes, function.restype = [ctypes.c_int, ctypes.c_long], ctypes.c_double
+    peaks = {}
+    for threads in (1, 2):
+        best = 0.0
+        for _ in range(3):
+            started = time.perf_counter()
+            flops = function(threads, 2_000_000)
+            best = max(best, flops / (time.perf_counter() - started))
+        peaks[threads] = best
+    print(f"FMA peak ({name}): {peaks[1] / 1e9:.0f} GFLOP/s on one thread, {peaks[2] / 1e9:.0f} on two")
+    return peaks
 
 
 def step_weight_bytes(path: str, dtype: str) -> int:
@@ -331,12 +361,18 @@ def main() -> None:
     for name, seconds in rooflines.items():
         print(f"{name}: weights {served_weight_bytes(backends[name]) / 1e6:.0f} MB as served: roofline {seconds * 1e3:.2f} ms per step")
         result[f"{name}_roofline_ms"] = seconds * 1e3
+    peaks = fma_peak(args.dtype) if device.type == "cpu" else None
+    if peaks:
+        result["fma_peak_gflops"] = {threads: flops / 1e9 for threads, flops in peaks.items()}
+    # A row's products: two FLOPs per weight (the roofline's weights, in this dtype's elements).
+    flops_per_row = 2 * result["weight_bytes"] / torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     for batch in batches:
         medians = measure_batch(args, backends, batch, vocab, device)
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
         cells = [
             f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline"
-            + (f", {median / rooflines[name]:4.2f}x its own" if name in rooflines else "") + ")"
+            + (f", {median / rooflines[name]:4.2f}x its own" if name in rooflines else "")
+            + (f", {flops_per_row * batch / median / peaks[1 if name.endswith('-1core') else 2]:4.0%} of the peak" if peaks and batch > 1 else "") + ")"
             for name, median in medians.items()
         ]
         print(f"batch {batch:3d}: " + "   ".join(cells), flush=True)

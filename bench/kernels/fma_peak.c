@@ -1,0 +1,70 @@
+/* The host's peak for the decode step's products, measured (bench/decode_step.py --peak):
+ * independent chains of the instruction each product build multiplies with, on one
+ * thread or on `threads` threads at once, nothing read from memory. Twelve chains
+ * hide the instruction's latency (4-6 cycles) behind its throughput (1-2 a cycle).
+ *
+ *   fma_peak_f32(threads, iterations): VFMADD231PS on 256-bit vectors (AVX2's float32 products)
+ *   fma_peak_f32_512(...):            the same on 512-bit vectors (AVX-512F)
+ *   fma_peak_bf16(...):               VDPBF16PS on 512-bit vectors (AVX512_BF16: the bf16-dot build)
+ * Each returns the FLOPs it did (a multiply and an add each count); the caller times it. */
+#include <immintrin.h>
+#include <pthread.h>
+
+#define CHAINS 12
+
+struct job { long iterations; int kind; float sink; };
+
+__attribute__((target("avx2,fma"))) static float f32_256(long iterations) {
+    __m256 acc[CHAINS], a = _mm256_set1_ps(1.0001f), b = _mm256_set1_ps(0.9999f);
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_set1_ps((float)c);
+    for (long i = 0; i < iterations; i++)
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_fmadd_ps(a, b, acc[c]);
+    float s = 0;
+    for (int c = 0; c < CHAINS; c++) s += _mm256_cvtss_f32(acc[c]);
+    return s;
+}
+
+__attribute__((target("avx512f"))) static float f32_512(long iterations) {
+    __m512 acc[CHAINS], a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f);
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+    for (long i = 0; i < iterations; i++)
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_fmadd_ps(a, b, acc[c]);
+    float s = 0;
+    for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_ps(acc[c]);
+    return s;
+}
+
+__attribute__((target("avx512f,avx512bf16"))) static float bf16_512(long iterations) {
+    __m512 acc[CHAINS];
+    __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+    for (long i = 0; i < iterations; i++)
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+    float s = 0;
+    for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_ps(acc[c]);
+    return s;
+}
+
+static void *run(void *arg) {
+    struct job *j = arg;
+    j->sink = j->kind == 0 ? f32_256(j->iterations) : j->kind == 1 ? f32_512(j->iterations) : bf16_512(j->iterations);
+    return 0;
+}
+
+static double on_threads(int threads, long iterations, int kind, double flops_per_chain_step) {
+    pthread_t ids[64];
+    struct job jobs[64];
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = (struct job){iterations, kind, 0};
+        if (t) pthread_create(&ids[t], 0, run, &jobs[t]);
+    }
+    run(&jobs[0]);
+    for (int t = 1; t < threads; t++) pthread_join(ids[t], 0);
+    return (double)threads * iterations * CHAINS * flops_per_chain_step;
+}
+
+double fma_peak_f32(int threads, long iterations) { return on_threads(threads, iterations, 0, 8 * 2); }
+double fma_peak_f32_512(int threads, long iterations) { return on_threads(threads, iterations, 1, 16 * 2); }
+double fma_peak_bf16(int threads, long iterations) { return on_threads(threads, iterations, 2, 32 * 2); }
