@@ -5,7 +5,7 @@ float32 weights, in one of two builds chosen per host at first use
 - `float32` (any AVX2 CPU): 256-bit FMAs, blocks of 4 rows.
 - `float32-avx512` (AVX-512F/VL CPUs): 512-bit FMAs over two panels at a time,
   blocks of 8 rows in AVX-512's 32 registers; the same panels and the same
-  bits, 1.7-1.9x the AVX2 build's speed from 32 rows on a Zen 5 EPYC
+  bits, 1.6-1.8x the AVX2 build's speed at 32 and 64 rows on a Zen 5 EPYC
   (docs/benchmarks.md, "Float32 on AVX-512").
 
 or times bfloat16 weights (half the bytes a decode step streams), in one of
