@@ -3,9 +3,9 @@ float32 weights, in one of two builds chosen per host at first use
 (`kernel(torch.float32)`):
 
 - `float32` (any AVX2 CPU): 256-bit FMAs, blocks of 4 rows.
-- `float32-avx512` (AVX-512F/VL CPUs): 512-bit FMAs over two panels at a time,
-  blocks of 8 rows in AVX-512's 32 registers; the same panels and the same
-  bits, 1.6-1.8x the AVX2 build's speed at 32 and 64 rows on a Zen 5 EPYC
+- `float32-avx512` (AVX-512F/VL CPUs): 512-bit FMAs, blocks of 8 rows in
+  AVX-512's 32 registers, two panels at a time from 16 rows; the same panels
+  and the same bits, 1.6-1.8x the AVX2 build's speed at 32 and 64 rows on a Zen 5 EPYC
   (docs/benchmarks.md, "Float32 on AVX-512").
 
 or times bfloat16 weights (half the bytes a decode step streams), in one of
