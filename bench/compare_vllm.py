@@ -17,9 +17,10 @@ once: each gets the whole machine.
 
 Per stream count: ITL p50, TTFT p50, output tokens/s, and ours/peer ratios, a
 table per peer; also the TTFT of one long prompt at one stream, and each system's
-start-up time (to healthy, from launch). llama.cpp's run first checks its greedy
-tokens against transformers (`bench/peers/llama_cpp_check.py`: equal for an f32
-GGUF, else the agreement is reported). A system left out of --systems keeps its
+start-up time (to healthy, from launch). llama.cpp's run first serves its f32 GGUF
+and checks its greedy tokens equal transformers' (`bench/peers/llama_cpp_check.py`;
+the run stops if they differ), then reports how far the measured file (bf16) agrees.
+A system left out of --systems keeps its
 figures from the JSON already at --json. Never part of CI.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -210,24 +212,36 @@ def check_llamacpp(model: str, port: int, exact: bool) -> dict:
     return {"exact_required": exact, "returncode": done.returncode, "output": done.stdout.strip()}
 
 
-def run_llamacpp(model: str, args, out: dict, checkpoint) -> None:
-    outtype = args.llamacpp_type or llamacpp_type()
-    gguf = convert_gguf(model, outtype)
+@contextlib.contextmanager
+def llama_server(gguf: str, slots: int, slot_ctx: int, log_path: str, timeout: float):
+    """llama-server over `gguf` (bench/peers/llama_cpp.sh serve): its URL and its seconds to healthy, then stopped."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    os.makedirs(args.log_dir, exist_ok=True)
-    log_path = os.path.join(args.log_dir, "llamacpp.log")
-    slots = max(args.streams)
-    # Each slot holds a whole request: the long prompt and its output too.
-    env = {**os.environ, "LLAMA_SLOT_CTX": str(max(256, args.prompt_len + args.output_len + 16, args.long_prompt + 16))}
-    print(f"llama.cpp: starting {gguf} with {slots} slots (log {log_path}) ...", flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([str(LLAMA_SCRIPT), "serve", gguf, str(port), str(slots)], stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+                                env={**os.environ, "LLAMA_SLOT_CTX": str(slot_ctx)}, start_new_session=True)
     try:
-        wait_healthy(url, proc, args.vllm_start_timeout, "llama.cpp")
-        startup = time.perf_counter() - started
+        wait_healthy(url, proc, timeout, "llama.cpp")
+        yield url, port, time.perf_counter() - started
+    finally:
+        stop_group(proc)
+
+
+def run_llamacpp(model: str, args, out: dict, checkpoint) -> None:
+    outtype = args.llamacpp_type or llamacpp_type()
+    os.makedirs(args.log_dir, exist_ok=True)
+    log_path = os.path.join(args.log_dir, "llamacpp.log")
+    if outtype != "f32":  # the set-up's check: llama.cpp's f32 file serves transformers' greedy tokens
+        print("llama.cpp: checking its f32 GGUF's greedy tokens against transformers ...", flush=True)
+        with llama_server(convert_gguf(model, "f32"), 1, 256, log_path, args.vllm_start_timeout) as (_, port, _):
+            out["check_f32"] = check_llamacpp(model, port, exact=True)
+    gguf = convert_gguf(model, outtype)
+    slots = max(args.streams)
+    # Each slot holds a whole request: the long prompt and its output too.
+    slot_ctx = max(256, args.prompt_len + args.output_len + 16, args.long_prompt + 16)
+    print(f"llama.cpp: starting {gguf} with {slots} slots (log {log_path}) ...", flush=True)
+    with llama_server(gguf, slots, slot_ctx, log_path, args.vllm_start_timeout) as (url, port, startup):
         print(f"  healthy after {startup:.1f} s", flush=True)
         out.update(name="llama.cpp", dtype=outtype, startup_seconds=startup, gguf=gguf, slots=slots,
                    check=check_llamacpp(model, port, exact=outtype == "f32"))
@@ -237,8 +251,6 @@ def run_llamacpp(model: str, args, out: dict, checkpoint) -> None:
                 await measure(client, args, out, checkpoint)
 
         asyncio.run(run())
-    finally:
-        stop_group(proc)
 
 
 # -- the report ------------------------------------------------------------------------------------

@@ -646,8 +646,11 @@ static unsigned long long current_ticket(void) { return TICKET(atomic_load_expli
  * compare-and-swap on a line both cores write. Returns the first unit claimed and sets *n to
  * how many; -1 when none is left. Measured on a Zen 5 EPYC, one row of bf16 weights (units of
  * two panels), [960, 576] / [3072, 576] / [576, 1536]: 16.1 / 61.0 / 29.1 us a product claiming
- * one unit at a time, 15.5 / 56.8 / 27.4 guided; SmolLM-135M's one-row step 6.1-6.5 ms against
- * 6.4-8.9 (three runs each, alternately), its int8 step 5.2-5.6 against 5.5-6.2. 8 rows: the same. */
+ * one unit at a time, 15.5 / 56.8 / 27.4 guided (weights partly in the L3 cache); SmolLM-135M's
+ * one-row step 6.1-6.5 ms against 6.4-8.9 (three runs each, alternately), its int8 step 5.2-5.6
+ * against 5.5-6.2. 8 rows: the same. The helper then walking its claims up rather than down
+ * (weights streamed from memory): [3072, 2048] 274-290 us against 297-317, [576, 1536] 40-45
+ * against 45-53, [960, 576] the same. */
 static long claim(unsigned long long ticket, int from_back, long most, long *n) {
     unsigned long long word = atomic_load_explicit(&claims, memory_order_acquire);
     for (;;) {
@@ -709,9 +712,10 @@ static void *helper(void *number) {
             long stall = atomic_load_explicit(&helper_stall_ns, memory_order_relaxed);
             if (stall) /* tests: a helper that loses its core right after a claim */
                 nanosleep(&(struct timespec){stall / 1000000000L, stall % 1000000000L}, 0);
-            /* Its units from the last down: a caller that has run out of its own takes the helper's
-             * back from the first up, so the two meet in the middle, one unit computed twice at most. */
-            for (long u = first + n - 1; u >= first; u--) {
+            /* Its units in order, one stream up through the weights: a caller that has run out of its
+             * own takes the helper's back from the last down, so the two meet in the middle, one unit
+             * computed twice at most. */
+            for (long u = first; u < first + n; u++) {
                 unsigned open = STATE(seen, OPEN);
                 if (atomic_load_explicit(&mine.states[u], memory_order_acquire) == open) {
                     unit_range(mine.x, mine.M, mine.K, mine.panels, mine.N, mine.bias, mine.helper_y, u, unit);
@@ -853,7 +857,7 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
         if (spins % SPIN_CHECK == 0)
             sched_yield();
     }
-    for (long p = (long)BACK(word); p < count; p++) {
+    for (long p = count - 1; p >= (long)BACK(word); p--) { /* down: the helper's claims are done from the top, its last one from its first unit up */
         unsigned open = STATE(ticket, OPEN);
         for (long spins = 1; patient && atomic_load_explicit(&panel_states[p], memory_order_acquire) == open; spins++)
             if (spins % SPIN_CHECK == 0)
