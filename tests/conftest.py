@@ -26,6 +26,8 @@ TEST_MODELS = {
     "llama-tools": TinyModelSpec(training_text="tool-chat", train_steps=600),
     # Speculation's draft for the llama model: its tokenizer (the same vocabulary size and text), a quarter of its width, one layer.
     "llama-draft": TinyModelSpec(hidden_size=32, intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1),
+    # Heads 64 wide, as prefill_attention.c serves them (the others' are 16): a bf16 prompt's blocked attention (seeded weights).
+    "llama-head64": TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, train_steps=0),
     # A draft that cannot serve the llama model: another tokenizer (untrained: only its vocabulary is read).
     "other-tokenizer": TinyModelSpec(vocab_size=600, hidden_size=32, intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1, train_steps=0),
 }

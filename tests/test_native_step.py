@@ -6,7 +6,7 @@ from conftest import tiny_model
 
 from disagg.engine.backends import load_backend
 from disagg.engine.backends.base import StepInputs
-from disagg.engine.cpu_kernels import native_step, packed_linear, small_gemm
+from disagg.engine.cpu_kernels import native_step, packed_linear, prefill_attention, small_gemm
 
 pytestmark = pytest.mark.skipif(small_gemm.kernel() is None, reason="the native step needs an AVX2 CPU and a C compiler")
 needs_bf16_packing = pytest.mark.skipif(
@@ -168,6 +168,8 @@ def test_long_prefills_go_through_transformers_modules_counting_only_the_rows_pa
 def test_bf16_prefills_past_64_rows_take_onednn_when_torch_has_more_than_one_thread():
     assert native_step.prefill_max_rows(torch.bfloat16, 1) == native_step.prefill_max_rows(torch.float32, 2) == native_step.PREFILL_MAX_ROWS
     assert native_step.prefill_max_rows(torch.bfloat16, 2) == native_step.PREFILL_MAX_ROWS_BF16_THREADED == 64
+    # Unless their attention is prefill_attention.c's blocked one (then native to 1,024 rows on any threads).
+    assert native_step.prefill_max_rows(torch.bfloat16, 2, blocked=True) == native_step.prefill_max_rows(torch.bfloat16, 1, blocked=True) == 1024
 
 
 def test_an_exception_in_the_layer_callback_stops_the_native_prefill_and_is_raised():
@@ -216,6 +218,39 @@ def float32_over_bf16_weights(name: str):
     model = AutoModelForCausalLM.from_pretrained(tiny_model(name), dtype=torch.bfloat16).float().eval()
     return TorchBackend(TorchBackendConfig(model=tiny_model(name), dtype="float32", native_step=False), model=model)
 
+
+
+@needs_bf16_packing
+@pytest.mark.skipif(prefill_attention.kernel() is None, reason="prefill_attention.c needs AVX512_BF16")
+@pytest.mark.parametrize("cached, rows", [(0, 100), (60, 40)], ids=["whole-prompt", "past-a-cached-prefix"])
+def test_a_bf16_prompt_of_16_rows_or_more_attends_blocked_and_gives_the_float32_prefill(cached, rows):
+    """Its attention through prefill_attention.c (bf16 inputs, float32 sums, as transformers' bf16 attention),
+    called from native_step.c: logits and K/V within bf16's distance of float32 arithmetic over the bf16 weights;
+    prompts of fewer rows attend row by row."""
+    backend = load_backend("torch", model=tiny_model("llama-head64"), dtype="bfloat16")
+    native = backend.native_prefill
+    assert native is not None and native.blocks_prompts
+    assert backend._native_prefill_rows() == native_step.PREFILL_MAX_ROWS_BLOCKED
+    reference = float32_over_bf16_weights("llama-head64")
+    prompt = [(13 * i + 5) % backend.info.vocab_size for i in range(cached + rows)]
+    prefix, kept = None, []
+    if cached:
+        with torch.inference_mode():
+            reference.prefill_logits(prompt[:cached], lambda layer, k, v: kept.append((k.to(torch.bfloat16), v.to(torch.bfloat16))))
+        prefix = kept  # per layer [kv_heads, cached, head_dim], in the model's dtype
+    ours, theirs = [], []
+    before = native.model.blocked_calls
+    with torch.inference_mode():
+        got = native.prefill_logits(prompt, lambda layer, k, v: ours.append((k.clone(), v.clone())), prefix)
+        want = reference.prefill_logits(prompt, lambda layer, k, v: theirs.append((k.clone(), v.clone())))
+        assert native.model.blocked_calls == before + 1
+        native.prefill_logits(prompt[:15], lambda *kv: None)  # under MIN_ROWS: row by row
+        assert native.model.blocked_calls == before + 1
+    assert (got - want).abs().max() <= 5e-3 * want.abs().max()
+    for (our_k, our_v), (their_k, their_v) in zip(ours, theirs):  # [kv_heads, rows, head_dim]: the new rows' lines
+        for a, b in ((our_k, their_k[:, cached:]), (our_v, their_v[:, cached:])):
+            assert a.dtype == torch.bfloat16 and a.shape == b.shape == (1, rows, 64)
+            assert (a.float() - b).abs().max() <= 1e-2 * b.abs().max()
 
 
 @pytest.fixture(params=["widen", "dot"])

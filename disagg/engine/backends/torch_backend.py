@@ -322,7 +322,7 @@ class TorchBackend(Backend):
         if prefix_kv is not None:
             prefix_kv = self._checked_prefix(prefix_kv, len(token_ids))
             start = prefix_kv[0][0].shape[1]
-        if self.native_prefill is not None and len(token_ids) - start <= native_step.prefill_max_rows(self.dtype, torch.get_num_threads()):
+        if self.native_prefill is not None and len(token_ids) - start <= self._native_prefill_rows():
             return self.native_prefill.prefill_logits(token_ids, on_layer, prefix_kv)
         with on_the_teams_cpu():  # oneDNN's even split: the caller too on a CPU of its own
             return self._modules_prefill(token_ids, on_layer, prefix_kv, start)
@@ -515,9 +515,14 @@ class TorchBackend(Backend):
             if not same_layers or not all(a.shape == b.shape and agrees(a, b, self.dtype) for a, b in pairs):
                 log.info("prefills run through transformers' modules: the native prefill changes this model's logits or K/V")
                 return None
-        log.info("prefills of up to %d new tokens run natively (native_step.c; %s at %d torch threads)",
-                 native_step.prefill_max_rows(self.dtype, torch.get_num_threads()), self.dtype, torch.get_num_threads())
+        log.info("prefills of up to %d new tokens run natively (native_step.c; %s at %d torch threads%s)",
+                 native_step.prefill_max_rows(self.dtype, torch.get_num_threads(), self.native_model.blocks_prompts), self.dtype,
+                 torch.get_num_threads(), "; their attention blocked, in prefill_attention.c" if self.native_model.blocks_prompts else "")
         return self.native_model
+
+    def _native_prefill_rows(self) -> int:
+        """The most rows past a cached prefix a prompt runs through native_prefill with."""
+        return native_step.prefill_max_rows(self.dtype, torch.get_num_threads(), self.native_prefill.blocks_prompts)
 
     @torch.inference_mode()
     def _check_prefill_attention(self) -> bool:

@@ -33,6 +33,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 __m256 _ZGVdN8v_expf(__m256 x); /* libmvec's expf over 8 lanes, AVX2 */
@@ -219,6 +220,20 @@ static void write_line(const struct kv_cache *c, kv_t *lines, float *scales, lon
 /* Called once a layer's K/V lines are written (a prefill hands them on while later layers compute); nonzero stops the step. */
 typedef int (*layer_done_fn)(long layer);
 
+/* prefill_attention.c's job and entry (a bf16 prompt's causal attention, blocked, on torch's OpenMP threads). */
+struct prefill_job {
+    const unsigned short *query;
+    long query_head_stride, query_row_stride, q_rows, q_heads;
+    const unsigned short *packed_keys, *packed_values;
+    long kv_heads, kv_len, d;
+    float scale;
+    unsigned short *out;
+    long out_head_stride, out_row_stride;
+};
+typedef void (*prefill_attention_fn)(const struct prefill_job *job, const unsigned short *keys, long key_head_stride, long key_row_stride,
+                                     const unsigned short *values, long value_head_stride, long value_row_stride, int threads, float *work);
+typedef long (*prefill_size_fn)(long kv_len, long d);
+
 struct model {
     long layers, hidden, q_heads, kv_heads, head_dim, intermediate;
     float eps, scale;
@@ -229,6 +244,13 @@ struct model {
     split_product_fn split_product;
     attention_fn attention;
     const struct layer *layer;
+    /* A bf16 prompt of at least blocked_min_rows rows attends through prefill_attention.c (NULL: never):
+     * its entry, its packed keys' size, its work per thread (floats), and how many threads it runs on. */
+    prefill_attention_fn blocked_attention;
+    prefill_size_fn blocked_packed_size;
+    long blocked_min_rows, blocked_work_per_thread;
+    int blocked_threads;
+    long blocked_calls; /* how many steps attended that way (tests) */
 };
 
 static void product(const struct model *m, int may_share, const float *x, long rows, long k, const struct weights *w, float *y) {
@@ -305,6 +327,59 @@ static long widest(const struct model *m) {
     return most;
 }
 
+#if defined(MODEL_BF16) && !defined(KV_SCALED)
+/* Whether this step's rows are one prompt's, attending causally through blocked_attention: at least
+ * blocked_min_rows rows of one sequence (one block table) at consecutive positions from 0 or past a
+ * prefix, every position up to the last in the table's first block (one prompt's own K/V buffer),
+ * and no sliding layer (its window is another mask). Then row r attends over positions 0..its own,
+ * as the row-by-row attention does, with prefill_attention.c's bf16 arithmetic (transformers' bf16
+ * attention's: the scores' and values' sums in float32 over bf16 inputs, one rounding out). */
+static int blocked_prompt(const struct model *m, const struct kv_cache *cache, long rows, const long *tables, long table_stride, const long *positions) {
+    if (!m->blocked_attention || rows < m->blocked_min_rows || positions[rows - 1] >= cache->block_size || cache->pos_stride != m->head_dim)
+        return 0;
+    for (long l = 0; l < m->layers; l++)
+        if (m->layer[l].window)
+            return 0;
+    for (long r = 1; r < rows; r++)
+        if (positions[r] != positions[0] + r || tables[r * table_stride] != tables[0])
+            return 0;
+    return 1;
+}
+
+/* The buffers a blocked prompt's attention needs (freed by the caller), or 0 if they cannot be had. */
+struct blocked_buffers {
+    unsigned short *q, *out, *packed;
+    float *work;
+};
+static int blocked_buffers(const struct model *m, long rows, long kv_len, struct blocked_buffers *b) {
+    long q_dim = m->q_heads * m->head_dim, packed = m->blocked_packed_size(kv_len, m->head_dim) * m->kv_heads;
+    int threads = m->blocked_threads > 0 ? m->blocked_threads : 1;
+    b->q = malloc((size_t)(2 * rows * q_dim + 2 * packed) * sizeof(unsigned short));
+    b->work = malloc((size_t)(threads * m->blocked_work_per_thread) * sizeof(float));
+    if (!b->q || !b->work) {
+        free(b->q), free(b->work);
+        return 0;
+    }
+    b->out = b->q + rows * q_dim, b->packed = b->out + rows * q_dim;
+    return 1;
+}
+
+/* attended[rows, q_dim] = the prompt's causal attention for its rows (q [rows, q_dim] rotated), over
+ * the layer's lines of the prompt's block (positions 0 .. positions[rows - 1]). */
+static void blocked_attention(const struct model *m, const struct kv_cache *cache, const kv_t *keys, const kv_t *values, long rows, long block,
+                              const long *positions, const float *q, struct blocked_buffers *b, float *attended) {
+    long d = m->head_dim, q_dim = m->q_heads * d, kv_len = positions[rows - 1] + 1;
+    for (long i = 0; i < rows * q_dim; i++)
+        b->q[i] = narrow(q[i]);
+    long packed = m->blocked_packed_size(kv_len, d) * m->kv_heads;
+    struct prefill_job job = {b->q, d, q_dim, rows, m->q_heads, b->packed, b->packed + packed, m->kv_heads, kv_len, d, m->scale, b->out, d, q_dim};
+    const kv_t *k0 = keys + block * cache->block_stride, *v0 = values + block * cache->block_stride;
+    m->blocked_attention(&job, k0, cache->head_stride, cache->pos_stride, v0, cache->head_stride, cache->pos_stride, m->blocked_threads, b->work);
+    for (long i = 0; i < rows * q_dim; i++)
+        attended[i] = widen(b->out[i]);
+}
+#endif
+
 /* The floats of workspace a step of `rows` rows needs (see native_step), its largest position below kv_len. */
 long native_step_workspace(const struct model *m, long rows, long kv_len) {
     long q_dim = m->q_heads * m->head_dim;
@@ -330,6 +405,13 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
     float *q = wide + rows * widest(m), *attended = q + rows * q_dim, *act = attended + rows * q_dim;
     float *line = act + rows * m->intermediate; /* one rotated key: d floats */
     float *scores = line + d;                   /* the attention's: group * kv_len */
+#if defined(MODEL_BF16) && !defined(KV_SCALED)
+    struct blocked_buffers blocked = {0, 0, 0, 0};
+    int blocked_rows = blocked_prompt(m, cache, rows, tables, table_stride, positions) &&
+                       blocked_buffers(m, rows, positions[rows - 1] + 1, &blocked);
+    if (blocked_rows)
+        ((struct model *)m)->blocked_calls++;
+#endif
     for (long r = 0; r < rows; r++)
         load_line(x + r * hidden, m->embed + ids[r] * hidden, hidden);
     for (long l = 0; l < m->layers; l++) {
@@ -348,8 +430,17 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
                 write_line(cache, values, value_scales, block, p % bs, kv, row + L->v_col + kv * d, d);
             }
         }
-        if (layer_done && layer_done(l))
+        if (layer_done && layer_done(l)) {
+#if defined(MODEL_BF16) && !defined(KV_SCALED)
+            free(blocked.q), free(blocked.work);
+#endif
             return 1;
+        }
+#if defined(MODEL_BF16) && !defined(KV_SCALED)
+        if (blocked_rows)
+            blocked_attention(m, cache, keys, values, rows, tables[0], positions, q, &blocked, attended);
+        else
+#endif
         for (long r = 0; r < rows; r++) {
             /* Positions up to the row's own; in a sliding layer those > position - window (transformers' sliding mask). */
             long first = L->window && positions[r] - L->window + 1 > 0 ? positions[r] - L->window + 1 : 0;
@@ -373,5 +464,8 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
     long kept = rows - logit_from;
     rms_norm(x + logit_from * hidden, kept, hidden, m->final_norm, m->eps, h);
     product(m, may_share, h, kept, hidden, &m->lm_head, logits);
+#if defined(MODEL_BF16) && !defined(KV_SCALED)
+    free(blocked.q), free(blocked.work);
+#endif
     return 0;
 }

@@ -41,7 +41,7 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
 from ..backends.slot_kv_cache import LayerKvCallback, LayerPlan, PagedKvCache
-from . import slot_attention, small_gemm
+from . import prefill_attention, slot_attention, small_gemm
 from .packed_linear import PackedLinear, SharedInput
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,19 @@ MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 # 1.63x at 64, 0.86x at 128, 0.56x at 512.
 PREFILL_MAX_ROWS = 512
 PREFILL_MAX_ROWS_BF16_THREADED = 64
+# A bf16 prompt whose attention is prefill_attention.c's blocked one (NativeModel.blocks_prompts) rather
+# than row by row: native / modules on a Zen 5 EPYC (SmolLM-135M's shape, OMP_WAIT_POLICY=PASSIVE as a
+# prefill worker runs; `bench/prefill_step.py --dtype bfloat16`), two torch threads: 2.79x at 64 rows,
+# 1.60x at 256, 1.26x at 512, 1.07-1.13x at 1,024, 1.09x at 1,536, 0.95x at 2,048; one: 1.24x at 512,
+# 1.11x at 1,024, 1.02x at 2,048. Row by row it took 1,197 ms at 1,024 rows (two threads) against 684.
+PREFILL_MAX_ROWS_BLOCKED = 1024
 
 
-def prefill_max_rows(dtype: torch.dtype, threads: int) -> int:
-    """The most rows a native prefill computes for this dtype at this many torch threads."""
+def prefill_max_rows(dtype: torch.dtype, threads: int, blocked: bool = False) -> int:
+    """The most rows a native prefill computes for this dtype at this many torch threads (blocked:
+    its attention is prefill_attention.c's)."""
+    if blocked:
+        return PREFILL_MAX_ROWS_BLOCKED
     return PREFILL_MAX_ROWS_BF16_THREADED if dtype == torch.bfloat16 and threads > 1 else PREFILL_MAX_ROWS
 
 
@@ -113,6 +122,8 @@ class _Model(ctypes.Structure):
         ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", _Weights),
         ("product", ctypes.c_void_p), ("split_product", ctypes.c_void_p), ("attention", ctypes.c_void_p),
         ("layer", ctypes.POINTER(_Layer)),
+        ("blocked_attention", ctypes.c_void_p), ("blocked_packed_size", ctypes.c_void_p), ("blocked_min_rows", ctypes.c_long),
+        ("blocked_work_per_thread", ctypes.c_long), ("blocked_threads", ctypes.c_int), ("blocked_calls", ctypes.c_long),
     ]
 
 
@@ -302,9 +313,25 @@ class NativeModel:
             self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.panels, lm_head.bias, self.vocab, self._keep),
             *pointers, layers,
         )
+        self._blocked_prompts(q_heads)
         self.slot_cache: _KvCache | None = None
         # The decode steps' build and model struct: the prefill's, or an 8-bit cache's (see attach).
         self.step_library, self.step_model = self.library, self.model
+
+    def _blocked_prompts(self, q_heads: int) -> None:
+        """A bf16 prompt's attention through prefill_attention.c (blocked, VDPBF16PS, on every torch
+        thread) where it serves this model's heads, rather than row by row: the row-by-row attention's
+        dots made native prefills of SmolLM-135M's shape slower than the modules' past 512 rows."""
+        kernel = prefill_attention.kernel() if self.dtype == torch.bfloat16 else None
+        if kernel is None or self.head_dim % 64 or q_heads % self.kv_heads:
+            return
+        self.model.blocked_attention, self.model.blocked_packed_size, self.model.blocked_work_per_thread = kernel.entry_points(self.head_dim)
+        self.model.blocked_min_rows = prefill_attention.MIN_ROWS
+
+    @property
+    def blocks_prompts(self) -> bool:
+        """Whether a prompt of prefill_attention.MIN_ROWS rows or more attends through prefill_attention.c."""
+        return bool(self.model.blocked_attention)
 
     def attach(self, cache: PagedKvCache) -> None:
         """The decode worker's cache of blocks, where decode steps write and read: in the model's
@@ -390,6 +417,7 @@ class NativeModel:
         cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
         logits = torch.empty(n - logit_from, self.vocab, dtype=torch.float32)
         work = torch.empty(library.native_step_workspace(ctypes.byref(model), n, kv_len), dtype=torch.float32)
+        model.blocked_threads = max(1, torch.get_num_threads())  # a blocked prompt's attention runs on torch's threads
         library.native_step(
             ctypes.byref(model), ctypes.byref(cache), n, input_ids.data_ptr(), slots.data_ptr(), table_stride,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -64,6 +64,12 @@ class PrefillAttention:
         self._packed_size.argtypes, self._packed_size.restype = [long, long], long
         self.calls = 0  # how many attentions it has computed (the start-up check asks whether any)
 
+    def entry_points(self, d: int) -> tuple[int, int, int]:
+        """For native_step.c, which calls the kernel itself: the addresses of prefill_attention and
+        prefill_packed_size, and the floats of work one thread needs at head size d."""
+        address = ctypes.cast(self._attend, ctypes.c_void_p).value, ctypes.cast(self._packed_size, ctypes.c_void_p).value
+        return *address, self._work(d)
+
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """query [1, q_heads, q_rows, d], key and value [1, kv_heads, kv_len, d], bf16, d contiguous
         (any other strides); query row i at position kv_len - q_rows + i,
