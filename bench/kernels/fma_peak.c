@@ -1,4 +1,4 @@
-/* The host's peak for the decode step's products, measured (bench/decode_step.py --peak):
+/* The host's peak for the decode step's products, measured in each bench/decode_step.py run on a CPU:
  * independent chains of the instruction each product build multiplies with, on one
  * thread or on `threads` threads at once, nothing read from memory. 24 chains
  * hide the instruction's latency (up to 12 cycles here) behind its throughput (1-2 a cycle).
