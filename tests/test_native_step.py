@@ -168,8 +168,9 @@ def test_long_prefills_go_through_transformers_modules_counting_only_the_rows_pa
 def test_bf16_prefills_past_64_rows_take_onednn_when_torch_has_more_than_one_thread():
     assert native_step.prefill_max_rows(torch.bfloat16, 1) == native_step.prefill_max_rows(torch.float32, 2) == native_step.PREFILL_MAX_ROWS
     assert native_step.prefill_max_rows(torch.bfloat16, 2) == native_step.PREFILL_MAX_ROWS_BF16_THREADED == 64
-    # Unless their attention is prefill_attention.c's blocked one (then native to 1,024 rows on any threads).
-    assert native_step.prefill_max_rows(torch.bfloat16, 2, blocked=True) == native_step.prefill_max_rows(torch.bfloat16, 1, blocked=True) == 1024
+    # On one thread, a prompt whose attention is prefill_attention.c's blocked one runs natively to 1,024 rows.
+    assert native_step.prefill_max_rows(torch.bfloat16, 1, blocked=True) == native_step.PREFILL_MAX_ROWS_BLOCKED == 1024
+    assert native_step.prefill_max_rows(torch.bfloat16, 2, blocked=True) == 64
 
 
 def test_an_exception_in_the_layer_callback_stops_the_native_prefill_and_is_raised():
@@ -230,7 +231,7 @@ def test_a_bf16_prompt_of_16_rows_or_more_attends_blocked_and_gives_the_float32_
     backend = load_backend("torch", model=tiny_model("llama-head64"), dtype="bfloat16")
     native = backend.native_prefill
     assert native is not None and native.blocks_prompts
-    assert backend._native_prefill_rows() == native_step.PREFILL_MAX_ROWS_BLOCKED
+    assert backend._native_prefill_rows() == native_step.PREFILL_MAX_ROWS_BLOCKED  # one torch thread here
     reference = float32_over_bf16_weights("llama-head64")
     prompt = [(13 * i + 5) % backend.info.vocab_size for i in range(cached + rows)]
     prefix, kept = None, []

@@ -74,19 +74,23 @@ MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 PREFILL_MAX_ROWS = 512
 PREFILL_MAX_ROWS_BF16_THREADED = 64
 # A bf16 prompt whose attention is prefill_attention.c's blocked one (NativeModel.blocks_prompts) rather
-# than row by row: native / modules on a Zen 5 EPYC (SmolLM-135M's shape, OMP_WAIT_POLICY=PASSIVE as a
-# prefill worker runs; `bench/prefill_step.py --dtype bfloat16`), two torch threads: 2.79x at 64 rows,
-# 1.60x at 256, 1.26x at 512, 1.07-1.13x at 1,024, 1.09x at 1,536, 0.95x at 2,048; one: 1.24x at 512,
-# 1.11x at 1,024, 1.02x at 2,048. Row by row it took 1,197 ms at 1,024 rows (two threads) against 684.
+# than row by row, on one torch thread: native / modules on a Zen 5 EPYC (SmolLM-135M's shape,
+# `bench/prefill_step.py --dtype bfloat16`) 1.24x at 512 rows, 1.11x at 1,024, 1.02x at 2,048. On two
+# threads, alone, it was faster still (2.79x at 64 rows, 1.60x at 256, 1.07-1.13x at 1,024; row by row
+# 1,197 ms at 1,024 rows against 684), but not beside running streams, where a prefill worker's second
+# core is the few-row kernel's helper, at the lowest priority, and the decode worker takes it: in
+# `bench/long_prompts.py` (4 streams, a 900-token prompt every 3 s), native to 1,024 rows gave the
+# prompts' TTFT 786-799 ms and the streams' ITL p99 69-77 ms, against 652-661 and 46-49 ms with
+# oneDNN's two threads past 64 rows (two runs each, alternately). So two threads keep the 64.
 PREFILL_MAX_ROWS_BLOCKED = 1024
 
 
 def prefill_max_rows(dtype: torch.dtype, threads: int, blocked: bool = False) -> int:
     """The most rows a native prefill computes for this dtype at this many torch threads (blocked:
     its attention is prefill_attention.c's)."""
-    if blocked:
-        return PREFILL_MAX_ROWS_BLOCKED
-    return PREFILL_MAX_ROWS_BF16_THREADED if dtype == torch.bfloat16 and threads > 1 else PREFILL_MAX_ROWS
+    if dtype == torch.bfloat16 and threads > 1:
+        return PREFILL_MAX_ROWS_BF16_THREADED
+    return PREFILL_MAX_ROWS_BLOCKED if blocked else PREFILL_MAX_ROWS
 
 
 class _Weights(ctypes.Structure):
