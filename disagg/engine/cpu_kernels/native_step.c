@@ -328,18 +328,15 @@ static long widest(const struct model *m) {
 }
 
 #if defined(MODEL_BF16) && !defined(KV_SCALED)
-/* Whether this step's rows are one prompt's, attending causally through blocked_attention: at least
- * blocked_min_rows rows of one sequence (one block table) at consecutive positions from 0 or past a
- * prefix, every position up to the last in the table's first block (one prompt's own K/V buffer),
- * and no sliding layer (its window is another mask). Then row r attends over positions 0..its own,
- * as the row-by-row attention does, with prefill_attention.c's bf16 arithmetic (transformers' bf16
- * attention's: the scores' and values' sums in float32 over bf16 inputs, one rounding out). */
+/* Whether this step's rows are one prompt's, attending causally through blocked_attention (set only
+ * for a model with no sliding layer, whose window is another mask): at least blocked_min_rows rows of
+ * one sequence (one block table) at consecutive positions from 0 or past a prefix, every position up
+ * to the last in the table's first block (one prompt's own K/V buffer). Then row r attends over
+ * positions 0..its own, as the row-by-row attention does, with prefill_attention.c's bf16 arithmetic
+ * (transformers' bf16 attention's: the scores' and values' sums in float32 over bf16 inputs, one rounding out). */
 static int blocked_prompt(const struct model *m, const struct kv_cache *cache, long rows, const long *tables, long table_stride, const long *positions) {
-    if (!m->blocked_attention || rows < m->blocked_min_rows || positions[rows - 1] >= cache->block_size || cache->pos_stride != m->head_dim)
+    if (!m->blocked_attention || rows < m->blocked_min_rows || positions[rows - 1] >= cache->block_size)
         return 0;
-    for (long l = 0; l < m->layers; l++)
-        if (m->layer[l].window)
-            return 0;
     for (long r = 1; r < rows; r++)
         if (positions[r] != positions[0] + r || tables[r * table_stride] != tables[0])
             return 0;

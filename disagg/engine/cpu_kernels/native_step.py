@@ -317,17 +317,18 @@ class NativeModel:
             self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.panels, lm_head.bias, self.vocab, self._keep),
             *pointers, layers,
         )
-        self._blocked_prompts(q_heads)
+        self._blocked_prompts(q_heads, plans)
         self.slot_cache: _KvCache | None = None
         # The decode steps' build and model struct: the prefill's, or an 8-bit cache's (see attach).
         self.step_library, self.step_model = self.library, self.model
 
-    def _blocked_prompts(self, q_heads: int) -> None:
+    def _blocked_prompts(self, q_heads: int, plans: list[LayerPlan]) -> None:
         """A bf16 prompt's attention through prefill_attention.c (blocked, VDPBF16PS, on every torch
-        thread) where it serves this model's heads, rather than row by row: the row-by-row attention's
-        dots made native prefills of SmolLM-135M's shape slower than the modules' past 512 rows."""
+        thread) where it serves this model's heads and layers (full attention only: its mask is causal,
+        no window), rather than row by row: the row-by-row attention's dots made native prefills of
+        SmolLM-135M's shape slower than the modules' past 512 rows."""
         kernel = prefill_attention.kernel() if self.dtype == torch.bfloat16 else None
-        if kernel is None or self.head_dim % 64 or q_heads % self.kv_heads:
+        if kernel is None or self.head_dim % 64 or q_heads % self.kv_heads or any(plan.is_sliding for plan in plans):
             return
         self.model.blocked_attention, self.model.blocked_packed_size, self.model.blocked_work_per_thread = kernel.entry_points(self.head_dim)
         self.model.blocked_min_rows = prefill_attention.MIN_ROWS
