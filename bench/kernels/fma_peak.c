@@ -14,36 +14,41 @@
 
 struct job { long iterations; int kind; float sink; };
 
+/* One instruction's chains: acc[c] = STEP(acc[c]) `iterations` times over vectors of VEC, started
+ * at c and summed at the end (what is left of each, FIRST lane or REDUCE, so the loop is not dropped). */
+#define CHAIN_LOOP(VEC, STEP, SUM)                                       \
+    VEC acc[CHAINS];                                                     \
+    for (int c = 0; c < CHAINS; c++) acc[c] = (VEC)SET_FLOAT((float)c);  \
+    for (long i = 0; i < iterations; i++)                                \
+        for (int c = 0; c < CHAINS; c++) acc[c] = STEP(acc[c]);          \
+    float s = 0;                                                         \
+    for (int c = 0; c < CHAINS; c++) s += SUM(acc[c]);                   \
+    return s
+
 __attribute__((target("avx2,fma"))) static float f32_256(long iterations) {
-    __m256 acc[CHAINS], a = _mm256_set1_ps(1.0001f), b = _mm256_set1_ps(0.9999f);
-    for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_set1_ps((float)c);
-    for (long i = 0; i < iterations; i++)
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_fmadd_ps(a, b, acc[c]);
-    float s = 0;
-    for (int c = 0; c < CHAINS; c++) s += _mm256_cvtss_f32(acc[c]);
-    return s;
+    __m256 a = _mm256_set1_ps(1.0001f), b = _mm256_set1_ps(0.9999f);
+#define SET_FLOAT _mm256_set1_ps
+#define STEP(x) _mm256_fmadd_ps(a, b, x)
+    CHAIN_LOOP(__m256, STEP, _mm256_cvtss_f32);
+#undef STEP
+#undef SET_FLOAT
 }
 
+#define SET_FLOAT _mm512_set1_ps
 __attribute__((target("avx512f"))) static float f32_512(long iterations) {
-    __m512 acc[CHAINS], a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f);
-    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
-    for (long i = 0; i < iterations; i++)
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_fmadd_ps(a, b, acc[c]);
-    float s = 0;
-    for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_ps(acc[c]);
-    return s;
+    __m512 a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f);
+#define STEP(x) _mm512_fmadd_ps(a, b, x)
+    CHAIN_LOOP(__m512, STEP, _mm512_reduce_add_ps);
+#undef STEP
 }
 
 __attribute__((target("avx512f,avx512bf16"))) static float bf16_512(long iterations) {
-    __m512 acc[CHAINS];
     __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
-    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
-    for (long i = 0; i < iterations; i++)
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
-    float s = 0;
-    for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_ps(acc[c]);
-    return s;
+#define STEP(x) _mm512_dpbf16_ps(x, a, b)
+    CHAIN_LOOP(__m512, STEP, _mm512_reduce_add_ps);
+#undef STEP
 }
+#undef SET_FLOAT
 
 static void *run(void *arg) {
     struct job *j = arg;
