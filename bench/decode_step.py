@@ -38,6 +38,7 @@ every parameter but the input embedding table, of which a step reads a row.
     python bench/decode_step.py --dtype float32 --batch 1,8,16,32,64 --variants prepacked,native --scattered
     python bench/decode_step.py --batch 1,8,32 --variants prepacked,prepacked-paged --scattered   # the paged KV cache
     python bench/decode_step.py --batch 1,8,32 --variants native,native-int8,native-fp8 --scattered   # 8-bit weights
+    python bench/decode_step.py --batch 1 --variants native-int8,native-int8-head   # the LM head in int8 too (--quantization-skip "")
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native-paged,native-kv-int8,native-kv-fp8   # an 8-bit KV cache
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native --kv-cache-dtype int8   # every variant's KV in 8 bits
 
@@ -239,6 +240,8 @@ def variant_options() -> dict[str, dict]:
         # 8-bit weights (--quantization), quantized at load; the LM head stays in --dtype.
         "native-int8": dict(compile=False, prepack=True, quantization="int8"),
         "native-fp8": dict(compile=False, prepack=True, quantization="fp8"),
+        # The same with the LM head in int8 too (--quantization-skip ""): one 8-bit kernel for the whole step.
+        "native-int8-head": dict(compile=False, prepack=True, quantization="int8", quantization_skip=()),
         "compiled": dict(compile=True, prepack=False),
         "compiled-prepacked": dict(compile=True, prepack=True),
     }

@@ -97,14 +97,14 @@ def damage_other_key(path):
 def damage_other_format(path):
     with open(path, "r+b") as f:
         head = f.read(1 << 16)
-        f.seek(head.index(b'"format": 1') + len(b'"format": '))
+        f.seek(head.index(f'"format": {shared_weights.FORMAT}'.encode()) + len(b'"format": '))
         f.write(b"9")
 
 
 @pytest.mark.parametrize("damage, reason", [
     (damage_truncated, "torn"),
     (damage_flipped, "CRC-32"),
-    (damage_other_key, "not format 1 for"),
+    (damage_other_key, f"not format {shared_weights.FORMAT} for"),
     (damage_other_format, "it is format 9"),
 ])
 def test_a_torn_changed_or_foreign_file_is_written_anew_and_never_served(weights_dir, caplog, damage, reason):

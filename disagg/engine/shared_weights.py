@@ -40,7 +40,7 @@ from disagg.engine.cpu_kernels.packed_linear import PackedLinear
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the pairs layout's columns 16-23 interleave their two pairs (small_gemm.pack)
 MAGIC = b"DISAGGPW"
 ALIGN = 4096  # the payload, and each tensor in it, start on a page
 HEADER_RESERVE = 8 + 8  # magic, header length

@@ -40,6 +40,13 @@
 
 #define NR 24
 #define KC 256
+/* How far ahead of its reads a block prefetches the panels (bytes; a chunk at least): they are one stream
+ * through memory, and a prefetch one chunk ahead (6 KB of int8, 12 of bf16) came too late for one row.
+ * Measured on a Zen 5 EPYC over SmolLM-135M's one-row products in a step's order (int8 layers, a bf16 LM
+ * head), on one core: 6.24 ms one chunk ahead, 4.3-4.6 at 16-32 KB (as fast as a plain sum reads there);
+ * split over two cores 4.30 against 3.0-3.3; 8 and 32 rows within 3%. A single row prefetches too: the
+ * hardware prefetcher alone streamed int8 weights at 24-25 GB/s on one core, 35-41 with it. */
+#define AHEAD_BYTES 16384
 
 /* The weights' element: float32, or (built with -DWEIGHT_BF16) bfloat16, widened to
  * float32 as it is loaded (a bf16 is a float32's upper half: shifted left 16 bits it
@@ -92,8 +99,8 @@ static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w);
  * so that one VDPBF16PS multiplies 16 columns by a pair of k: twice the products per
  * instruction of a float32 FMA, on the bf16 inputs a bf16 model's own products take.
  * A panel is quads of k, each 192 bytes: columns 0-15 of pair k, k + 1 (64 bytes),
- * of pair k + 2, k + 3 (64), then columns 16-23 of each pair (32 + 32), so no load
- * crosses a cache line. Otherwise the float32 rows themselves. */
+ * of pair k + 2, k + 3 (64), then columns 16-23 with each column's two pairs side by
+ * side (64), so no load crosses a cache line. Otherwise the float32 rows themselves. */
 #ifdef DOT_BF16
 typedef unsigned short input_t;
 #define INPUT_K(K) (((K) + 3) & ~3L)
@@ -200,45 +207,56 @@ static inline __m512bh dot_weights32(const weight_t *w) {
 #else
 static inline __m512bh dot_weights32(const weight_t *w) { return (__m512bh)_mm512_loadu_si512((const void *)w); }
 #endif
-/* Up to DOT_ROWS rows over a chunk of quads of k: per row, columns 0-15 in a zmm and 16-23 in a ymm of
- * sums. int8 weights in blocks of 8 rows: widening them costs more than their dot products, so a block
- * of more rows widens each weight for more of them (32 registers hold 8 rows' sums, the weights and a
- * broadcast); each row's sums run in the same order at any block size. */
+/* Up to DOT_ROWS rows over a chunk of quads of k. Each row keeps three chains of sums, each taking one
+ * VDPBF16PS a quad: columns 0-15 of the quad's first pair (first), of its second (second), and columns
+ * 16-23 of both pairs in one zmm (both_tails: the layout interleaves them, a 32-bit lane of the first
+ * pair's then one of the second's per column, so that one 64-bit broadcast of the row's two pairs meets
+ * each lane with its own pair); at the chunk's end each column adds its two pairs' sums. The row's
+ * values are broadcast straight from memory (a load each, no shuffle). Why three chains: an
+ * accumulator waits for its last VDPBF16PS (several cycles), and with one chain for columns 0-15 (two
+ * VDPBF16PS a quad into one register) one row multiplied 8 weights a cycle, a quarter of what the core
+ * does. int8 weights in blocks of 8 rows: widening them costs more than their dot products, so a block
+ * of more rows widens each weight for more of them (32 registers hold 8 rows' 24 sums, the 3 weights
+ * and the broadcasts); each row's sums run in the same order at any block size. */
 #if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
 #define DOT_ROWS 8
 #else
 #define DOT_ROWS 4
 #endif
+/* Columns 0-7 and 8-15 of a zmm of sums, as ymm. */
+#define LOW_HALF(v) _mm512_castps512_ps256(v)
+#define HIGH_HALF(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
+/* Columns 16-23 from both_tails' sums: each column's two lanes (its pairs) added. */
+static inline __m256 tail_columns(__m512 both_tails) {
+    __m512 sums = _mm512_add_ps(both_tails, _mm512_permute_ps(both_tails, 0xB1)); /* lane 2c + lane 2c + 1, in lane 2c */
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), sums));
+}
 static inline __attribute__((always_inline)) void dot_block(int rows, const input_t *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,
                                                             long ldy, const float *bias, int ncols, int first, const float *scales) {
     (void)scales;
-    __m512 lo[DOT_ROWS];
-    __m256 hi[DOT_ROWS];
+    __m512 first_sums[DOT_ROWS], second_sums[DOT_ROWS], tail_sums[DOT_ROWS];
     for (int r = 0; r < DOT_ROWS; r++)
-        lo[r] = _mm512_setzero_ps(), hi[r] = _mm256_setzero_ps();
+        first_sums[r] = second_sums[r] = tail_sums[r] = _mm512_setzero_ps();
     for (long k = 0; k < kn; k += 4) {
         const weight_t *w = chunk + k * NR; /* one quad: 4 k x 24 columns = 192 bytes */
-        if (rows > 1) {
-            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + ahead + 32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
-        }
-        /* Columns 16-23 of both pairs lie together (w + 64 .. w + 95): one widening for the two halves. */
-        __m512bh lo0 = dot_weights32(w), lo1 = dot_weights32(w + 32), high = dot_weights32(w + 64);
-        __m256bh hi0 = (__m256bh)_mm512_castsi512_si256((__m512i)high), hi1 = (__m256bh)_mm512_extracti64x4_epi64((__m512i)high, 1);
+        _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0); /* one row too (AHEAD_BYTES) */
+        _mm_prefetch((const char *)(w + ahead + 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
+        /* Columns 16-23 of both pairs lie together (w + 64 .. w + 95): one widening for the two. */
+        __m512bh first_pair = dot_weights32(w), second_pair = dot_weights32(w + 32), both_tails = dot_weights32(w + 64);
         for (int r = 0; r < rows; r++) {
-            int pairs[2];
-            memcpy(pairs, x + r * ldx + k, sizeof pairs); /* x[k] in the low half: each pair's first element */
-            __m512i x0 = _mm512_set1_epi32(pairs[0]), x1 = _mm512_set1_epi32(pairs[1]);
-            lo[r] = _mm512_dpbf16_ps(lo[r], (__m512bh)x0, lo0);
-            hi[r] = _mm256_dpbf16_ps(hi[r], (__m256bh)_mm512_castsi512_si256(x0), hi0);
-            lo[r] = _mm512_dpbf16_ps(lo[r], (__m512bh)x1, lo1);
-            hi[r] = _mm256_dpbf16_ps(hi[r], (__m256bh)_mm512_castsi512_si256(x1), hi1);
+            const float *pairs = (const float *)(x + r * ldx + k); /* two bf16 pairs, x[k] in each one's low half */
+            __m512bh x0 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(pairs)), x1 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(pairs + 1));
+            __m512bh both = (__m512bh)_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)pairs)));
+            first_sums[r] = _mm512_dpbf16_ps(first_sums[r], x0, first_pair);
+            second_sums[r] = _mm512_dpbf16_ps(second_sums[r], x1, second_pair);
+            tail_sums[r] = _mm512_dpbf16_ps(tail_sums[r], both, both_tails);
         }
     }
-    for (int r = 0; r < rows; r++)
-        store_row(SCALED(_mm512_castps512_ps256(lo[r]), 0), SCALED(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo[r]), 1)), 1),
-                  SCALED(hi[r], 2), y + r * ldy, bias, ncols, first);
+    for (int r = 0; r < rows; r++) {
+        __m512 head = _mm512_add_ps(first_sums[r], second_sums[r]);
+        store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail_columns(tail_sums[r]), 2), y + r * ldy, bias, ncols, first);
+    }
 }
 #define BLOCK_CALL(rows) dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
 #define BLOCK_ROWS DOT_ROWS
@@ -429,7 +447,7 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
         for (long k0 = 0; k0 < kp; k0 += KC) {
             long kn = kp - k0 < KC ? kp - k0 : KC;
             const weight_t *chunk = panel + k0 * NR;
-            long ahead = kn * NR; /* the next chunk, or the next panel's first: the next bytes in memory */
+            long ahead = kn * NR > AHEAD_BYTES / (long)sizeof(weight_t) ? kn * NR : AHEAD_BYTES / (long)sizeof(weight_t); /* a chunk at least */
             for (long m = 0; m < M; m += BLOCK_ROWS) {
                 const input_t *xm = x + m * ldx + k0;
                 float *ym = y + m * N + p * NR;

@@ -227,14 +227,16 @@ class SmallGemm:
         """nn.Linear's weight [out, in] -> panels [ceil(out / 24), K, 24], the columns past `out`
         zero; in the pairs layout K is in rounded up to a multiple of 4 (zero rows) and each
         panel's memory is quads of k (small_gemm.c, DOT_BF16): [K / 4] x (columns 0-15 of
-        both pairs [2][16][2], then columns 16-23 [2][8][2]), a pair being k and k + 1."""
+        both pairs [2][16][2], then columns 16-23 [8][2][2], each column's two pairs side by side),
+        a pair being k and k + 1."""
         out_features, in_features = weight.shape
         panels, k = -(-out_features // PANEL), self.packed_k(in_features)
         padded = weight.new_zeros(panels * PANEL, k)
         padded[:out_features, :in_features] = weight
         if self.pairs:
             quads = padded.view(panels, PANEL, k // 4, 2, 2).permute(0, 2, 3, 1, 4)  # [panel, quad, pair, column, element]
-            low, high = quads[:, :, :, :16].reshape(panels, k // 4, -1), quads[:, :, :, 16:].reshape(panels, k // 4, -1)
+            low = quads[:, :, :, :16].reshape(panels, k // 4, -1)
+            high = quads[:, :, :, 16:].transpose(2, 3).reshape(panels, k // 4, -1)  # [column, pair, element]: each column's two pairs side by side
             return torch.cat([low, high], dim=2).view(panels, k, PANEL)
         return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
@@ -247,7 +249,7 @@ class SmallGemm:
         count, k = panels.shape[0], panels.shape[1]
         if self.pairs:
             quads = panels.reshape(count, k // 4, 4 * PANEL)  # per quad: 64 elements of columns 0-15, 32 of 16-23 (see pack)
-            low, high = quads[..., :64].reshape(count, k // 4, 2, 16, 2), quads[..., 64:].reshape(count, k // 4, 2, 8, 2)
+            low, high = quads[..., :64].reshape(count, k // 4, 2, 16, 2), quads[..., 64:].reshape(count, k // 4, 8, 2, 2).transpose(2, 3)
             weight = torch.cat([low, high], dim=3).permute(0, 3, 1, 2, 4).reshape(count * PANEL, k)
         else:
             weight = panels.transpose(1, 2).reshape(count * PANEL, k)
