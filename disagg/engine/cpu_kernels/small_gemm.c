@@ -45,8 +45,11 @@
  * Measured on a Zen 5 EPYC over SmolLM-135M's one-row products in a step's order (int8 layers, a bf16 LM
  * head), on one core: 6.24 ms one chunk ahead, 4.3-4.6 at 16-32 KB (as fast as a plain sum reads there);
  * split over two cores 4.30 against 3.0-3.3; 8 and 32 rows within 3%. A single row prefetches too: the
- * hardware prefetcher alone streamed int8 weights at 24-25 GB/s on one core, 35-41 with it. */
-#define AHEAD_BYTES 16384
+ * hardware prefetcher alone streamed int8 weights at 24-25 GB/s on one core, 35-41 with it. Float32 panels:
+ * 32 KB; the AVX-512 build's one row prefetching too: SmolLM-135M's products 13.3 -> 12.6 ms at one row and
+ * 14.4 -> 13.1 at 8 (two cores); the AVX2 build's 8 rows 16.9 -> 15.3 (its single row keeps the hardware
+ * prefetcher, as measured on its own host class). */
+#define AHEAD_BYTES (sizeof(weight_t) == 4 ? 32768L : 16384L)
 
 /* The weights' element: float32, or (built with -DWEIGHT_BF16) bfloat16, widened to
  * float32 as it is loaded (a bf16 is a float32's upper half: shifted left 16 bits it
@@ -344,7 +347,7 @@ static inline __attribute__((always_inline)) void wide_block(int rows, int pair,
     const float *other = chunk + panel_stride; /* the second panel's same chunk */
     for (long k = 0; k < kn; k++) {
         const float *w = chunk + k * NR, *v = other + k * NR;
-        if (rows > 1) {
+        {   /* one row too (AHEAD_BYTES) */
             _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + ahead + 16), _MM_HINT_T0);
             if (pair) {
@@ -417,7 +420,7 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
         for (long k0 = 0; k0 < kp; k0 += KC) {
             long kn = kp - k0 < KC ? kp - k0 : KC;
             const float *chunk = panel + k0 * NR;
-            long ahead = kn * NR;
+            long ahead = kn * NR > AHEAD_BYTES / 4 ? kn * NR : AHEAD_BYTES / 4;
             for (long m = 0; m < M; m += WIDE_ROWS) {
                 const float *xm = x + m * ldx + k0;
                 float *ym = y + m * N + p * NR;
