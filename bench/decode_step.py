@@ -25,6 +25,9 @@ slots are not one contiguous run. The roofline is the weights' bytes over the me
 bandwidth measured here (a sum over a buffer larger than the caches, on the
 same threads), the least time a batch-1 step can take; the weights are
 every parameter but the input embedding table, of which a step reads a row.
+An 8-bit variant's own roofline (its bytes as served) is taken over two cores'
+bandwidth sampled every few rounds among that batch's steps (the line ends with
+it): on a shared host the bandwidth moves between runs of a minute.
 
     python bench/decode_step.py                       # SmolLM-135M shape, bf16, CPU
     python bench/decode_step.py --shape llama-3.2-1b --batch 1,8,32 --variants native --scattered
@@ -321,29 +324,50 @@ def roofline_result(args, device: torch.device, path: str) -> tuple[float, dict]
         "weight_bytes": weight_bytes, "read_bandwidth_gbs": bandwidth / 1e9, "roofline_ms": roofline * 1e3, "steps": {},
     }
     print(f"weights {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: roofline {roofline * 1e3:.2f} ms per step")
-    if device.type == "cpu" and args.threads == 1 and len(os.sched_getaffinity(0)) > 1:
+    if splits_rows(args, device):
         # small_gemm computes a single row on two cores: its roofline is what two cores read.
-        torch.set_num_threads(2)
-        two_cores = read_bandwidth(device)
-        torch.set_num_threads(1)
+        two_cores = two_core_bandwidth(device)
         result["read_bandwidth_two_cores_gbs"] = two_cores / 1e9
         print(f"two cores read {two_cores / 1e9:.1f} GB/s: a one-row step split across them has a roofline of "
               f"{weight_bytes / two_cores * 1e3:.2f} ms")
     return roofline, result
 
 
-def measure_batch(args, backends: dict[str, TorchBackend], batch: int, vocab: int, device: torch.device) -> dict[str, float]:
-    """Each variant's median step time at this batch, the variants interleaved."""
+def splits_rows(args, device: torch.device) -> bool:
+    """Whether the steps' products run on two cores (small_gemm's helper beside one torch thread)."""
+    return device.type == "cpu" and args.threads == 1 and len(os.sched_getaffinity(0)) > 1
+
+
+def two_core_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    torch.set_num_threads(2)
+    try:
+        return read_bandwidth(device, nbytes)
+    finally:
+        torch.set_num_threads(1)
+
+
+# While a batch is measured, two cores' read bandwidth is sampled this often (in rounds of the variants):
+# on a shared host it moves by up to 1.8x from one minute to the next, so a roofline from one sample taken
+# before the steps can be far from the bandwidth the steps had.
+BANDWIDTH_EVERY = 10
+
+
+def measure_batch(args, backends: dict[str, TorchBackend], batch: int, vocab: int, device: torch.device) -> tuple[dict[str, float], float | None]:
+    """Each variant's median step time at this batch, the variants interleaved; and the median of two cores'
+    read bandwidth sampled among them (None where the steps do not split their rows)."""
     inputs = step_inputs(batch, args.context, vocab, device, args.scattered)
     times = {name: [] for name in backends}
+    samples = []
     for name, backend in backends.items():
         time_step(backend, inputs, device)  # warm
-    for _ in range(args.repeats):
+    for round_ in range(args.repeats):
+        if splits_rows(args, device) and round_ % BANDWIDTH_EVERY == 0:
+            samples.append(two_core_bandwidth(device, 1 << 29))
         for name, backend in backends.items():
             times[name].append(time_step(
                 backend, inputs, device, one_core=name.endswith("-1core"), shared_rows=1 if name == "prepacked-single-shared" else 64
             ))
-    return {name: statistics.median(times[name]) for name in backends}
+    return {name: statistics.median(times[name]) for name in backends}, statistics.median(samples) if samples else None
 
 
 def main() -> None:
@@ -370,15 +394,19 @@ def main() -> None:
     # A row's products: two FLOPs per weight (the roofline's weights, in this dtype's elements).
     flops_per_row = 2 * result["weight_bytes"] / torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     for batch in batches:
-        medians = measure_batch(args, backends, batch, vocab, device)
+        medians, during = measure_batch(args, backends, batch, vocab, device)
         result["steps"][batch] = {f"{name}_ms": median * 1e3 for name, median in medians.items()}
+        # An 8-bit variant's own roofline over the bandwidth sampled among its steps, where there is one.
+        own = {name: seconds * bandwidth / during for name, seconds in rooflines.items()} if during else rooflines
+        if during:
+            result["steps"][batch]["read_bandwidth_two_cores_gbs_during"] = during / 1e9
         cells = [
             f"{name} {median * 1e3:8.2f} ms ({medians[baseline] / median:4.2f}x faster, {median / roofline:4.2f}x roofline"
-            + (f", {median / rooflines[name]:4.2f}x its own" if name in rooflines else "")
+            + (f", {median / own[name]:4.2f}x its own" if name in own else "")
             + (f", {flops_per_row * batch / median / peaks[1 if name.endswith('-1core') else 2]:4.0%} of the peak" if peaks and batch > 1 else "") + ")"
             for name, median in medians.items()
         ]
-        print(f"batch {batch:3d}: " + "   ".join(cells), flush=True)
+        print(f"batch {batch:3d}: " + "   ".join(cells) + (f"   [two cores read {during / 1e9:.1f} GB/s among these steps]" if during else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
