@@ -77,13 +77,15 @@ BUILDS = {
 QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 SCALE_ROWS = 4  # an 8-bit panel's last rows: its 24 columns' float32 scales (96 bytes)
 PANEL = 24  # NR in small_gemm.c: output columns per panel
-# A row's product is shared between two cores from this weight size up: SmolLM-135M's
-# q, o, gate, up, down and LM head (1.3-113 MB) are; its k and v alone (442 KB,
-# 5% of the bytes; shared with q where `packed_linear` groups them) and the test
-# suite's tiny models are not, as handing part of a small weight to the helper
-# costs about what reading it does, and the helper then spins on a core that
-# other processes want.
-SPLIT_MIN_BYTES = 1 << 20
+# A row's product is shared between two cores from this weight size up: every one of
+# SmolLM-135M's (its k and v grouped with q, as `packed_linear` groups them; its o, 0.66
+# MB in bf16, since 2026-11-27) is; the test suite's tiny models' are not, as handing part
+# of a small weight to the helper costs about what reading it does, and the helper then
+# spins on a core that other processes want. At 1 MB (o on one core), SmolLM-135M's
+# products in a step's order took 3.08 ms at one row with int8 layers, 4.78 in bf16,
+# 5.42 and 6.58 at 8 rows; at 512 KB 2.93, 4.72, 5.36 and 6.42 (Zen 5 EPYC, interleaved
+# in one process; 256 KB no better).
+SPLIT_MIN_BYTES = 1 << 19
 
 
 def worth_sharing(panels: torch.Tensor) -> bool:
