@@ -557,3 +557,46 @@ def test_native_steps_over_an_8_bit_cache_write_the_eager_steps_codes_and_scales
                         assert one_code_apart(pair[0], pair[1], code_dtype, 1e-4 if dtype == "float32" else 0.03), (step, i, row, head)
     assert grown > 0  # the scales grew, some block's codes coded again
     assert exact >= (3 * 3 * 2 * heads // 2 if dtype == "float32" else 0)  # most first-layer lines are the same bits
+
+
+@pytest.mark.parametrize("name, kv_cache_dtype", [("llama", None), ("mistral-sw", None), ("llama", "int8")])  # mistral-sw: a 16-token window
+def test_a_step_s_attention_shared_with_the_helper_gives_the_bits_of_one_core(name, kv_cache_dtype):
+    """A step of 4 rows or more (reading enough K and V) shares its rows' attention with the products'
+    helper (native_step.c, split_attention), each row computed whole by whichever core claims it: the
+    logits and the cache it leaves are the bits of the same step on the calling core alone. The caller
+    claims one unit a job, so the helper computes the other rows."""
+    backend = load_backend("torch", model=tiny_model(name), dtype="float32", kv_cache_dtype=kv_cache_dtype)
+    inputs = step_inputs([0, 2, 3, 5], [30, 3, 17, 44], [5, 6, 7, 8])
+    if kv_cache_dtype:
+        backend.allocate_slots(6, num_blocks=30, block_size=16)
+        for slot in inputs.slots.tolist():
+            backend.set_block_table(slot, [1 + slot + 6 * i for i in range(4)])
+        random_8_bit_cache(backend)
+        tables, model = backend._tables(inputs), backend.native.step_model
+    else:
+        backend.allocate_slots(6)
+        random_cache(backend)
+        tables, model = inputs.slots, backend.native.model
+    kernel, saved = backend.native.kernel, cache_state(backend) if kv_cache_dtype else [t.clone() for t in (*backend.cache.keys, *backend.cache.values)]
+    model.split_attention_bytes = 0  # the tiny model's rows read a few KB: shared from any size here
+
+    def step(shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        tensors = (*backend.cache.keys, *backend.cache.values, *((*backend.cache.key_scales, *backend.cache.value_scales) if kv_cache_dtype else ()))
+        for tensor, old in zip(tensors, saved):
+            tensor.copy_(old)
+        kernel.split_here(shared)
+        try:
+            logits = backend.native.decode_logits(tables, inputs.positions, inputs.input_ids, inputs.kv_len)
+        finally:
+            kernel.split_here(None)  # back to what the thread's CPUs say
+        return logits, [t.clone() for t in tensors]
+
+    alone, alone_cache = step(False)
+    calls, helped = model.split_attention_calls, kernel.helper_jobs()
+    kernel.limit_caller_panels(1)
+    try:
+        shared, shared_cache = step(True)
+    finally:
+        kernel.limit_caller_panels(0)
+    assert model.split_attention_calls - calls == backend.info.num_layers and kernel.helper_jobs() > helped
+    assert torch.equal(shared, alone) and all(torch.equal(a, b) for a, b in zip(shared_cache, alone_cache))

@@ -157,6 +157,8 @@ void native_append_line(kv_t *codes, float *scale, long block_size, long d, long
 
 typedef void (*product_fn)(const float *x, long M, long K, const void *panels, long N, const float *bias, float *y);
 typedef int (*split_product_fn)(const float *x, long M, long K, const void *panels, long N, const float *bias, float *y);
+typedef void (*row_fn)(const void *blob, long first, long n, float *out);
+typedef int (*split_rows_fn)(row_fn fn, const void *blob, long blob_bytes, long rows, long row_floats, float *y);
 #ifdef KV_SCALED /* slot_attention.c's 8-bit build: slot_attention_scaled, with the layer's scales */
 typedef void (*attention_fn)(const float *q, long rows, long q_heads, long kv_heads, long d, const kv_t *keys, const kv_t *values,
                              long block_stride, long head_stride, long pos_stride, const long *tables, long table_stride, long block_size,
@@ -251,6 +253,11 @@ struct model {
     long blocked_min_rows, blocked_work_per_thread;
     int blocked_threads;
     long blocked_calls; /* how many steps attended that way (tests) */
+    /* small_gemm_split_rows (NULL: never): a step of SPLIT_ATTENTION_ROWS rows or more shares its rows'
+     * attention with the products' helper thread, as a product shares its panels (attend_rows_job). */
+    split_rows_fn split_rows;
+    long split_attention_bytes; /* ... when its rows read at least this many bytes of K and V a layer */
+    long split_attention_calls; /* how many layers' attention went that way (tests) */
 };
 
 static void product(const struct model *m, int may_share, const float *x, long rows, long k, const struct weights *w, float *y) {
@@ -383,6 +390,80 @@ long native_step_workspace(const struct model *m, long rows, long kv_len) {
     return rows * (3 * m->hidden + widest(m) + 2 * q_dim + m->intermediate) + (m->q_heads / m->kv_heads) * kv_len + m->head_dim;
 }
 
+/* A decode step's attention over its rows, one row a unit, shared with the products' helper thread
+ * (small_gemm_split_rows). Why: at 32 rows of SmolLM-135M's shape the attention took 11 of a step's 31 ms
+ * on the calling core (its reads of the scattered KV streams, more than its arithmetic) while the helper
+ * waited. The blob holds what a late helper may read after the step has moved on (the rows' queries,
+ * tables and positions: the step's workspace and its caller's tensors do not outlive it); the cache it
+ * points to lives as long as the model. Each row is the call the caller would make itself, so the
+ * results are the same bits whoever computes them. */
+#define SPLIT_ATTENTION_ROWS 4
+struct attend_job {
+    attention_fn attention;
+    const kv_t *keys, *values;
+    const float *key_scales, *value_scales; /* an 8-bit cache's (the layer's); unread otherwise */
+    long block_stride, head_stride, pos_stride, block_size, scale_block_stride;
+    long q_heads, kv_heads, d, table_stride, window, rows;
+    float scale;
+    long tables_at, positions_at; /* byte offsets in the blob; the queries follow this header */
+};
+
+static void attend_rows_job(const void *blob, long first, long n, float *out) {
+    const struct attend_job *j = blob;
+    const float *q = (const float *)(j + 1);
+    const long *tables = (const long *)((const char *)blob + j->tables_at), *positions = (const long *)((const char *)blob + j->positions_at);
+    long q_dim = j->q_heads * j->d, need = 0;
+    for (long r = first; r < first + n; r++)
+        need = positions[r] + 1 > need ? positions[r] + 1 : need;
+    need *= j->q_heads / j->kv_heads;
+    static __thread float *scores; /* this thread's: group * kv_len floats */
+    static __thread long capacity;
+    if (need > capacity) {
+        free(scores);
+        scores = malloc((size_t)need * sizeof(float));
+        capacity = scores ? need : 0;
+        if (!scores)
+            abort(); /* a few KB: a process that cannot get them is out of memory anyway */
+    }
+    for (long r = first; r < first + n; r++) {
+        long from = j->window && positions[r] - j->window + 1 > 0 ? positions[r] - j->window + 1 : 0;
+        j->attention(q + r * q_dim, 1, j->q_heads, j->kv_heads, j->d, j->keys, j->values, j->block_stride, j->head_stride, j->pos_stride,
+                     tables + r * j->table_stride, j->table_stride, j->block_size, from, positions[r] + 1 - from, 0, j->scale, out + r * q_dim, scores
+#ifdef KV_SCALED
+                     , j->key_scales, j->value_scales, j->scale_block_stride
+#endif
+        );
+    }
+}
+
+/* The rows' attention (q [rows, q_dim] rotated) into attended, through the helper: 0 where the blob cannot be had. */
+static int split_attention(const struct model *m, const struct kv_cache *cache, const struct layer *L, const kv_t *keys, const kv_t *values,
+                           const float *key_scales, const float *value_scales, long rows, const long *tables, long table_stride,
+                           const long *positions, const float *q, float *attended) {
+    long q_dim = m->q_heads * m->head_dim, queries = rows * q_dim * (long)sizeof(float);
+    long tables_at = (long)sizeof(struct attend_job) + (queries + 7) / 8 * 8, positions_at = tables_at + rows * table_stride * (long)sizeof(long);
+    long bytes = positions_at + rows * (long)sizeof(long);
+    static __thread char *blob;
+    static __thread long capacity;
+    if (bytes > capacity) {
+        free(blob);
+        blob = malloc((size_t)bytes);
+        capacity = blob ? bytes : 0;
+        if (!blob)
+            return 0;
+    }
+    *(struct attend_job *)blob = (struct attend_job){
+        m->attention, keys, values, key_scales, value_scales, cache->block_stride, cache->head_stride, cache->pos_stride, cache->block_size,
+        cache->scale_block_stride, m->q_heads, m->kv_heads, m->head_dim, table_stride, L->window, rows, m->scale, tables_at, positions_at,
+    };
+    memcpy(blob + sizeof(struct attend_job), q, (size_t)queries);
+    memcpy(blob + tables_at, tables, (size_t)(rows * table_stride) * sizeof(long));
+    memcpy(blob + positions_at, positions, (size_t)rows * sizeof(long));
+    m->split_rows(attend_rows_job, blob, bytes, rows, q_dim, attended);
+    ((struct model *)m)->split_attention_calls++;
+    return 1;
+}
+
 /* One step: row r is token ids[r] at position positions[r] of the sequence whose block
  * table is tables[r * table_stride ...] (position p in block table[p / block_size]);
  * cos and sin [rows, head_dim] its rotary angles (transformers' rotary module's output).
@@ -402,6 +483,10 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
     float *q = wide + rows * widest(m), *attended = q + rows * q_dim, *act = attended + rows * q_dim;
     float *line = act + rows * m->intermediate; /* one rotated key: d floats */
     float *scores = line + d;                   /* the attention's: group * kv_len */
+    long kv_bytes = 0; /* what the rows' attention reads a layer, without windows: whether to share it */
+    for (long r = 0; r < rows; r++)
+        kv_bytes += (positions[r] + 1) * m->kv_heads * d * 2 * (long)sizeof(kv_t);
+    int share_attention = may_share && m->split_rows && rows >= SPLIT_ATTENTION_ROWS && kv_bytes >= m->split_attention_bytes;
 #if defined(MODEL_BF16) && !defined(KV_SCALED)
     struct blocked_buffers blocked = {0, 0, 0, 0};
     int blocked_rows = blocked_prompt(m, cache, rows, tables, table_stride, positions) &&
@@ -438,6 +523,7 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
             blocked_attention(m, cache, keys, values, rows, tables[0], positions, q, &blocked, attended);
         else
 #endif
+        if (!(share_attention && split_attention(m, cache, L, keys, values, key_scales, value_scales, rows, tables, table_stride, positions, q, attended)))
         for (long r = 0; r < rows; r++) {
             /* Positions up to the row's own; in a sliding layer those > position - window (transformers' sliding mask). */
             long first = L->window && positions[r] - L->window + 1 > 0 ? positions[r] - L->window + 1 : 0;

@@ -128,7 +128,15 @@ class _Model(ctypes.Structure):
         ("layer", ctypes.POINTER(_Layer)),
         ("blocked_attention", ctypes.c_void_p), ("blocked_packed_size", ctypes.c_void_p), ("blocked_min_rows", ctypes.c_long),
         ("blocked_work_per_thread", ctypes.c_long), ("blocked_threads", ctypes.c_int), ("blocked_calls", ctypes.c_long),
+        ("split_rows", ctypes.c_void_p), ("split_attention_bytes", ctypes.c_long), ("split_attention_calls", ctypes.c_long),
     ]
+
+
+# A step's rows share their attention with the products' helper (4 rows or more) where they read at least
+# this much K and V a layer: SmolLM-135M's shape reads 3 MB at 32 rows of 128 positions (its step 31 -> 25
+# ms, docs/benchmarks.md), the tests' tiny models a few KB, where handing rows over costs what reading them
+# does (as small products: small_gemm.SPLIT_MIN_BYTES).
+SPLIT_ATTENTION_MIN_BYTES = 256 << 10
 
 
 @functools.cache
@@ -318,6 +326,9 @@ class NativeModel:
             *pointers, layers,
         )
         self._blocked_prompts(q_heads, plans)
+        # A step of several rows shares its rows' attention with the products' helper (native_step.c, split_attention).
+        self.model.split_rows = ctypes.cast(self.kernel._split_rows, ctypes.c_void_p).value
+        self.model.split_attention_bytes = SPLIT_ATTENTION_MIN_BYTES
         self.slot_cache: _KvCache | None = None
         # The decode steps' build and model struct: the prefill's, or an 8-bit cache's (see attach).
         self.step_library, self.step_model = self.library, self.model

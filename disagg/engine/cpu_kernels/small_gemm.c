@@ -480,6 +480,18 @@ static void unit_range(const input_t *x, long M, long K, const weight_t *panels,
     panel_range(x, M, K, panels, N, bias, y, u * unit, last);
 }
 
+/* A split job of rows rather than panels (small_gemm_split_rows): rows [first, first + n) of the job
+ * described by `blob` computed into out (row r at out + r * N, N floats a row). */
+typedef void (*row_fn)(const void *blob, long first, long n, float *out);
+
+/* Unit u of a split job: a product's panels, or (rows) row u. */
+static void job_unit(row_fn rows, const input_t *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, long u, long unit) {
+    if (rows)
+        rows(x, u, 1, y);
+    else
+        unit_range(x, M, K, panels, N, bias, y, u, unit);
+}
+
 /* This thread's prepared rows (the dot build's bf16 copy; otherwise x itself). */
 static const input_t *prepared(const float *x, long M, long K) {
 #ifdef DOT_BF16
@@ -571,6 +583,7 @@ struct job {
     _Atomic(float *) helper_y[MAX_HELPERS]; /* each helper's own [M, N], row stride N, as y */
     _Atomic(_Atomic unsigned *) states;     /* one per panel */
     _Atomic long M, K, N;
+    _Atomic(row_fn) rows; /* a job of rows (small_gemm_split_rows): x holds its blob; NULL: a product */
 };
 struct job_view {
     const input_t *x;
@@ -580,6 +593,7 @@ struct job_view {
     float *helper_y; /* this helper's */
     _Atomic unsigned *states;
     long M, K, N;
+    row_fn rows;
 };
 static struct job job;
 /* Buffers that only grow, and are never freed: a helper that resumes late may still read or write the old ones.
@@ -605,9 +619,10 @@ static void read_job(long helper, struct job_view *view) {
     view->M = atomic_load_explicit(&job.M, memory_order_relaxed);
     view->K = atomic_load_explicit(&job.K, memory_order_relaxed);
     view->N = atomic_load_explicit(&job.N, memory_order_relaxed);
+    view->rows = atomic_load_explicit(&job.rows, memory_order_relaxed);
 }
 
-static void write_job(long x_slot, const float *bias, const weight_t *panels, long M, long K, long N) {
+static void write_job(long x_slot, const float *bias, const weight_t *panels, long M, long K, long N, row_fn rows) {
     atomic_store_explicit(&job.x, x_slots[x_slot], memory_order_relaxed);
     atomic_store_explicit(&job.x_slot, x_slot, memory_order_relaxed);
     atomic_store_explicit(&job.bias, bias, memory_order_relaxed);
@@ -618,6 +633,7 @@ static void write_job(long x_slot, const float *bias, const weight_t *panels, lo
     atomic_store_explicit(&job.M, M, memory_order_relaxed);
     atomic_store_explicit(&job.K, K, memory_order_relaxed);
     atomic_store_explicit(&job.N, N, memory_order_relaxed);
+    atomic_store_explicit(&job.rows, rows, memory_order_relaxed);
 }
 
 /* A buffer for the prepared rows that no helper reads now, or -1 (every one still read by a late helper). */
@@ -727,7 +743,7 @@ static void *helper(void *number) {
         struct job_view mine;
         read_job(index, &mine);
         follow_caller_cpus(&applied_cpus);
-        long first, n, computed = 0, unit = split_unit(mine.M, mine.K, mine.N), slot = mine.x_slot >= 0 && mine.x_slot < X_SLOTS ? mine.x_slot : 0;
+        long first, n, computed = 0, unit = mine.rows ? 1 : split_unit(mine.M, mine.K, mine.N), slot = mine.x_slot >= 0 && mine.x_slot < X_SLOTS ? mine.x_slot : 0;
         atomic_fetch_add(&x_readers[slot], 1);
         while ((first = claim(seen, 1, MAX_PANELS, &n)) >= 0) {
             long stall = atomic_load_explicit(&helper_stall_ns, memory_order_relaxed);
@@ -739,7 +755,7 @@ static void *helper(void *number) {
             for (long u = first; u < first + n; u++) {
                 unsigned open = STATE(seen, OPEN);
                 if (atomic_load_explicit(&mine.states[u], memory_order_acquire) == open) {
-                    unit_range(mine.x, mine.M, mine.K, mine.panels, mine.N, mine.bias, mine.helper_y, u, unit);
+                    job_unit(mine.rows, mine.x, mine.M, mine.K, mine.panels, mine.N, mine.bias, mine.helper_y, u, unit);
                     if (atomic_compare_exchange_strong(&mine.states[u], &open, STATE(seen, READY_BY(index)))) {
                         computed++;
                         continue;
@@ -809,21 +825,32 @@ static int grow(void **buffer, long *capacity, long need, long size) {
     return 1;
 }
 
-/* Puts unit p of the helper's buffer into y. */
-static void copy_panel(const float *from, float *y, long M, long N, long p, long unit) {
+/* Puts unit p of the helper's buffer into y: a product's panels' columns of every row, or (rows) row p. */
+static void copy_unit(row_fn rows, const float *from, float *y, long M, long N, long p, long unit) {
+    if (rows) {
+        memcpy(y + p * N, from + p * N, (size_t)N * sizeof(float));
+        return;
+    }
     long first = p * unit * NR, ncols = N - first < unit * NR ? N - first : unit * NR;
     for (long m = 0; m < M; m++)
         memcpy(y + m * N + first, from + m * N + first, (size_t)ncols * sizeof(float));
 }
 
-/* Returns 1 if the helper was offered a share of the product, 0 if the caller computed it alone. */
-int small_gemm_split(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y) {
-    long unit = split_unit(M, K, N), count = ((N + NR - 1) / NR + unit - 1) / unit; /* units claimed one at a time (`unit` panels each) */
+/* A split job (a product, or with `rows` a job of M rows whose blob is `blob_bytes` at x) shared with the
+ * helper as small_gemm_split describes; returns 1 if the helper was offered a share, 0 if the caller
+ * computed it alone. */
+static int split_job(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, row_fn rows, long blob_bytes) {
+    /* units claimed one at a time: a product's of `unit` panels each, a job's rows one each */
+    long unit = rows ? 1 : split_unit(M, K, N), count = rows ? M : ((N + NR - 1) / NR + unit - 1) / unit;
+    long x_need = rows ? (blob_bytes + (long)sizeof(input_t) - 1) / (long)sizeof(input_t) : M * INPUT_K(K);
     /* A helper at normal priority (where SCHED_IDLE is refused) shares single rows only: more
      * would take the core from the process beside this one whenever it has work (measured). */
-    int shares = M == 1 || atomic_load_explicit(&helper_priority, memory_order_relaxed) >= 0;
+    int shares = (M == 1 && !rows) || atomic_load_explicit(&helper_priority, memory_order_relaxed) >= 0;
     if (!shares || count < 2 || count > MAX_PANELS || pthread_mutex_trylock(&caller_lock) != 0) {
-        small_gemm(x, M, K, panels, N, bias, y);
+        if (rows)
+            rows(x, 0, M, y);
+        else
+            small_gemm(x, M, K, panels, N, bias, y);
         return 0;
     }
     if (helper_state == 0) {
@@ -845,19 +872,25 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
     for (long i = 0; buffers && i < helpers_started; i++)
         buffers = grow((void **)&helper_ys[i], &y_capacities[i], M * N, sizeof(float));
     long x_slot = free_x_slot();
-    if (!buffers || x_slot < 0 || !grow((void **)&x_slots[x_slot], &x_capacities[x_slot], M * INPUT_K(K), sizeof(input_t)) ||
+    if (!buffers || x_slot < 0 || !grow((void **)&x_slots[x_slot], &x_capacities[x_slot], x_need, sizeof(input_t)) ||
         !grow((void **)&panel_states, &states_capacity, count, sizeof(unsigned))) {
         pthread_mutex_unlock(&caller_lock);
-        small_gemm(x, M, K, panels, N, bias, y);
+        if (rows)
+            rows(x, 0, M, y);
+        else
+            small_gemm(x, M, K, panels, N, bias, y);
         return 0;
     }
     give_helper_my_cpus();
     input_t *x_copy = x_slots[x_slot];
-    prepare_input(x, M, K, x_copy); /* the caller computes from the copy too: both read the same prepared rows */
+    if (rows) /* the job's blob, kept where a late helper may still read it (x may be freed once the caller returns) */
+        memcpy(x_copy, x, (size_t)blob_bytes);
+    else
+        prepare_input(x, M, K, x_copy); /* the caller computes from the copy too: both read the same prepared rows */
     unsigned long long ticket = (TICKET(atomic_load_explicit(&claims, memory_order_relaxed)) + 1) & ((1ULL << (64 - 2 * PANEL_BITS)) - 1);
     for (long p = 0; p < count; p++)
         atomic_store_explicit(&panel_states[p], STATE(ticket, OPEN), memory_order_relaxed);
-    write_job(x_slot, bias, panels, M, K, N);
+    write_job(x_slot, bias, panels, M, K, N, rows);
     atomic_store_explicit(&claims, CLAIMS(ticket, 0, count), memory_order_seq_cst); /* publishes the job */
     pthread_mutex_lock(&sleep_lock); /* wakes the helper if it sleeps; no lost wake-up: it checks the ticket under this lock */
     pthread_cond_broadcast(&wake);
@@ -868,7 +901,7 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
     long first, n, mine = 0;
     while (mine < caller_panel_limit && (first = claim(ticket, 0, caller_panel_limit - mine, &n)) >= 0) {
         for (long u = first; u < first + n; u++)
-            unit_range(x_copy, M, K, panels, N, bias, y, u, unit);
+            job_unit(rows, x_copy, M, K, panels, N, bias, y, u, unit);
         mine += n;
     }
     int patient = caller_panel_limit < MAX_PANELS; /* tests: wait for the helper's panels, never take them */
@@ -884,12 +917,25 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
             if (spins % SPIN_CHECK == 0)
                 sched_yield();
         if (atomic_compare_exchange_strong(&panel_states[p], &open, STATE(ticket, TAKEN)))
-            unit_range(x_copy, M, K, panels, N, bias, y, p, unit);
+            job_unit(rows, x_copy, M, K, panels, N, bias, y, p, unit);
         else /* READY: open now holds the state word, naming the helper whose buffer has it */
-            copy_panel(helper_ys[READY_HELPER(open)], y, M, N, p, unit);
+            copy_unit(rows, helper_ys[READY_HELPER(open)], y, M, N, p, unit);
     }
     pthread_mutex_unlock(&caller_lock);
     return 1;
+}
+
+/* Returns 1 if the helper was offered a share of the product, 0 if the caller computed it alone. */
+int small_gemm_split(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y) {
+    return split_job(x, M, K, panels, N, bias, y, 0, 0);
+}
+
+/* Rows [0, rows) of a job of rows (a decode step's attention, one row each: native_step.c), shared with the
+ * helper as a product's panels are: each row computed by `fn` from `blob` (blob_bytes, copied where a late
+ * helper may still read it; what it points to must outlive the job, as a product's weights do) into
+ * y + r * row_floats, by the caller or the helper (into its own buffer, then copied). Returns as small_gemm_split. */
+int small_gemm_split_rows(row_fn fn, const void *blob, long blob_bytes, long rows, long row_floats, float *y) {
+    return split_job((const float *)blob, rows, 0, 0, row_floats, 0, y, fn, blob_bytes);
 }
 
 /* Whether the helper thread runs at the lowest priority (SCHED_IDLE), as it asks to; 0 before it starts (for tests). */

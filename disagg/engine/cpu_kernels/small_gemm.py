@@ -133,6 +133,8 @@ class SmallGemm:
         self._call.argtypes, self._call.restype = arguments, None
         self._split = library.small_gemm_split
         self._split.argtypes, self._split.restype = arguments, ctypes.c_int
+        # A job of rows shared as a product's panels are (native_step.c's attention): its C entry, for the native step's struct.
+        self._split_rows = library.small_gemm_split_rows
         self._helper_jobs = library.small_gemm_helper_jobs
         self._helper_jobs.argtypes, self._helper_jobs.restype = [], ctypes.c_long
         self._helper_cpus = library.small_gemm_helper_cpus
