@@ -1,7 +1,8 @@
 """The few-row kernel's split product (the caller and its helper threads, lock-free
 claims, late helpers) built with AddressSanitizer and ThreadSanitizer and driven by
-tests/sanitize/split_driver.c: every product the same bits as the kernel alone, and
-no report from the sanitizer. Each build of the kernel (float32, float32-avx512, bf16-widen, bf16-dot)."""
+tests/sanitize/split_driver.c: every product the same bits as the kernel alone, every
+job of rows (small_gemm_split_rows, the native step's shared attention) the rows
+computed in turn, and no report from the sanitizer. Each build of the kernel (float32, float32-avx512, bf16-widen, bf16-dot)."""
 
 import os
 import pathlib

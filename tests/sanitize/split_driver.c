@@ -1,6 +1,8 @@
 /* Drives small_gemm.c's split product (the caller and its helper threads) for the
  * sanitizer builds of tests/test_sanitizers.py. Many products of varied shapes from
- * one caller, each compared bit for bit with small_gemm alone; rounds in which the
+ * one caller, each compared bit for bit with small_gemm alone, and jobs of rows
+ * (small_gemm_split_rows, as the native step's attention), each compared with its
+ * rows computed in turn, its blob freed as soon as the call returns; rounds in which the
  * caller computes at most one panel, so the helpers compute the rest; and (argument
  * "stall") rounds in which each helper sleeps after a claim, as if it lost its core,
  * so the caller takes its panels back and the helper finishes them late.
@@ -20,6 +22,48 @@ void small_gemm_limit_caller_panels(long panels);
 void small_gemm_stall_helper(long ns);
 long small_gemm_helper_jobs(void);
 long small_gemm_late_panels(void);
+int small_gemm_split_rows(void (*fn)(const void *blob, long first, long n, float *out), const void *blob, long blob_bytes, long rows, long row_floats,
+                          float *y);
+
+static float random_float(void);
+
+/* A job of rows: row r of `width` floats from the blob's value r (some work a row, as an attention's). */
+struct rows_blob {
+    long width;
+    float values[];
+};
+static void rows_fn(const void *blob, long first, long n, float *out) {
+    const struct rows_blob *b = blob;
+    for (long r = first; r < first + n; r++)
+        for (long c = 0; c < b->width; c++) {
+            float a = 0.0f;
+            for (long k = 0; k < 64; k++)
+                a += b->values[r] * (float)(c + k);
+            out[r * b->width + c] = a;
+        }
+}
+
+static int run_rows(void) {
+    static const long jobs[3][2] = {{4, 72}, {9, 576}, {33, 40}}; /* rows, width */
+    for (int j = 0; j < 3; j++) {
+        long rows = jobs[j][0], width = jobs[j][1], bytes = (long)sizeof(struct rows_blob) + rows * (long)sizeof(float);
+        struct rows_blob *blob = malloc((size_t)bytes);
+        float *alone = malloc((size_t)(rows * width) * sizeof(float)), *split = malloc((size_t)(rows * width) * sizeof(float));
+        blob->width = width;
+        for (long r = 0; r < rows; r++)
+            blob->values[r] = random_float();
+        rows_fn(blob, 0, rows, alone);
+        small_gemm_split_rows(rows_fn, blob, bytes, rows, width, split);
+        free(blob); /* a late helper reads the kernel's copy, never this */
+        int same = memcmp(alone, split, (size_t)(rows * width) * sizeof(float)) == 0;
+        free(alone), free(split);
+        if (!same) {
+            fprintf(stderr, "split rows differ from the rows computed in turn: %ld rows of %ld\n", rows, width);
+            return 1;
+        }
+    }
+    return 0;
+}
 
 #define SHAPES 5
 static const long shapes[SHAPES][3] = {{1, 96, 200}, {3, 600, 100}, {8, 256, 480}, {64, 40, 72}, {5, 7, 50}}; /* M, K, N */
@@ -61,6 +105,8 @@ static int run_round(int caller_panels, long stall_ns) {
                 fprintf(stderr, "split product differs from small_gemm's: M %ld K %ld N %ld\n", M, K, N);
                 return 1;
             }
+            if (s == 0 && run_rows())
+                return 1;
         }
     return 0;
 }
