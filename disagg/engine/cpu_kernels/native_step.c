@@ -398,6 +398,11 @@ long native_step_workspace(const struct model *m, long rows, long kv_len) {
  * points to lives as long as the model. Each row is the call the caller would make itself, so the
  * results are the same bits whoever computes them. */
 #define SPLIT_ATTENTION_ROWS 4
+
+/* A row at `position` attends to positions first_attended(..) to its own: every one before it, or in a sliding
+ * layer (window > 0) those > position - window (transformers' sliding mask). */
+static inline long first_attended(long window, long position) { return window && position - window + 1 > 0 ? position - window + 1 : 0; }
+
 struct attend_job {
     attention_fn attention;
     const kv_t *keys, *values;
@@ -426,7 +431,7 @@ static void attend_rows_job(const void *blob, long first, long n, float *out) {
             abort(); /* a few KB: a process that cannot get them is out of memory anyway */
     }
     for (long r = first; r < first + n; r++) {
-        long from = j->window && positions[r] - j->window + 1 > 0 ? positions[r] - j->window + 1 : 0;
+        long from = first_attended(j->window, positions[r]);
         j->attention(q + r * q_dim, 1, j->q_heads, j->kv_heads, j->d, j->keys, j->values, j->block_stride, j->head_stride, j->pos_stride,
                      tables + r * j->table_stride, j->table_stride, j->block_size, from, positions[r] + 1 - from, 0, j->scale, out + r * q_dim, scores
 #ifdef KV_SCALED
@@ -525,8 +530,7 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
 #endif
         if (!(share_attention && split_attention(m, cache, L, keys, values, key_scales, value_scales, rows, tables, table_stride, positions, q, attended)))
         for (long r = 0; r < rows; r++) {
-            /* Positions up to the row's own; in a sliding layer those > position - window (transformers' sliding mask). */
-            long first = L->window && positions[r] - L->window + 1 > 0 ? positions[r] - L->window + 1 : 0;
+            long first = first_attended(L->window, positions[r]);
             m->attention(q + r * q_dim, 1, m->q_heads, m->kv_heads, d, keys, values, cache->block_stride, cache->head_stride, cache->pos_stride,
                          tables + r * table_stride, table_stride, cache->block_size, first, positions[r] + 1 - first, 0, m->scale,
                          attended + r * q_dim, scores
