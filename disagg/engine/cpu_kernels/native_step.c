@@ -403,21 +403,47 @@ long native_step_workspace(const struct model *m, long rows, long kv_len) {
  * layer (window > 0) those > position - window (transformers' sliding mask). */
 static inline long first_attended(long window, long position) { return window && position - window + 1 > 0 ? position - window + 1 : 0; }
 
+/* What a layer's row-by-row attention reads besides each row's query, table and position (the same for
+ * every row); as a shared job's blob, followed by the rows' queries, tables and positions. */
 struct attend_job {
     attention_fn attention;
     const kv_t *keys, *values;
     const float *key_scales, *value_scales; /* an 8-bit cache's (the layer's); unread otherwise */
     long block_stride, head_stride, pos_stride, block_size, scale_block_stride;
-    long q_heads, kv_heads, d, table_stride, window, rows;
+    long q_heads, kv_heads, d, table_stride, window;
     float scale;
-    long tables_at, positions_at; /* byte offsets in the blob; the queries follow this header */
+    long tables_at, positions_at; /* a blob's: byte offsets of its tables and positions; its queries follow this header */
 };
 
+static struct attend_job layer_attention(const struct model *m, const struct kv_cache *cache, const struct layer *L, const kv_t *keys,
+                                         const kv_t *values, const float *key_scales, const float *value_scales, long table_stride) {
+    return (struct attend_job){
+        m->attention, keys, values, key_scales, value_scales, cache->block_stride, cache->head_stride, cache->pos_stride, cache->block_size,
+        cache->scale_block_stride, m->q_heads, m->kv_heads, m->head_dim, table_stride, L->window, m->scale, 0, 0,
+    };
+}
+
+/* Rows [first, first + n): each row's attention (q [rows, q_dim] rotated) over its positions, into out (row r at
+ * out + r * q_dim); scores: group * (the rows' longest span) floats. */
+static void attend_rows(const struct attend_job *j, const float *q, const long *tables, const long *positions, long first, long n, float *out,
+                        float *scores) {
+    long q_dim = j->q_heads * j->d;
+    for (long r = first; r < first + n; r++) {
+        long from = first_attended(j->window, positions[r]);
+        j->attention(q + r * q_dim, 1, j->q_heads, j->kv_heads, j->d, j->keys, j->values, j->block_stride, j->head_stride, j->pos_stride,
+                     tables + r * j->table_stride, j->table_stride, j->block_size, from, positions[r] + 1 - from, 0, j->scale, out + r * q_dim, scores
+#ifdef KV_SCALED
+                     , j->key_scales, j->value_scales, j->scale_block_stride
+#endif
+        );
+    }
+}
+
+/* A shared job's rows, on whichever thread claims them (the caller's or the helper's scratch for the scores). */
 static void attend_rows_job(const void *blob, long first, long n, float *out) {
     const struct attend_job *j = blob;
-    const float *q = (const float *)(j + 1);
     const long *tables = (const long *)((const char *)blob + j->tables_at), *positions = (const long *)((const char *)blob + j->positions_at);
-    long q_dim = j->q_heads * j->d, need = 0;
+    long need = 0;
     for (long r = first; r < first + n; r++)
         need = positions[r] + 1 > need ? positions[r] + 1 : need;
     need *= j->q_heads / j->kv_heads;
@@ -430,24 +456,17 @@ static void attend_rows_job(const void *blob, long first, long n, float *out) {
         if (!scores)
             abort(); /* a few KB: a process that cannot get them is out of memory anyway */
     }
-    for (long r = first; r < first + n; r++) {
-        long from = first_attended(j->window, positions[r]);
-        j->attention(q + r * q_dim, 1, j->q_heads, j->kv_heads, j->d, j->keys, j->values, j->block_stride, j->head_stride, j->pos_stride,
-                     tables + r * j->table_stride, j->table_stride, j->block_size, from, positions[r] + 1 - from, 0, j->scale, out + r * q_dim, scores
-#ifdef KV_SCALED
-                     , j->key_scales, j->value_scales, j->scale_block_stride
-#endif
-        );
-    }
+    attend_rows(j, (const float *)(j + 1), tables, positions, first, n, out, scores);
 }
 
-/* The rows' attention (q [rows, q_dim] rotated) into attended, through the helper: 0 where the blob cannot be had. */
-static int split_attention(const struct model *m, const struct kv_cache *cache, const struct layer *L, const kv_t *keys, const kv_t *values,
-                           const float *key_scales, const float *value_scales, long rows, const long *tables, long table_stride,
-                           const long *positions, const float *q, float *attended) {
+/* The rows' attention into attended through the helper (job: the layer's, as layer_attention gives it): 0 where
+ * the blob cannot be had. */
+static int split_attention(const struct model *m, struct attend_job job, long rows, const float *q, const long *tables, const long *positions,
+                           float *attended) {
     long q_dim = m->q_heads * m->head_dim, queries = rows * q_dim * (long)sizeof(float);
-    long tables_at = (long)sizeof(struct attend_job) + (queries + 7) / 8 * 8, positions_at = tables_at + rows * table_stride * (long)sizeof(long);
-    long bytes = positions_at + rows * (long)sizeof(long);
+    job.tables_at = (long)sizeof(struct attend_job) + (queries + 7) / 8 * 8;
+    job.positions_at = job.tables_at + rows * job.table_stride * (long)sizeof(long);
+    long bytes = job.positions_at + rows * (long)sizeof(long);
     static __thread char *blob;
     static __thread long capacity;
     if (bytes > capacity) {
@@ -457,13 +476,10 @@ static int split_attention(const struct model *m, const struct kv_cache *cache, 
         if (!blob)
             return 0;
     }
-    *(struct attend_job *)blob = (struct attend_job){
-        m->attention, keys, values, key_scales, value_scales, cache->block_stride, cache->head_stride, cache->pos_stride, cache->block_size,
-        cache->scale_block_stride, m->q_heads, m->kv_heads, m->head_dim, table_stride, L->window, rows, m->scale, tables_at, positions_at,
-    };
-    memcpy(blob + sizeof(struct attend_job), q, (size_t)queries);
-    memcpy(blob + tables_at, tables, (size_t)(rows * table_stride) * sizeof(long));
-    memcpy(blob + positions_at, positions, (size_t)rows * sizeof(long));
+    memcpy(blob, &job, sizeof job);
+    memcpy(blob + sizeof job, q, (size_t)queries);
+    memcpy(blob + job.tables_at, tables, (size_t)(rows * job.table_stride) * sizeof(long));
+    memcpy(blob + job.positions_at, positions, (size_t)rows * sizeof(long));
     m->split_rows(attend_rows_job, blob, bytes, rows, q_dim, attended);
     ((struct model *)m)->split_attention_calls++;
     return 1;
@@ -528,16 +544,10 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
             blocked_attention(m, cache, keys, values, rows, tables[0], positions, q, &blocked, attended);
         else
 #endif
-        if (!(share_attention && split_attention(m, cache, L, keys, values, key_scales, value_scales, rows, tables, table_stride, positions, q, attended)))
-        for (long r = 0; r < rows; r++) {
-            long first = first_attended(L->window, positions[r]);
-            m->attention(q + r * q_dim, 1, m->q_heads, m->kv_heads, d, keys, values, cache->block_stride, cache->head_stride, cache->pos_stride,
-                         tables + r * table_stride, table_stride, cache->block_size, first, positions[r] + 1 - first, 0, m->scale,
-                         attended + r * q_dim, scores
-#ifdef KV_SCALED
-                         , key_scales, value_scales, cache->scale_block_stride
-#endif
-            );
+        {
+            struct attend_job job = layer_attention(m, cache, L, keys, values, key_scales, value_scales, table_stride);
+            if (!(share_attention && split_attention(m, job, rows, q, tables, positions, attended)))
+                attend_rows(&job, q, tables, positions, 0, rows, attended, scores);
         }
         product(m, may_share, attended, rows, q_dim, &L->o, mixed);
         add_into(x, mixed, rows * hidden);

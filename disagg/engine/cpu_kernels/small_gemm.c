@@ -836,6 +836,14 @@ static void copy_unit(row_fn rows, const float *from, float *y, long M, long N, 
         memcpy(y + m * N + first, from + m * N + first, (size_t)ncols * sizeof(float));
 }
 
+/* The whole job on the calling thread: the product, or every row. */
+static void job_alone(row_fn rows, const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y) {
+    if (rows)
+        rows(x, 0, M, y);
+    else
+        small_gemm(x, M, K, panels, N, bias, y);
+}
+
 /* A split job (a product, or with `rows` a job of M rows whose blob is `blob_bytes` at x) shared with the
  * helper as small_gemm_split describes; returns 1 if the helper was offered a share, 0 if the caller
  * computed it alone. */
@@ -847,10 +855,7 @@ static int split_job(const float *x, long M, long K, const weight_t *panels, lon
      * would take the core from the process beside this one whenever it has work (measured). */
     int shares = (M == 1 && !rows) || atomic_load_explicit(&helper_priority, memory_order_relaxed) >= 0;
     if (!shares || count < 2 || count > MAX_PANELS || pthread_mutex_trylock(&caller_lock) != 0) {
-        if (rows)
-            rows(x, 0, M, y);
-        else
-            small_gemm(x, M, K, panels, N, bias, y);
+        job_alone(rows, x, M, K, panels, N, bias, y);
         return 0;
     }
     if (helper_state == 0) {
@@ -875,10 +880,7 @@ static int split_job(const float *x, long M, long K, const weight_t *panels, lon
     if (!buffers || x_slot < 0 || !grow((void **)&x_slots[x_slot], &x_capacities[x_slot], x_need, sizeof(input_t)) ||
         !grow((void **)&panel_states, &states_capacity, count, sizeof(unsigned))) {
         pthread_mutex_unlock(&caller_lock);
-        if (rows)
-            rows(x, 0, M, y);
-        else
-            small_gemm(x, M, K, panels, N, bias, y);
+        job_alone(rows, x, M, K, panels, N, bias, y);
         return 0;
     }
     give_helper_my_cpus();
