@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
 from disagg.engine.cpu_kernels import small_gemm  # noqa: E402
+from disagg.engine.dtype_choice import cpu_flags  # noqa: E402
 from disagg.tools.tinymodel import BENCH_SHAPES  # noqa: E402
 
 WEIGHT_BUILDS = {"int8": "int8-dot", "bf16": "bf16-dot", "float32": "float32-avx512"}
@@ -49,7 +50,7 @@ def parse_args() -> argparse.Namespace:
 
 def build(source: str, name: str) -> small_gemm.SmallGemm:
     _, flags, needs = small_gemm.BUILDS[name]
-    missing = [feature for feature in needs if feature not in small_gemm.cpu_flags()]
+    missing = [feature for feature in needs if feature not in cpu_flags()]
     library = None if missing else small_gemm.load_library(pathlib.Path(source), small_gemm.FLAGS + flags, (), f"{name} from {source}")
     if library is None:
         sys.exit(f"{name} from {source} does not build or run here" + (f" (the CPU lacks {', '.join(missing)})" if missing else ""))
