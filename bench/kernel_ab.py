@@ -33,14 +33,14 @@ from disagg.engine.cpu_kernels import small_gemm  # noqa: E402
 from disagg.engine.dtype_choice import cpu_flags  # noqa: E402
 from disagg.tools.tinymodel import BENCH_SHAPES  # noqa: E402
 
-WEIGHT_BUILDS = {"int8": "int8-dot", "bf16": "bf16-dot", "float32": "float32-avx512"}
+WEIGHT_BUILDS = {"int8": "int8-dot", "int8-vnni": "int8-vnni-bf16", "bf16": "bf16-dot", "float32": "float32-avx512"}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sources", default=str(small_gemm.SOURCE), help="comma-separated copies of small_gemm.c")
     parser.add_argument("--shape", default="smollm-135m", choices=sorted(BENCH_SHAPES))
-    parser.add_argument("--weights", default="int8", choices=sorted(WEIGHT_BUILDS), help="the layers' weights")
+    parser.add_argument("--weights", default="int8", help=f"the layers' weights, comma-separated builds to interleave ({', '.join(WEIGHT_BUILDS)})")
     parser.add_argument("--head", default="", choices=["", "int8"], help="the LM head: int8, or (default) bf16 (float32 with --weights float32)")
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--rounds", type=int, default=4, help="turns of every source and mode")
@@ -81,16 +81,22 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator), torch.rand(shape[0], generator=generator) / 64 + 1e-3)
                for shape in [*layers, head]]
-    head_build = "int8-dot" if args.head == "int8" else "float32-avx512" if args.weights == "float32" else "bf16-dot"
+    kinds = args.weights.split(",")
+    if unknown := [kind for kind in kinds if kind not in WEIGHT_BUILDS]:
+        sys.exit(f"--weights: {', '.join(unknown)} not among {', '.join(WEIGHT_BUILDS)}")
     passes = {}
     for source in sources:
-        body, last = build(source, WEIGHT_BUILDS[args.weights]), build(source, head_build)
-        passes[source] = [(body, packed(body, *w), *w[0].shape) for w in weights[:-1]] + [(last, packed(last, *weights[-1]), *head)]
-    weight_bytes = sum(panels.numel() * panels.element_size() for _, panels, _, _ in passes[sources[0]])
-    print(f"{args.shape}, {args.weights} layers, {head_build} LM head: {weight_bytes / 1e6:.0f} MB a pass")
+        for kind in kinds:
+            head_build = "int8-dot" if args.head == "int8" else "float32-avx512" if kind == "float32" else "bf16-dot"
+            body, last = build(source, WEIGHT_BUILDS[kind]), build(source, head_build)
+            label = source if len(kinds) == 1 else f"{source} [{WEIGHT_BUILDS[kind]}]"
+            passes[label] = [(body, packed(body, *w), *w[0].shape) for w in weights[:-1]] + [(last, packed(last, *weights[-1]), *head)]
+    first = next(iter(passes.values()))
+    weight_bytes = sum(panels.numel() * panels.element_size() for _, panels, _, _ in first)
+    print(f"{args.shape}, {args.weights} layers, LM head {first[-1][0].name}: {weight_bytes / 1e6:.0f} MB a pass")
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {k: torch.randn(rows, k, generator=generator) for _, _, _, k in passes[sources[0]]}
-        outputs = {n: torch.empty(rows, n) for _, _, n, _ in passes[sources[0]]}
+        inputs = {k: torch.randn(rows, k, generator=generator) for _, _, _, k in first}
+        outputs = {n: torch.empty(rows, n) for _, _, n, _ in first}
 
         def one_pass(products, split: bool) -> float:
             started = time.perf_counter()
@@ -99,7 +105,7 @@ def main() -> None:
                 call(inputs[k].data_ptr(), rows, k, panels.data_ptr(), n, None, outputs[n].data_ptr())
             return time.perf_counter() - started
 
-        times = {(source, split): [] for source in sources for split in (True, False)}
+        times = {(source, split): [] for source in passes for split in (True, False)}
         for _ in range(args.rounds):
             for (source, split), samples in times.items():
                 one_pass(passes[source], split)  # warm

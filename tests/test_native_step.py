@@ -341,7 +341,7 @@ def no_kernels(monkeypatch):
     """A CPU the kernels do not serve (an ARM Graviton, an x86 without AVX2), as PyTorch reports it."""
     from disagg.engine.cpu_kernels import slot_attention
 
-    caches = (small_gemm._kernel, small_gemm.build_kernel, slot_attention._kernel, native_step._library)
+    caches = (small_gemm._kernel, small_gemm._int8_kernel, small_gemm.build_kernel, slot_attention._kernel, native_step._library)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     for cache in caches:
         cache.cache_clear()

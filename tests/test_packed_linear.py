@@ -177,7 +177,7 @@ def test_a_float32_build_is_chosen_by_a_measured_product_unless_the_cpu_runs_onl
             assert f"float32 products: the {chosen.name} kernel, faster here (float32-avx512 " in caplog.text and ", float32 " in caplog.text
         # Without AVX-512F/VL: the AVX2 build, no measurement.
         monkeypatch.setattr(small_gemm, "cpu_flags", lambda: {"avx2", "fma"})
-        small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
+        small_gemm._kernel.cache_clear(), small_gemm._int8_kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
         caplog.clear()
         with caplog.at_level("INFO", logger=small_gemm.__name__):
             assert small_gemm.kernel(torch.float32).name == "float32"
@@ -188,7 +188,7 @@ def test_a_float32_build_is_chosen_by_a_measured_product_unless_the_cpu_runs_onl
             small_gemm.kernel(torch.float32)
     finally:
         monkeypatch.undo()
-        small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
+        small_gemm._kernel.cache_clear(), small_gemm._int8_kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
 
 
 @needs_kernel
@@ -526,7 +526,7 @@ def test_a_prefill_s_rows_go_through_the_kernel_in_shared_blocks_of_64(one_threa
 def test_without_a_c_compiler_the_linears_keep_onednn_s_layout_alone(one_thread, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("DISAGG_CACHE", str(tmp_path))
-    small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
+    small_gemm._kernel.cache_clear(), small_gemm._int8_kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
     try:
         assert small_gemm.kernel() is None
         linear = torch.nn.Linear(96, 160)
@@ -536,7 +536,7 @@ def test_without_a_c_compiler_the_linears_keep_onednn_s_layout_alone(one_thread,
             x = torch.randn(rows, 96)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     finally:
-        small_gemm._kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
+        small_gemm._kernel.cache_clear(), small_gemm._int8_kernel.cache_clear(), small_gemm.build_kernel.cache_clear()
 
 
 @needs_kernel

@@ -60,8 +60,12 @@ def test_fp8_values_are_the_casts_of_the_scaled_rows():
 
 
 # Each 8-bit build this host runs (a test forces each): weights widened to float32 (AVX2, and AVX-512VL's
-# blocks of 4 rows), and int8 or fp8 widened to bf16 for VDPBF16PS (bf16 rows: a bf16 model's).
-BUILDS = [name for name in ("int8", "int8-avx512", "fp8", "fp8-avx512", "int8-dot", "fp8-dot") if small_gemm.build_kernel(name) is not None]
+# blocks of 4 rows), int8 or fp8 widened to bf16 for VDPBF16PS (bf16 rows: a bf16 model's), and int8 through
+# VPDPBUSD over the rows as exact integers (float32 rows, and bf16 rows).
+BUILDS = [
+    name for name in ("int8", "int8-avx512", "fp8", "fp8-avx512", "int8-dot", "fp8-dot", "int8-vnni", "int8-vnni-bf16")
+    if small_gemm.build_kernel(name) is not None
+]
 
 
 @needs_kernel
@@ -79,7 +83,7 @@ def test_the_kernel_multiplies_the_dequantized_weight(build):
         bias = torch.randn(out_features, generator=generator)
         for rows in (1, 2, 3, 4, 5, 64, 65):
             x = torch.randn(rows, in_features, generator=generator)
-            x = x.bfloat16().float() if kernel.pairs else x  # the dot build's rows are a bf16 model's
+            x = x.bfloat16().float() if kernel.bf16_rows else x  # the dot builds' rows are a bf16 model's
             expected = x.double() @ q.dequantized().double().T + bias.double()
             got = kernel.product(x, panels, out_features, bias).double()
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), (out_features, in_features, rows)
@@ -133,13 +137,88 @@ def test_a_packed_8_bit_linear_is_the_dequantized_linear_for_a_decode_step_and_a
         assert (got - expected).abs().max() <= tolerance * expected.abs().max(), (rows, dtype, method)
 
 
+VNNI_BUILDS = [name for name in ("int8-vnni", "int8-vnni-bf16") if name in BUILDS]
+
+
+@pytest.mark.skipif(not VNNI_BUILDS, reason="no AVX512_VNNI CPU: the int8-vnni builds do not run here")
+@pytest.mark.parametrize("build", VNNI_BUILDS)
+def test_the_vnni_builds_sums_are_exact_integers(build):
+    """int8-vnni takes each row as an integer times a power of two: integer rows (bf16-exact, within 14 binades of
+    the row's largest) times int8 weights with unit scales give the integer products exactly, however the values
+    span (a row's largest value sets its power; values 2^-8 of it and negative ones keep every bit); a row of
+    zeros gives zeros, a row holding an infinity or a NaN gives NaN as float32 products would."""
+    kernel = small_gemm.build_kernel(build)
+    generator = torch.Generator().manual_seed(6)
+    out_features, in_features = 50, 600  # a partial panel; three chunks of K, the last partial
+    values = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    panels = kernel.pack_quantized(values, torch.ones(out_features))
+    big = torch.randint(-255, 256, (3, in_features), generator=generator) * 2.0**12  # 8 bits at 2^12..2^20
+    small = torch.randint(-255, 256, (3, in_features), generator=generator) * 2.0**4  # 8 bits at 2^4..2^12
+    rows = torch.cat([big, small, torch.where(torch.arange(in_features) % 2 == 0, big[:1], small[:1])])
+    expected = rows.double() @ values.double().T  # every sum below 2^53: exact in double
+    got = kernel.product(rows, panels, out_features, None).double()
+    assert (got - expected).abs().max() <= 2**-22 * expected.abs().max()  # float32's rounding of the joined planes alone
+    zero = kernel.product(torch.zeros(1, in_features), panels, out_features, None)
+    assert torch.equal(zero, torch.zeros(1, out_features))
+    for bad in (float("inf"), float("nan")):
+        row = torch.ones(1, in_features)
+        row[0, 7] = bad
+        assert kernel.product(row, panels, out_features, None).isnan().all()
+
+
+@pytest.fixture(params=["vnni", "dot", "widen"])
+def int8_kernel(request, monkeypatch):
+    """Each int8 product kernel this CPU runs, named as DISAGG_INT8_KERNEL names it."""
+    monkeypatch.setenv("DISAGG_INT8_KERNEL", request.param)
+    small_gemm._int8_kernel.cache_clear()
+    yield request.param
+    small_gemm._int8_kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_int8_kernel_serves_a_native_step_of_the_dequantized_model(int8_kernel, dtype):
+    """The int8 kernel DISAGG_INT8_KERNEL names (where it runs here, for a model of this dtype) serves the
+    native decode step: its logits are those of the same step over the dequantized weights in the model's
+    dtype (float32 arithmetic over bf16-rounded rows for bf16, as int8-dot's), within rounding."""
+    from test_native_step import random_cache, step_inputs
+
+    from disagg.engine.backends import load_backend
+
+    builds = {"vnni": "int8-vnni-bf16" if dtype == torch.bfloat16 else "int8-vnni", "dot": "int8-dot", "widen": "int8-avx512"}
+    if small_gemm.build_kernel(builds[int8_kernel]) is None or (int8_kernel == "dot" and dtype == torch.float32):
+        pytest.skip(f"{builds[int8_kernel]} does not serve {dtype} rows here")
+    from transformers import AutoModelForCausalLM
+
+    from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+    quantized = load_backend("torch", model=tiny_model("llama"), dtype=str(dtype).removeprefix("torch."), quantization="int8")
+    chosen = small_gemm.quantized_kernel(torch.int8, dtype)
+    assert chosen is not None and chosen.name.startswith(builds[int8_kernel].removesuffix("-avx512"))
+    assert any(getattr(m, "panels", None) is not None and m.panels.dtype == chosen.weight_dtype for m in quantized.model.modules())
+    # The reference: transformers' modules in float32 over the dequantized values in the model's dtype.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=dtype).eval()
+    assert quantize_model(model, QuantizationSettings("int8"))
+    reference = TorchBackend(TorchBackendConfig(model=tiny_model("llama"), dtype="float32", native_step=False), model=model.float())
+    quantized.allocate_slots(6), reference.allocate_slots(6)
+    assert quantized.native is not None
+    random_cache(quantized)
+    for ours, theirs in zip((*quantized.cache.keys, *quantized.cache.values), (*reference.cache.keys, *reference.cache.values)):
+        theirs.copy_(ours)
+    inputs = step_inputs([0, 3, 4, 5], [30, 3, 0, 17], [5, 6, 7, 8])
+    with torch.inference_mode():
+        want = reference._eager_logits(inputs, read_in_place=False)
+        got = quantized.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+    assert (got - want).abs().max() <= (1e-4 if dtype == torch.float32 else 8e-3) * want.abs().max()
+
+
 @needs_kernel
 def test_8_bit_panels_take_at_most_0_55x_of_bf16s_bytes():
     linear = torch.nn.Linear(576, 1536, bias=False)
     for method in ("int8", "fp8"):
         q = quantize(linear.weight, method)
         packed = PackedLinear(linear, quantized=q)
-        assert packed.panels.dtype == VALUE_DTYPES[method]
+        assert packed.panels.dtype == small_gemm.quantized_kernel(VALUE_DTYPES[method], torch.float32).weight_dtype  # this host's build's tag
         assert packed.panels.numel() * packed.panels.element_size() <= 0.55 * linear.weight.numel() * 2
 
 

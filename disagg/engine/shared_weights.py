@@ -70,6 +70,9 @@ def key_for(model: str, dtype: torch.dtype, quantization: str = "") -> str | Non
         "checkpoint": content, "dtype": str(dtype), "layout": [kernel.layout, small_gemm.PANEL], "format": FORMAT, "quantization": quantization,
         "disagg": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
     }
+    if quantization:  # the 8-bit panels' layouts: the build each host chose (int8's is measured at start-up)
+        chosen = (small_gemm.quantized_kernel(values, dtype) for values in (torch.int8, torch.float8_e4m3fn))
+        facts["quantized_layouts"] = [k.layout if k is not None else None for k in chosen]
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 

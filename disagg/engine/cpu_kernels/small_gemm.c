@@ -80,6 +80,9 @@ static inline __m256 load_weights(const weight_t *w) {
     __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x80)), 24));
     return _mm256_or_ps(_mm256_blendv_ps(normal, subnormal, is_subnormal), sign);
 }
+#elif defined(WEIGHT_VNNI)
+/* int8 weights for VPDPBUSD (-DWEIGHT_VNNI): each stored as q + 128, an unsigned byte (see vnni_block). */
+typedef unsigned char weight_t;
 #else
 typedef float weight_t;
 static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w); }
@@ -88,7 +91,7 @@ static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w);
 /* An 8-bit build's panel ends with its 24 columns' float32 scales: 96 bytes, 4 more rows of
  * the panel's 24 one-byte weights, so a panel is [K + 4][24] and carries its own scales
  * (groups of linears laid end to end keep each member's). */
-#if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
+#if defined(WEIGHT_INT8) || defined(WEIGHT_FP8) || defined(WEIGHT_VNNI)
 #define SCALE_ROWS 4
 #define SCALED(a, j) _mm256_mul_ps(a, _mm256_loadu_ps(scales + 8 * (j)))
 #else
@@ -104,9 +107,85 @@ static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w);
  * A panel is quads of k, each 192 bytes: columns 0-15 of pair k, k + 1 (64 bytes),
  * of pair k + 2, k + 3 (64), then columns 16-23 with each column's two pairs side by
  * side (64), so no load crosses a cache line. Otherwise the float32 rows themselves. */
-#ifdef DOT_BF16
+#ifdef WEIGHT_VNNI
+/* The VNNI build's rows (-DWEIGHT_VNNI): VPDPBUSD multiplies unsigned bytes by signed bytes, four pairs
+ * a 32-bit lane, 64 products an instruction with nothing to widen. Why: on a Zen 4 EPYC (AVX-512 in
+ * 256-bit halves) widening int8 weights to bf16 for VDPBF16PS held one core to 17-21 GB of weights a
+ * second even from L2, below what the core reads from memory, so a one-row int8 step was bound by
+ * its arithmetic. Each row becomes an integer exactly: its values (rounded to bf16 first with
+ * -DROWS_BF16, as a bf16 model's own products take them) times 2^-s, s = the row's largest exponent
+ * less 22, rounded to nearest even (exact for every value within 14 binades of the row's largest;
+ * below that, off by at most 2^(s-1): float32's rounding of the largest value), then written as
+ * three signed digits of base 256 (d0 + 256 d1 + 65536 d2, each -128..127), a plane of K bytes each.
+ * The weights are stored as q + 128 (unsigned), so a plane's sum over a chunk is sum(d u) - 128 sum(d):
+ * the second term, the row's own, is kept per chunk beside the planes. Every sum of a chunk is an
+ * exact int32 (|d u| <= 128 * 255, 256 k a chunk: below 2^24, so exact in float32 too); the three
+ * are joined in float32 and times 2^s. A row's prepared form: planes 0, 1, 2 (INPUT_K bytes each),
+ * the float 2^s, then per chunk the three planes' 128 sum(d) (int32). */
+typedef signed char input_t;
+#define INPUT_K(K) (((K) + 3) & ~3L)
+#define INPUT_CHUNKS(K) ((INPUT_K(K) + KC - 1) / KC)
+#define INPUT_STRIDE(K) (3 * INPUT_K(K) + 4 + 12 * INPUT_CHUNKS(K))
+static void prepare_input(const float *x, long M, long K, input_t *out) {
+    long kp = INPUT_K(K), stride = INPUT_STRIDE(K);
+    for (long m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        input_t *o = out + m * stride;
+        /* the largest magnitude, from the bits (a NaN's are above every finite value's and infinity's) */
+        __m512i top_bits = _mm512_setzero_si512();
+        for (long k = 0; k < K; k += 16) {
+            __mmask16 in = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+            __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(in, row + k));
+#ifdef ROWS_BF16
+            bits = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
+                                    _mm512_set1_epi32((int)0xffff0000u));
+#endif
+            top_bits = _mm512_max_epu32(top_bits, _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)));
+        }
+        unsigned top = (unsigned)_mm512_reduce_max_epu32(top_bits);
+        /* largest < 2^(e - 126), e its biased exponent: |value| / 2^shift < 2^22, three digits hold it (a row
+         * below 2^-104 keeps shift -126, a normal float's least: fewer of its bits, none of them lost above 2^-127) */
+        int shift = (int)(top >> 23) - 148 > -126 ? (int)(top >> 23) - 148 : -126;
+        union { unsigned u; float f; } power = {(unsigned)(shift + 127) << 23};
+        float nan = __builtin_nanf("");
+        float scale = top >= 0x7f800000u ? nan /* an infinity or NaN: the row's products are NaN */ : top == 0 ? 0.0f : power.f;
+        int *corrections = (int *)(o + 3 * kp + 4);
+        memcpy(o + 3 * kp, &scale, sizeof scale);
+        __m512 minus_shift = _mm512_set1_ps((float)-shift);
+        __m512i sums[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (long k = 0; k < kp; k += 16) {
+            __mmask16 in = K - k >= 16 ? 0xFFFF : K > k ? (__mmask16)((1u << (K - k)) - 1) : 0;
+            __mmask16 kept = kp - k >= 16 ? 0xFFFF : (__mmask16)((1u << (kp - k)) - 1);
+            __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(in, row + k));
+#ifdef ROWS_BF16
+            bits = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
+                                    _mm512_set1_epi32((int)0xffff0000u));
+#endif
+            /* a finite row: value * 2^-shift (exact, VSCALEFPS) rounded to the nearest integer, ties to even */
+            __m512i whole = top < 0x7f800000u ? _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_castsi512_ps(bits), minus_shift)) : _mm512_setzero_si512();
+            __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(whole, _mm512_set1_epi32(128)), _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
+            __m512i rest = _mm512_srai_epi32(_mm512_sub_epi32(whole, d0), 8);
+            __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(rest, _mm512_set1_epi32(128)), _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
+            __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(rest, d1), 8);
+            _mm512_mask_cvtepi32_storeu_epi8(o + k, kept, d0);
+            _mm512_mask_cvtepi32_storeu_epi8(o + kp + k, kept, d1);
+            _mm512_mask_cvtepi32_storeu_epi8(o + 2 * kp + k, kept, d2);
+            sums[0] = _mm512_add_epi32(sums[0], d0), sums[1] = _mm512_add_epi32(sums[1], d1), sums[2] = _mm512_add_epi32(sums[2], d2);
+            if ((k + 16) % KC == 0 || k + 16 >= kp) { /* a chunk's end (KC is a multiple of 16) */
+                int *chunk = corrections + 3 * (k / KC);
+                for (int p = 0; p < 3; p++) {
+                    int total = _mm512_reduce_add_epi32(sums[p]);
+                    chunk[p] = 128 * total;
+                    sums[p] = _mm512_setzero_si512();
+                }
+            }
+        }
+    }
+}
+#elif defined(DOT_BF16)
 typedef unsigned short input_t;
 #define INPUT_K(K) (((K) + 3) & ~3L)
+#define INPUT_STRIDE(K) INPUT_K(K)
 static void prepare_input(const float *x, long M, long K, input_t *out) {
     long kp = INPUT_K(K);
     for (long m = 0; m < M; m++) {
@@ -126,6 +205,7 @@ static void prepare_input(const float *x, long M, long K, input_t *out) {
 #else
 typedef float input_t;
 #define INPUT_K(K) (K)
+#define INPUT_STRIDE(K) (K)
 static void prepare_input(const float *x, long M, long K, input_t *out) { memcpy(out, x, (size_t)(M * K) * sizeof(float)); }
 #endif
 
@@ -187,7 +267,56 @@ BLOCK(2, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1), ACCUMULATE(0) ACCUMULATE(1), ST
 BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
 #endif
 
-#ifdef DOT_BF16
+#if defined(WEIGHT_VNNI)
+/* Up to VNNI_ROWS rows over a chunk of quads of k, each quad 96 bytes: columns 0-23's four k (a 32-bit
+ * lane a column: 0-15 in one zmm, 16-23 in one ymm). Each row keeps a sum per digit plane and column;
+ * a row's digits of k..k+3 are one 32-bit broadcast. Sums of one chunk, joined at its end (see
+ * prepare_input), so every row's result is the same whatever the block's rows. */
+#define VNNI_ROWS 4
+#define LOW_HALF(v) _mm512_castps512_ps256(v)
+#define HIGH_HALF(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
+static inline __attribute__((always_inline)) void vnni_block(int rows, const input_t *x, long ldx, long kp, long k0, const weight_t *chunk, long kn,
+                                                             long ahead, float *y, long ldy, const float *bias, int ncols, int first, const float *scales) {
+    __m512i low[VNNI_ROWS][3];
+    __m256i high[VNNI_ROWS][3];
+    for (int r = 0; r < VNNI_ROWS; r++)
+        for (int p = 0; p < 3; p++)
+            low[r][p] = _mm512_setzero_si512(), high[r][p] = _mm256_setzero_si256();
+    for (long k = 0; k < kn; k += 4) {
+        const weight_t *w = chunk + k * NR;
+        _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
+        __m512i w0 = _mm512_loadu_si512((const void *)w);
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64));
+        for (int r = 0; r < rows; r++) {
+            const input_t *digits = x + r * ldx + k0 + k;
+            for (int p = 0; p < 3; p++) {
+                int four;
+                memcpy(&four, digits + p * kp, sizeof four);
+                low[r][p] = _mm512_dpbusd_epi32(low[r][p], w0, _mm512_set1_epi32(four));
+                high[r][p] = _mm256_dpbusd_epi32(high[r][p], w1, _mm256_set1_epi32(four));
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const input_t *row = x + r * ldx;
+        const int *correction = (const int *)(row + 3 * kp + 4) + 3 * (k0 / KC);
+        float scale;
+        memcpy(&scale, row + 3 * kp, sizeof scale);
+        __m512i c0 = _mm512_set1_epi32(correction[0]), c1 = _mm512_set1_epi32(correction[1]), c2 = _mm512_set1_epi32(correction[2]);
+        __m512 head = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(low[r][2], c2)), _mm512_set1_ps(65536.0f),
+                                      _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(low[r][1], c1)), _mm512_set1_ps(256.0f),
+                                                      _mm512_cvtepi32_ps(_mm512_sub_epi32(low[r][0], c0))));
+        __m256 tail = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(high[r][2], _mm512_castsi512_si256(c2))), _mm256_set1_ps(65536.0f),
+                                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(high[r][1], _mm512_castsi512_si256(c1))), _mm256_set1_ps(256.0f),
+                                                      _mm256_cvtepi32_ps(_mm256_sub_epi32(high[r][0], _mm512_castsi512_si256(c0)))));
+        head = _mm512_mul_ps(head, _mm512_set1_ps(scale)), tail = _mm256_mul_ps(tail, _mm256_set1_ps(scale));
+        store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail, 2), y + r * ldy, bias, ncols, first);
+    }
+}
+#define BLOCK_CALL(rows) vnni_block(rows, xm - k0, ldx, kp, k0, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
+#define BLOCK_ROWS VNNI_ROWS
+#elif defined(DOT_BF16)
 /* The dot build's weights as bf16 pairs: bf16 loaded as they are; int8 (-DWEIGHT_INT8 as well) widened
  * to bf16 exactly (every integer of -128..127 is a bf16), so each product is an int8 weight times the
  * row's bf16 value, exact, summed in float32 (the scale applied to the sums, SCALED). */
@@ -411,7 +540,7 @@ static long split_unit(long M, long K, long N) {
 
 /* Panels [first, last) of the product (see small_gemm); x prepared (prepare_input). */
 static void panel_range(const input_t *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, long first, long last) {
-    long ldx = INPUT_K(K), kp = INPUT_K(K);
+    long ldx = INPUT_STRIDE(K), kp = INPUT_K(K);
 #ifdef WIDE_F32
     int pairs = M >= PAIR_ROWS;
     for (long p = first; p < last; p += 1 + pairs) {
@@ -494,10 +623,10 @@ static void job_unit(row_fn rows, const input_t *x, long M, long K, const weight
 
 /* This thread's prepared rows (the dot build's bf16 copy; otherwise x itself). */
 static const input_t *prepared(const float *x, long M, long K) {
-#ifdef DOT_BF16
+#if defined(DOT_BF16) || defined(WEIGHT_VNNI)
     static __thread input_t *rows;
     static __thread long capacity;
-    long need = M * INPUT_K(K);
+    long need = M * INPUT_STRIDE(K);
     if (need > capacity) {
         free(rows);
         rows = malloc((size_t)need * sizeof(input_t));
@@ -850,7 +979,7 @@ static void job_alone(row_fn rows, const float *x, long M, long K, const weight_
 static int split_job(const float *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, row_fn rows, long blob_bytes) {
     /* units claimed one at a time: a product's of `unit` panels each, a job's rows one each */
     long unit = rows ? 1 : split_unit(M, K, N), count = rows ? M : ((N + NR - 1) / NR + unit - 1) / unit;
-    long x_need = rows ? (blob_bytes + (long)sizeof(input_t) - 1) / (long)sizeof(input_t) : M * INPUT_K(K);
+    long x_need = rows ? (blob_bytes + (long)sizeof(input_t) - 1) / (long)sizeof(input_t) : M * INPUT_STRIDE(K);
     /* A helper at normal priority (where SCHED_IDLE is refused) shares single rows only: more
      * would take the core from the process beside this one whenever it has work (measured). */
     int shares = (M == 1 && !rows) || atomic_load_explicit(&helper_priority, memory_order_relaxed) >= 0;

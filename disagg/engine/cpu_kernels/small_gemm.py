@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
+VNNI_FLAGS = ("-DWEIGHT_VNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
+VNNI_NEEDS = ("avx512f", "avx512vl", "avx512bw", "avx512_vnni")
 # Each build: its weights' dtype, its flags, the CPU features (/proc/cpuinfo's names) it needs
 # beyond AVX2 and FMA. Each is a library of its own, helper thread included.
 BUILDS = {
@@ -73,8 +75,15 @@ BUILDS = {
     # float8_e4m3fnuz, a dtype no other build reads (the bytes are e4m3fn's: only unpack_quantized reads them).
     "fp8-dot": (torch.float8_e4m3fnuz, ("-DWEIGHT_FP8", "-DDOT_BF16", "-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"),
                 ("avx512f", "avx512vl", "avx512bw", "avx512_bf16")),
+    # int8 weights through VPDPBUSD (AVX512_VNNI): the rows as exact integers in three byte planes, the weights
+    # stored q + 128 in quads of k (small_gemm.c, WEIGHT_VNNI), no widening. `int8-vnni` for float32 rows,
+    # `int8-vnni-bf16` for a bf16 model's (its rows rounded to bf16 first, as int8-dot's). Their panels are tagged
+    # float8_e5m2 / float8_e5m2fnuz, dtypes no other build reads (the bytes are q + 128: unpack_quantized reads them).
+    "int8-vnni": (torch.float8_e5m2, VNNI_FLAGS, VNNI_NEEDS),
+    "int8-vnni-bf16": (torch.float8_e5m2fnuz, (*VNNI_FLAGS, "-DROWS_BF16"), VNNI_NEEDS),
 }
-QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+VNNI_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz)
 SCALE_ROWS = 4  # an 8-bit panel's last rows: its 24 columns' float32 scales (96 bytes)
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: every one of
@@ -127,6 +136,8 @@ class SmallGemm:
         self.layout = name.removesuffix("-avx512")  # an -avx512 build reads its AVX2 build's panels
         self.weight_dtype = BUILDS[name][0]
         self.pairs = name.endswith("-dot")  # panels hold pairs of k; the rows are rounded to bf16
+        self.bf16_rows = self.pairs or name.endswith("-bf16")  # its rows are rounded to bf16 (a bf16 model's) before the products
+        self.quads = self.weight_dtype in VNNI_DTYPES  # panels hold each column's four k together, the values stored q + 128
         self.scale_rows = SCALE_ROWS if self.weight_dtype in QUANTIZED_DTYPES else 0  # each panel's scales, after its K rows
         arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
@@ -199,7 +210,7 @@ class SmallGemm:
 
     def packed_k(self, in_features: int) -> int:
         """The panels' K: in_features, or (pairs) rounded up to a multiple of 4."""
-        return -(-in_features // 4) * 4 if self.pairs else in_features
+        return -(-in_features // 4) * 4 if self.pairs or self.quads else in_features
 
     def panel_rows(self, in_features: int) -> int:
         """A panel's rows: packed_k, and an 8-bit build's scales."""
@@ -212,7 +223,8 @@ class SmallGemm:
         if values.element_size() != 1 or not self.scale_rows or (values.dtype == torch.float8_e4m3fn) != self.name.startswith("fp8"):
             raise ValueError(f"small_gemm {self.name}: cannot pack {values.dtype} values")
         out_features, in_features = values.shape
-        body = self.pack(values.view(torch.uint8))  # [panels, K, 24] bytes, in this build's layout
+        raw = (values.view(torch.int8).to(torch.int16) + 128).to(torch.uint8) if self.quads else values.view(torch.uint8)
+        body = self.pack(raw)  # [panels, K, 24] bytes, in this build's layout
         panels = body.shape[0]
         scales = torch.zeros(panels * PANEL, dtype=torch.float32)
         scales[:out_features] = scale
@@ -224,6 +236,8 @@ class SmallGemm:
         count, k = panels.shape[0], self.packed_k(in_features)
         raw = panels.view(torch.uint8)
         values = self.unpack(raw[:, :k].contiguous(), out_features, in_features, values_only=True).contiguous()
+        if self.quads:
+            values = (values.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
         scale = raw[:, k:].contiguous().view(torch.float32).reshape(count * PANEL)[:out_features].clone()
         return values.view(torch.float8_e4m3fn if self.name.startswith("fp8") else torch.int8), scale
 
@@ -237,6 +251,8 @@ class SmallGemm:
         panels, k = -(-out_features // PANEL), self.packed_k(in_features)
         padded = weight.new_zeros(panels * PANEL, k)
         padded[:out_features, :in_features] = weight
+        if self.quads:  # [K / 4] x [24 columns][4 k]
+            return padded.view(panels, PANEL, k // 4, 4).permute(0, 2, 1, 3).reshape(panels, k, PANEL).contiguous()
         if self.pairs:
             quads = padded.view(panels, PANEL, k // 4, 2, 2).permute(0, 2, 3, 1, 4)  # [panel, quad, pair, column, element]
             low = quads[:, :, :, :16].reshape(panels, k // 4, -1)
@@ -251,7 +267,9 @@ class SmallGemm:
             values, scale = self.unpack_quantized(panels, out_features, in_features)
             return values.float() * scale[:, None]
         count, k = panels.shape[0], panels.shape[1]
-        if self.pairs:
+        if self.quads:
+            weight = panels.reshape(count, k // 4, PANEL, 4).permute(0, 2, 1, 3).reshape(count * PANEL, k)
+        elif self.pairs:
             quads = panels.reshape(count, k // 4, 4 * PANEL)  # per quad: 64 elements of columns 0-15, 32 of 16-23 (see pack)
             low, high = quads[..., :64].reshape(count, k // 4, 2, 16, 2), quads[..., 64:].reshape(count, k // 4, 8, 2, 2).transpose(2, 3)
             weight = torch.cat([low, high], dim=3).permute(0, 3, 1, 2, 4).reshape(count * PANEL, k)
@@ -280,13 +298,26 @@ class SmallGemm:
 
 
 def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype) -> SmallGemm | None:
-    """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype: int8 or fp8 for a bf16 model
-    through VDPBF16PS where the CPU has it (its rows are bf16 already: the products stay exact), else
-    the weights widened to float32."""
-    dot = {torch.int8: "int8-dot", torch.float8_e4m3fn: "fp8-dot"}.get(values_dtype)
+    """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype. int8: the faster here of
+    VPDPBUSD over the rows as exact integers (`int8-vnni`, `int8-vnni-bf16`: AVX512_VNNI CPUs) and, for a bf16
+    model, VDPBF16PS (`int8-dot`: AVX512_BF16), else the weights widened to float32, by a short measured
+    product at first use (`DISAGG_INT8_KERNEL=vnni|dot|widen` names one); fp8: VDPBF16PS for a bf16 model where
+    the CPU has it (its rows are bf16 already: the products stay exact), else widened to float32."""
+    if values_dtype == torch.int8:
+        return _int8_kernel(rows_dtype == torch.bfloat16)
+    dot = {torch.float8_e4m3fn: "fp8-dot"}.get(values_dtype)
     if dot and rows_dtype == torch.bfloat16 and build_kernel(dot) is not None:
         return build_kernel(dot)
     return kernel(values_dtype)
+
+
+@functools.cache
+def _int8_kernel(bf16_rows: bool) -> SmallGemm | None:
+    widen = "int8-avx512" if build_kernel("int8-avx512") is not None else "int8"
+    builds = {"vnni": "int8-vnni-bf16" if bf16_rows else "int8-vnni", "dot": "int8-dot", "widen": widen}
+    if not bf16_rows:  # int8-dot rounds its rows to bf16: a float32 model's would lose their bits
+        del builds["dot"]
+    return chosen_build(f"int8 ({'bf16' if bf16_rows else 'float32'} rows)", "DISAGG_INT8_KERNEL", builds)
 
 
 def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
@@ -309,6 +340,8 @@ def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
         return chosen_build(*CHOICES[weight_dtype])
     if weight_dtype in (torch.uint8, torch.float8_e4m3fnuz):
         return build_kernel("int8-dot" if weight_dtype == torch.uint8 else "fp8-dot")
+    if weight_dtype in VNNI_DTYPES:
+        return build_kernel("int8-vnni" if weight_dtype == torch.float8_e5m2 else "int8-vnni-bf16")
     if weight_dtype in QUANTIZED_DTYPES:
         name = "int8" if weight_dtype == torch.int8 else "fp8"
         return build_kernel(f"{name}-avx512") or build_kernel(name)  # the wider build where the CPU has it
@@ -329,7 +362,7 @@ def chosen_build(products: str, variable: str, builds: dict[str, str]) -> SmallG
         if candidates:
             log.info("%s products: the %s kernel (the only one this CPU runs)", products, candidates[0].name)
         return candidates[0] if candidates else None
-    times = {k.name: measured_seconds(k) for k in candidates}
+    times = {k.name: (measured_quantized_seconds if k.scale_rows else measured_seconds)(k) for k in candidates}
     chosen = min(candidates, key=lambda k: times[k.name])
     log.info(
         "%s products: the %s kernel, faster here (%s; 1 and 16 rows over a [%d, %d] weight)",
@@ -375,6 +408,21 @@ def measured_seconds(candidate: SmallGemm) -> float:
     """The best of three: one row, then 16, through this kernel on this thread alone."""
     generator = torch.Generator().manual_seed(0)
     panels = candidate.pack(torch.randn(CHOICE_SHAPE, generator=generator).to(candidate.weight_dtype))
+    rows, out = torch.randn(16, CHOICE_SHAPE[1], generator=generator), torch.empty(16, CHOICE_SHAPE[0])
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for count in (1, 16):
+            candidate._call(rows.data_ptr(), count, CHOICE_SHAPE[1], panels.data_ptr(), CHOICE_SHAPE[0], None, out.data_ptr())
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measured_quantized_seconds(candidate: SmallGemm) -> float:
+    """measured_seconds for an 8-bit build: the same rows over int8 values and their scales."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(-127, 128, CHOICE_SHAPE, dtype=torch.int8, generator=generator)
+    panels = candidate.pack_quantized(values, torch.rand(CHOICE_SHAPE[0], generator=generator) / 64)
     rows, out = torch.randn(16, CHOICE_SHAPE[1], generator=generator), torch.empty(16, CHOICE_SHAPE[0])
     best = float("inf")
     for _ in range(3):
