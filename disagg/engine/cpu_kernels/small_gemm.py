@@ -137,7 +137,7 @@ class SmallGemm:
         self.weight_dtype = BUILDS[name][0]
         self.pairs = name.endswith("-dot")  # panels hold pairs of k; the rows are rounded to bf16
         self.bf16_rows = self.pairs or name.endswith("-bf16")  # its rows are rounded to bf16 (a bf16 model's) before the products
-        self.quads = self.weight_dtype in VNNI_DTYPES  # panels hold each column's four k together, the values stored q + 128
+        self.quads = self.weight_dtype in VNNI_DTYPES  # panels hold each column's k in fours (octs of k), the values stored q + 128
         self.scale_rows = SCALE_ROWS if self.weight_dtype in QUANTIZED_DTYPES else 0  # each panel's scales, after its K rows
         arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
@@ -209,8 +209,8 @@ class SmallGemm:
         return worth_sharing(panels) and self.splits_here()
 
     def packed_k(self, in_features: int) -> int:
-        """The panels' K: in_features, or (pairs) rounded up to a multiple of 4."""
-        return -(-in_features // 4) * 4 if self.pairs or self.quads else in_features
+        """The panels' K: in_features, or rounded up to a multiple of 4 (pairs) or 8 (quads)."""
+        return -(-in_features // 8) * 8 if self.quads else -(-in_features // 4) * 4 if self.pairs else in_features
 
     def panel_rows(self, in_features: int) -> int:
         """A panel's rows: packed_k, and an 8-bit build's scales."""
@@ -251,8 +251,11 @@ class SmallGemm:
         panels, k = -(-out_features // PANEL), self.packed_k(in_features)
         padded = weight.new_zeros(panels * PANEL, k)
         padded[:out_features, :in_features] = weight
-        if self.quads:  # [K / 4] x [24 columns][4 k]
-            return padded.view(panels, PANEL, k // 4, 4).permute(0, 2, 1, 3).reshape(panels, k, PANEL).contiguous()
+        if self.quads:  # octs of k (small_gemm.c, WEIGHT_VNNI): [K / 8] x (columns 0-15 [2 quads][16][4], columns 16-23 [8][2 quads][4])
+            octs = padded.view(panels, PANEL, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [panel, oct, quad, column, k]
+            low = octs[:, :, :, :16].reshape(panels, k // 8, -1)
+            high = octs[:, :, :, 16:].transpose(2, 3).reshape(panels, k // 8, -1)  # [column, quad, k]: each column's two quads side by side
+            return torch.cat([low, high], dim=2).view(panels, k, PANEL)
         if self.pairs:
             quads = padded.view(panels, PANEL, k // 4, 2, 2).permute(0, 2, 3, 1, 4)  # [panel, quad, pair, column, element]
             low = quads[:, :, :, :16].reshape(panels, k // 4, -1)
@@ -268,7 +271,9 @@ class SmallGemm:
             return values.float() * scale[:, None]
         count, k = panels.shape[0], panels.shape[1]
         if self.quads:
-            weight = panels.reshape(count, k // 4, PANEL, 4).permute(0, 2, 1, 3).reshape(count * PANEL, k)
+            octs = panels.reshape(count, k // 8, 8 * PANEL)  # per oct: 128 values of columns 0-15, 64 of 16-23 (see pack)
+            low, high = octs[..., :128].reshape(count, k // 8, 2, 16, 4), octs[..., 128:].reshape(count, k // 8, 8, 2, 4).transpose(2, 3)
+            weight = torch.cat([low, high], dim=3).permute(0, 3, 1, 2, 4).reshape(count * PANEL, k)
         elif self.pairs:
             quads = panels.reshape(count, k // 4, 4 * PANEL)  # per quad: 64 elements of columns 0-15, 32 of 16-23 (see pack)
             low, high = quads[..., :64].reshape(count, k // 4, 2, 16, 2), quads[..., 64:].reshape(count, k // 4, 8, 2, 2).transpose(2, 3)
