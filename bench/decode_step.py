@@ -42,6 +42,7 @@ it): on a shared host the bandwidth moves between runs of a minute.
     python bench/decode_step.py --batch 1,8,32 --variants prepacked,prepacked-paged --scattered   # the paged KV cache
     python bench/decode_step.py --batch 1,8,32 --variants native,native-int8,native-fp8 --scattered   # 8-bit weights
     python bench/decode_step.py --batch 1 --variants native-int8,native-int8-head   # the LM head in int8 too (--quantization-skip "")
+    python bench/decode_step.py --batch 1,8,32 --variants native-int8@dot,native-int8@vnni   # int8 kernels named (DISAGG_INT8_KERNEL)
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native-paged,native-kv-int8,native-kv-fp8   # an 8-bit KV cache
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native --kv-cache-dtype int8   # every variant's KV in 8 bits
 
@@ -250,6 +251,34 @@ def variant_options() -> dict[str, dict]:
     }
 
 
+# A variant's name ending "@vnni", "@dot" or "@widen" (native-int8@vnni): its int8 products through the kernel
+# DISAGG_INT8_KERNEL names, whichever the host's measured choice is; its backend is built with that choice alone.
+INT8_KERNELS = ("vnni", "dot", "widen")
+
+
+def int8_kernel(name: str) -> str | None:
+    kernel = name.rpartition("@")[2] if "@" in name else None
+    if kernel is not None and kernel not in INT8_KERNELS:
+        raise SystemExit(f"{name}: the int8 kernel after @ is one of {', '.join(INT8_KERNELS)}")
+    return kernel
+
+
+@contextlib.contextmanager
+def int8_kernel_named(kernel: str | None):
+    """While a backend is built: its int8 products through this kernel (None: the host's choice)."""
+    if kernel is None:
+        yield
+        return
+    saved = os.environ.get("DISAGG_INT8_KERNEL")
+    os.environ["DISAGG_INT8_KERNEL"] = kernel
+    small_gemm._int8_kernel.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ.pop("DISAGG_INT8_KERNEL") if saved is None else os.environ.__setitem__("DISAGG_INT8_KERNEL", saved)
+        small_gemm._int8_kernel.cache_clear()
+
+
 PAGED = "-paged"  # a variant's name with this suffix: its KV in blocks of BLOCK_SIZE, each slot's table scattered
 BLOCK_SIZE = 16  # the 8-bit cache's scale blocks too (TorchBackendConfig.kv_block_size's default)
 # A variant's name with one of these suffixes: its KV cache in 8 bits (paged, as it must be).
@@ -258,11 +287,12 @@ KV_SUFFIXES = {"-kv-int8": "int8", "-kv-fp8": "fp8"}
 
 def kv_cache_dtype(args, name: str) -> str | None:
     """The variant's 8-bit KV dtype: its name's suffix, else --kv-cache-dtype (None: the model's dtype)."""
-    return next((kv for suffix, kv in KV_SUFFIXES.items() if name.endswith(suffix)), args.kv_cache_dtype)
+    return next((kv for suffix, kv in KV_SUFFIXES.items() if name.partition("@")[0].endswith(suffix)), args.kv_cache_dtype)
 
 
 def base_variant(name: str) -> str:
-    """The variant's options' name: its name without the paged or 8-bit KV suffix."""
+    """The variant's options' name: its name without the int8 kernel, the paged or the 8-bit KV suffix."""
+    name = name.partition("@")[0]
     for suffix in KV_SUFFIXES:
         name = name.removesuffix(suffix)
     return name.removesuffix(PAGED)
@@ -299,7 +329,7 @@ def build_backends(args, names: list[str], path: str, batches: list[int]) -> dic
             model=path, dtype=args.dtype, device=args.device, max_seq_len=max(2 * args.context, 256), batch_buckets=buckets, kv_cache_dtype=kv,
             **options[base_variant(name)],
         )
-        with few_row_kernel(name != "prepacked-onednn"), linear_groups(name != "prepacked-ungrouped"):
+        with few_row_kernel(name != "prepacked-onednn"), linear_groups(name != "prepacked-ungrouped"), int8_kernel_named(int8_kernel(name)):
             backend = backends[name] = TorchBackend(config)
         started = time.perf_counter()
         slots = max(batches) * (2 if args.scattered else 1)
