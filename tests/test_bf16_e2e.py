@@ -57,7 +57,7 @@ def prompts() -> list[str]:
 @functools.cache
 def bf16_reference(quantization: str | None = None):
     """The tokenizer and the bf16 model; quantization: its linears (not the LM head) set to their dequantized
-    8-bit values in bf16, as the service's int8 kernels (int8-dot on an AVX512_BF16 CPU) multiply them."""
+    8-bit values in bf16, as the service's int8 kernels (int8-vnni-bf16 or int8-dot on an AVX512_BF16 CPU) multiply them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from disagg.engine.quantization import QuantizationSettings, quantize_model

@@ -17,9 +17,15 @@ two builds chosen likewise (`kernel(torch.bfloat16)`):
   pairs of k, twice the products per instruction; the product is a bf16
   model's own (bf16 inputs, float32 sums).
 
-Where both of a dtype's builds run, a short measured product at first use picks
-the faster (logged with both times); `DISAGG_F32_KERNEL=avx2|avx512` and
-`DISAGG_BF16_KERNEL=widen|dot` name one instead.
+and 8-bit weights (`quantized_kernel`): int8 through `int8-vnni` (AVX512_VNNI:
+VPDPBUSD over each row as an exact integer in three byte planes; `int8-vnni-bf16`
+for a bf16 model's rows), `int8-dot` (a bf16 model's, AVX512_BF16) or the
+float32-widening `int8` / `int8-avx512`; fp8 through `fp8-dot` or `fp8` /
+`fp8-avx512`.
+
+Where more than one of a dtype's builds run, a short measured product at first use
+picks the fastest (logged with every time); `DISAGG_F32_KERNEL=avx2|avx512`,
+`DISAGG_BF16_KERNEL=widen|dot` and `DISAGG_INT8_KERNEL=vnni|dot|widen` name one instead.
 
 The C file is compiled once with the system's C compiler (`$CC`, else `cc` or
 `gcc`) into `$DISAGG_CACHE/small_gemm/` (default `~/.cache/disagg`), named by
