@@ -380,18 +380,24 @@ static inline __m256 tail_columns(__m512 both_tails) {
     return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), sums));
 }
 static inline __attribute__((always_inline)) void dot_block(int rows, const input_t *x, long ldx, const weight_t *chunk, long kn, long ahead, float *y,
-                                                            long ldy, const float *bias, int ncols, int first, const float *scales) {
-    (void)scales;
+                                                            long ldy, const float *bias, int ncols, int first, const float *scales,
+                                                            int from_widened, const __m512bh *widened) {
+    (void)scales, (void)widened;
     __m512 first_sums[DOT_ROWS], second_sums[DOT_ROWS], tail_sums[DOT_ROWS];
     for (int r = 0; r < DOT_ROWS; r++)
         first_sums[r] = second_sums[r] = tail_sums[r] = _mm512_setzero_ps();
     for (long k = 0; k < kn; k += 4) {
-        const weight_t *w = chunk + k * NR; /* one quad: 4 k x 24 columns = 192 bytes */
-        _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0); /* one row too (AHEAD_BYTES) */
-        _mm_prefetch((const char *)(w + ahead + 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
-        /* Columns 16-23 of both pairs lie together (w + 64 .. w + 95): one widening for the two. */
-        __m512bh first_pair = dot_weights32(w), second_pair = dot_weights32(w + 32), both_tails = dot_weights32(w + 64);
+        __m512bh first_pair, second_pair, both_tails;
+        if (from_widened) { /* the chunk widened once for all the product's rows (widen_chunk) */
+            first_pair = widened[3 * (k / 4)], second_pair = widened[3 * (k / 4) + 1], both_tails = widened[3 * (k / 4) + 2];
+        } else {
+            const weight_t *w = chunk + k * NR; /* one quad: 4 k x 24 columns = 192 bytes */
+            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0); /* one row too (AHEAD_BYTES) */
+            _mm_prefetch((const char *)(w + ahead + 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
+            /* Columns 16-23 of both pairs lie together (w + 64 .. w + 95): one widening for the two. */
+            first_pair = dot_weights32(w), second_pair = dot_weights32(w + 32), both_tails = dot_weights32(w + 64);
+        }
         for (int r = 0; r < rows; r++) {
             const float *pairs = (const float *)(x + r * ldx + k); /* two bf16 pairs, x[k] in each one's low half */
             __m512bh x0 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(pairs)), x1 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(pairs + 1));
@@ -406,7 +412,31 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
         store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail_columns(tail_sums[r]), 2), y + r * ldy, bias, ncols, first);
     }
 }
-#define BLOCK_CALL(rows) dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
+#if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
+/* The chunk's 8-bit weights widened to bf16 once, for a product of three blocks of rows or more: each
+ * block then reads the bf16 pairs from L1 rather than widening them again (at 32 rows, four times),
+ * and multiplies exactly what it would have widened itself, so a row's result is the same bits whatever
+ * the batch. Why: on a Zen 4 EPYC (AVX-512 in two halves) int8-dot's 32-row step was slower than bf16's
+ * own. There, SmolLM-135M's int8 products at 24 / 32 / 64 rows took 0.96x / 0.92x / 0.90x the time
+ * (bench/kernel_ab.py, before and after in one process); at 16 rows, two blocks, widening once was 7% slower. */
+#define WIDEN_ONCE 1
+static const __m512bh *widen_chunk(const weight_t *chunk, long kn, long ahead) {
+    static __thread __m512bh widened[KC / 4 * 3];
+    for (long k = 0; k < kn; k += 4) {
+        const weight_t *w = chunk + k * NR;
+        _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + ahead + 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);
+        widened[3 * (k / 4)] = dot_weights32(w), widened[3 * (k / 4) + 1] = dot_weights32(w + 32), widened[3 * (k / 4) + 2] = dot_weights32(w + 64);
+    }
+    return widened;
+}
+#define BLOCK_CALL(rows)                                                                                                   \
+    (widened ? dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales, 1, widened)                   \
+             : dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales, 0, 0))
+#else
+#define BLOCK_CALL(rows) dot_block(rows, xm, ldx, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales, 0, 0)
+#endif
 #define BLOCK_ROWS DOT_ROWS
 #elif SCALE_ROWS
 /* Up to EIGHT_BIT_ROWS rows over a chunk of 8-bit weights. Widening a weight costs about what its FMA
@@ -596,6 +626,9 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
             long kn = kp - k0 < KC ? kp - k0 : KC;
             const weight_t *chunk = panel + k0 * NR;
             long ahead = kn * NR > AHEAD_BYTES / (long)sizeof(weight_t) ? kn * NR : AHEAD_BYTES / (long)sizeof(weight_t); /* a chunk at least */
+#ifdef WIDEN_ONCE
+            const __m512bh *widened = M > 2 * BLOCK_ROWS ? widen_chunk(chunk, kn, ahead) : 0;
+#endif
             for (long m = 0; m < M; m += BLOCK_ROWS) {
                 const input_t *xm = x + m * ldx + k0;
                 float *ym = y + m * N + p * NR;
