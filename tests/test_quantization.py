@@ -184,10 +184,13 @@ def test_each_int8_kernel_serves_a_native_step_of_the_dequantized_model(int8_ker
     from test_native_step import random_cache, step_inputs
 
     from disagg.engine.backends import load_backend
+    from disagg.engine.cpu_kernels.packed_linear import can_prepack
 
     builds = {"vnni": "int8-vnni-bf16" if dtype == torch.bfloat16 else "int8-vnni", "dot": "int8-dot", "widen": "int8-avx512"}
     if small_gemm.build_kernel(builds[int8_kernel]) is None or (int8_kernel == "dot" and dtype == torch.float32):
         pytest.skip(f"{builds[int8_kernel]} does not serve {dtype} rows here")
+    if not can_prepack(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU: no native step")
     from transformers import AutoModelForCausalLM
 
     from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
