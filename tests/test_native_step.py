@@ -34,6 +34,20 @@ def random_cache(backend, seed: int = 2) -> None:
         cache.copy_(torch.randn(cache.shape, generator=generator))
 
 
+def native_and_reference_logits(backend, reference) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the native step's logits, the reference backend's transformers step's) over the same random cache
+    (copied into the reference's, both with their slots allocated), four rows at scattered positions; each
+    cache then holds the lines its own step wrote."""
+    random_cache(backend)
+    for ours, theirs in zip((*backend.cache.keys, *backend.cache.values), (*reference.cache.keys, *reference.cache.values)):
+        theirs.copy_(ours)
+    inputs = step_inputs([0, 3, 4, 5], [30, 3, 0, 17], [5, 6, 7, 8])
+    with torch.inference_mode():
+        want = reference._eager_logits(inputs, read_in_place=False)
+        got = backend.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+    return got, want
+
+
 def both_steps(backend, inputs: StepInputs):
     """(transformers' logits and the K/V it wrote, the native step's), each from the same cache."""
     saved = [t.clone() for t in (*backend.cache.keys, *backend.cache.values)]
@@ -283,13 +297,7 @@ def test_a_bf16_native_step_is_the_float32_step_over_bf16_weights(name, bf16_ker
     assert backend.native is not None and backend.cache.keys[0].dtype == torch.bfloat16
     reference = float32_over_bf16_weights(name)
     reference.allocate_slots(6)
-    random_cache(backend)
-    for ours, theirs in zip((*backend.cache.keys, *backend.cache.values), (*reference.cache.keys, *reference.cache.values)):
-        theirs.copy_(ours)
-    inputs = step_inputs([0, 3, 4, 5], [30, 3, 0, 17], [5, 6, 7, 8])
-    with torch.inference_mode():
-        want = reference._eager_logits(inputs, read_in_place=False)
-        got = backend.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+    got, want = native_and_reference_logits(backend, reference)
     assert (got - want).abs().max() <= BF16_STEP_TOLERANCE[bf16_kernel] * want.abs().max()
     for layer, (ours, theirs) in enumerate(zip((*backend.cache.keys, *backend.cache.values), (*reference.cache.keys, *reference.cache.values))):
         # The lines the step wrote: the first layer's rounded once to bf16; later layers' also read the rounded lines before them.

@@ -181,7 +181,7 @@ def test_each_int8_kernel_serves_a_native_step_of_the_dequantized_model(int8_ker
     """The int8 kernel DISAGG_INT8_KERNEL names (where it runs here, for a model of this dtype) serves the
     native decode step: its logits are those of the same step over the dequantized weights in the model's
     dtype (float32 arithmetic over bf16-rounded rows for bf16, as int8-dot's), within rounding."""
-    from test_native_step import random_cache, step_inputs
+    from test_native_step import native_and_reference_logits
 
     from disagg.engine.backends import load_backend
     from disagg.engine.cpu_kernels.packed_linear import can_prepack
@@ -205,13 +205,7 @@ def test_each_int8_kernel_serves_a_native_step_of_the_dequantized_model(int8_ker
     reference = TorchBackend(TorchBackendConfig(model=tiny_model("llama"), dtype="float32", native_step=False), model=model.float())
     quantized.allocate_slots(6), reference.allocate_slots(6)
     assert quantized.native is not None
-    random_cache(quantized)
-    for ours, theirs in zip((*quantized.cache.keys, *quantized.cache.values), (*reference.cache.keys, *reference.cache.values)):
-        theirs.copy_(ours)
-    inputs = step_inputs([0, 3, 4, 5], [30, 3, 0, 17], [5, 6, 7, 8])
-    with torch.inference_mode():
-        want = reference._eager_logits(inputs, read_in_place=False)
-        got = quantized.native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+    got, want = native_and_reference_logits(quantized, reference)
     assert (got - want).abs().max() <= (1e-4 if dtype == torch.float32 else 8e-3) * want.abs().max()
 
 

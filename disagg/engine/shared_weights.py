@@ -51,10 +51,11 @@ class UnusableFile(ValueError):
     """A packed weights file that must not be served: its reason says why (and it is then rebuilt)."""
 
 
-def key_for(model: str, dtype: torch.dtype, quantization: str = "") -> str | None:
+def key_for(model: str, dtype: torch.dtype, quantization: str = "", quantized_values: tuple[torch.dtype, ...] = ()) -> str | None:
     """The file's key for this checkpoint and dtype, or None where nothing is shared: a checkpoint
     that is not a local directory of safetensors files, or a dtype the kernel does not pack.
-    quantization: how its linears were quantized at load ("" for none; see TorchBackend)."""
+    quantization: how its linears were quantized at load ("" for none; see TorchBackend);
+    quantized_values: their 8-bit values' dtypes, whose panels' layout is the build this host chose."""
     root = pathlib.Path(model)
     kernel = small_gemm.kernel(dtype)
     files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
@@ -70,8 +71,8 @@ def key_for(model: str, dtype: torch.dtype, quantization: str = "") -> str | Non
         "checkpoint": content, "dtype": str(dtype), "layout": [kernel.layout, small_gemm.PANEL], "format": FORMAT, "quantization": quantization,
         "disagg": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
     }
-    if quantization:  # the 8-bit panels' layouts: the build each host chose (int8's is measured at start-up)
-        chosen = (small_gemm.quantized_kernel(values, dtype) for values in (torch.int8, torch.float8_e4m3fn))
+    if quantized_values:  # the 8-bit panels' layouts: the build this host chose (int8's is measured at start-up)
+        chosen = (small_gemm.quantized_kernel(values, dtype) for values in sorted(set(quantized_values), key=str))
         facts["quantized_layouts"] = [k.layout if k is not None else None for k in chosen]
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 

@@ -238,7 +238,8 @@ class TorchBackend(Backend):
         # the kernel's shared blocks, or oneDNN, as this thread may use one core or more).
         prompts = ([0], [0, 1, 2, 3], [0] * min(SMALL_ROWS + 1, self.info.max_seq_len))
         plain = [self.prefill_logits(prompt, lambda *kv: None) for prompt in prompts]
-        key = shared_weights.key_for(self.config.model, self.dtype, self.quantization_note) if self.config.share_weights and self.loaded_here else None
+        values = tuple(q.values.dtype for q in self.quantized.values())
+        key = shared_weights.key_for(self.config.model, self.dtype, self.quantization_note, values) if self.config.share_weights and self.loaded_here else None
         if key is None:
             self._pack_and_group(None)
         else:

@@ -126,6 +126,17 @@ typedef signed char input_t;
 #define INPUT_K(K) (((K) + 7) & ~7L)
 #define INPUT_CHUNKS(K) ((INPUT_K(K) + KC - 1) / KC)
 #define INPUT_STRIDE(K) (3 * INPUT_K(K) + 4 + 12 * INPUT_CHUNKS(K))
+/* The bits of row[k .. k + 16) (zeros past K), rounded to bf16 with -DROWS_BF16 (to nearest, ties to even, as
+ * PyTorch's conversion; an infinity or a NaN stays one of the two, which makes the row's products NaN). */
+static inline __m512i row_bits(const float *row, long K, long k) {
+    __mmask16 in = K - k >= 16 ? 0xFFFF : K > k ? (__mmask16)((1u << (K - k)) - 1) : 0;
+    __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(in, row + k));
+#ifdef ROWS_BF16
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), _mm512_set1_epi32((int)0xffff0000u));
+#endif
+    return bits;
+}
 static void prepare_input(const float *x, long M, long K, input_t *out) {
     long kp = INPUT_K(K), stride = INPUT_STRIDE(K);
     for (long m = 0; m < M; m++) {
@@ -134,12 +145,7 @@ static void prepare_input(const float *x, long M, long K, input_t *out) {
         /* the largest magnitude, from the bits (a NaN's are above every finite value's and infinity's) */
         __m512i top_bits = _mm512_setzero_si512();
         for (long k = 0; k < K; k += 16) {
-            __mmask16 in = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-            __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(in, row + k));
-#ifdef ROWS_BF16
-            bits = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
-                                    _mm512_set1_epi32((int)0xffff0000u));
-#endif
+            __m512i bits = row_bits(row, K, k);
             top_bits = _mm512_max_epu32(top_bits, _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)));
         }
         unsigned top = (unsigned)_mm512_reduce_max_epu32(top_bits);
@@ -154,13 +160,8 @@ static void prepare_input(const float *x, long M, long K, input_t *out) {
         __m512 minus_shift = _mm512_set1_ps((float)-shift);
         __m512i sums[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (long k = 0; k < kp; k += 16) {
-            __mmask16 in = K - k >= 16 ? 0xFFFF : K > k ? (__mmask16)((1u << (K - k)) - 1) : 0;
             __mmask16 kept = kp - k >= 16 ? 0xFFFF : (__mmask16)((1u << (kp - k)) - 1);
-            __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(in, row + k));
-#ifdef ROWS_BF16
-            bits = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
-                                    _mm512_set1_epi32((int)0xffff0000u));
-#endif
+            __m512i bits = row_bits(row, K, k);
             /* a finite row: value * 2^-shift (exact, VSCALEFPS) rounded to the nearest integer, ties to even */
             __m512i whole = top < 0x7f800000u ? _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_castsi512_ps(bits), minus_shift)) : _mm512_setzero_si512();
             __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(whole, _mm512_set1_epi32(128)), _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
@@ -267,6 +268,12 @@ BLOCK(2, LOAD_W_PREFETCH, DECLARE(0) DECLARE(1), ACCUMULATE(0) ACCUMULATE(1), ST
 BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
 #endif
 
+#if defined(WEIGHT_VNNI) || defined(DOT_BF16)
+/* Columns 0-7 and 8-15 of a zmm of sums, as ymm. */
+#define LOW_HALF(v) _mm512_castps512_ps256(v)
+#define HIGH_HALF(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
+#endif
+
 #if defined(WEIGHT_VNNI)
 /* Up to VNNI_ROWS rows over a chunk of octs of k, each oct 192 bytes: columns 0-15's k..k+3 (a 32-bit lane a
  * column), their k+4..k+7, then columns 16-23's two quads side by side (lane 2c: column 16 + c's k..k+3, lane
@@ -276,8 +283,6 @@ BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
  * variables of its own, not arrays (GCC then copied every accumulator between registers each quad). Sums of one chunk, exact integers, joined at its end (see prepare_input),
  * so every row's result is the same whatever the block's rows. */
 #define VNNI_ROWS 2 /* 12 accumulators: at 3 and 4 rows (18, 24) GCC spilled them inside the loop */
-#define LOW_HALF(v) _mm512_castps512_ps256(v)
-#define HIGH_HALF(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
 /* Columns 16-23's sums from the tail's lanes: each column's two lanes (its two quads) added. */
 static inline __m256i vnni_tail_columns(__m512i tails) {
     __m512i sums = _mm512_add_epi32(tails, _mm512_shuffle_epi32(tails, (_MM_PERM_ENUM)0xB1)); /* lane 2c + lane 2c + 1, in lane 2c */
@@ -371,9 +376,6 @@ static inline __m512bh dot_weights32(const weight_t *w) { return (__m512bh)_mm51
 #else
 #define DOT_ROWS 4
 #endif
-/* Columns 0-7 and 8-15 of a zmm of sums, as ymm. */
-#define LOW_HALF(v) _mm512_castps512_ps256(v)
-#define HIGH_HALF(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
 /* Columns 16-23 from both_tails' sums: each column's two lanes (its pairs) added. */
 static inline __m256 tail_columns(__m512 both_tails) {
     __m512 sums = _mm512_add_ps(both_tails, _mm512_permute_ps(both_tails, 0xB1)); /* lane 2c + lane 2c + 1, in lane 2c */

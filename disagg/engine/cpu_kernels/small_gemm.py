@@ -90,6 +90,8 @@ BUILDS = {
 }
 QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
 VNNI_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz)
+# The builds whose panels carry a dtype of their own (a tag no other build reads), by that dtype.
+TAGGED = {BUILDS[name][0]: name for name in ("int8-dot", "fp8-dot", "int8-vnni", "int8-vnni-bf16")}
 SCALE_ROWS = 4  # an 8-bit panel's last rows: its 24 columns' float32 scales (96 bytes)
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: every one of
@@ -143,7 +145,9 @@ class SmallGemm:
         self.weight_dtype = BUILDS[name][0]
         self.pairs = name.endswith("-dot")  # panels hold pairs of k; the rows are rounded to bf16
         self.bf16_rows = self.pairs or name.endswith("-bf16")  # its rows are rounded to bf16 (a bf16 model's) before the products
-        self.quads = self.weight_dtype in VNNI_DTYPES  # panels hold each column's k in fours (octs of k), the values stored q + 128
+        self.quads = self.weight_dtype in VNNI_DTYPES  # panels hold each column's k in fours, the values stored q + 128
+        # k per 32-bit lane of a grouped layout (pack): 2 (pairs, VDPBF16PS), 4 (quads, VPDPBUSD); 0: plain panels
+        self.lane_k = 4 if self.quads else 2 if self.pairs else 0
         self.scale_rows = SCALE_ROWS if self.weight_dtype in QUANTIZED_DTYPES else 0  # each panel's scales, after its K rows
         arguments = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
         self._call = library.small_gemm
@@ -216,7 +220,8 @@ class SmallGemm:
 
     def packed_k(self, in_features: int) -> int:
         """The panels' K: in_features, or rounded up to a multiple of 4 (pairs) or 8 (quads)."""
-        return -(-in_features // 8) * 8 if self.quads else -(-in_features // 4) * 4 if self.pairs else in_features
+        group = 2 * self.lane_k  # k of one group of the layout (see pack)
+        return -(-in_features // group) * group if group else in_features
 
     def panel_rows(self, in_features: int) -> int:
         """A panel's rows: packed_k, and an 8-bit build's scales."""
@@ -248,24 +253,20 @@ class SmallGemm:
         return values.view(torch.float8_e4m3fn if self.name.startswith("fp8") else torch.int8), scale
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """nn.Linear's weight [out, in] -> panels [ceil(out / 24), K, 24], the columns past `out`
-        zero; in the pairs layout K is in rounded up to a multiple of 4 (zero rows) and each
-        panel's memory is quads of k (small_gemm.c, DOT_BF16): [K / 4] x (columns 0-15 of
-        both pairs [2][16][2], then columns 16-23 [8][2][2], each column's two pairs side by side),
-        a pair being k and k + 1."""
+        """nn.Linear's weight [out, in] -> panels [ceil(out / 24), K, 24], the columns past `out` zero.
+        Grouped layouts (lane_k: a 32-bit lane holds a column's lane_k consecutive k, its element pairs or
+        quads) round K up to groups of 2 x lane_k k (zero rows) and lay each group of a panel out as the
+        columns 0-15 of its two lanes' k ([2][16][lane_k]), then columns 16-23 with each column's two side
+        by side ([8][2][lane_k]), so no load crosses a cache line (small_gemm.c, DOT_BF16 and WEIGHT_VNNI)."""
         out_features, in_features = weight.shape
         panels, k = -(-out_features // PANEL), self.packed_k(in_features)
         padded = weight.new_zeros(panels * PANEL, k)
         padded[:out_features, :in_features] = weight
-        if self.quads:  # octs of k (small_gemm.c, WEIGHT_VNNI): [K / 8] x (columns 0-15 [2 quads][16][4], columns 16-23 [8][2 quads][4])
-            octs = padded.view(panels, PANEL, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [panel, oct, quad, column, k]
-            low = octs[:, :, :, :16].reshape(panels, k // 8, -1)
-            high = octs[:, :, :, 16:].transpose(2, 3).reshape(panels, k // 8, -1)  # [column, quad, k]: each column's two quads side by side
-            return torch.cat([low, high], dim=2).view(panels, k, PANEL)
-        if self.pairs:
-            quads = padded.view(panels, PANEL, k // 4, 2, 2).permute(0, 2, 3, 1, 4)  # [panel, quad, pair, column, element]
-            low = quads[:, :, :, :16].reshape(panels, k // 4, -1)
-            high = quads[:, :, :, 16:].transpose(2, 3).reshape(panels, k // 4, -1)  # [column, pair, element]: each column's two pairs side by side
+        lane = self.lane_k
+        if lane:
+            groups = padded.view(panels, PANEL, k // (2 * lane), 2, lane).permute(0, 2, 3, 1, 4)  # [panel, group, half, column, k]
+            low = groups[:, :, :, :16].reshape(panels, k // (2 * lane), -1)
+            high = groups[:, :, :, 16:].transpose(2, 3).reshape(panels, k // (2 * lane), -1)  # [column, half, k]: a column's two side by side
             return torch.cat([low, high], dim=2).view(panels, k, PANEL)
         return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
@@ -275,14 +276,11 @@ class SmallGemm:
         if self.scale_rows and not values_only:
             values, scale = self.unpack_quantized(panels, out_features, in_features)
             return values.float() * scale[:, None]
-        count, k = panels.shape[0], panels.shape[1]
-        if self.quads:
-            octs = panels.reshape(count, k // 8, 8 * PANEL)  # per oct: 128 values of columns 0-15, 64 of 16-23 (see pack)
-            low, high = octs[..., :128].reshape(count, k // 8, 2, 16, 4), octs[..., 128:].reshape(count, k // 8, 8, 2, 4).transpose(2, 3)
-            weight = torch.cat([low, high], dim=3).permute(0, 3, 1, 2, 4).reshape(count * PANEL, k)
-        elif self.pairs:
-            quads = panels.reshape(count, k // 4, 4 * PANEL)  # per quad: 64 elements of columns 0-15, 32 of 16-23 (see pack)
-            low, high = quads[..., :64].reshape(count, k // 4, 2, 16, 2), quads[..., 64:].reshape(count, k // 4, 8, 2, 2).transpose(2, 3)
+        count, k, lane = panels.shape[0], panels.shape[1], self.lane_k
+        if lane:
+            groups = panels.reshape(count, k // (2 * lane), 2 * lane * PANEL)  # per group: columns 0-15's 32 x lane elements, then 16-23's
+            low = groups[..., : 32 * lane].reshape(count, k // (2 * lane), 2, 16, lane)
+            high = groups[..., 32 * lane :].reshape(count, k // (2 * lane), 8, 2, lane).transpose(2, 3)
             weight = torch.cat([low, high], dim=3).permute(0, 3, 1, 2, 4).reshape(count * PANEL, k)
         else:
             weight = panels.transpose(1, 2).reshape(count * PANEL, k)
@@ -316,9 +314,8 @@ def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype) -> Smal
     the CPU has it (its rows are bf16 already: the products stay exact), else widened to float32."""
     if values_dtype == torch.int8:
         return _int8_kernel(rows_dtype == torch.bfloat16)
-    dot = {torch.float8_e4m3fn: "fp8-dot"}.get(values_dtype)
-    if dot and rows_dtype == torch.bfloat16 and build_kernel(dot) is not None:
-        return build_kernel(dot)
+    if values_dtype == torch.float8_e4m3fn and rows_dtype == torch.bfloat16 and build_kernel("fp8-dot") is not None:
+        return build_kernel("fp8-dot")
     return kernel(values_dtype)
 
 
@@ -349,10 +346,8 @@ CHOICES = {
 def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
     if weight_dtype in CHOICES:
         return chosen_build(*CHOICES[weight_dtype])
-    if weight_dtype in (torch.uint8, torch.float8_e4m3fnuz):
-        return build_kernel("int8-dot" if weight_dtype == torch.uint8 else "fp8-dot")
-    if weight_dtype in VNNI_DTYPES:
-        return build_kernel("int8-vnni" if weight_dtype == torch.float8_e5m2 else "int8-vnni-bf16")
+    if weight_dtype in TAGGED:
+        return build_kernel(TAGGED[weight_dtype])
     if weight_dtype in QUANTIZED_DTYPES:
         name = "int8" if weight_dtype == torch.int8 else "fp8"
         return build_kernel(f"{name}-avx512") or build_kernel(name)  # the wider build where the CPU has it
@@ -373,7 +368,7 @@ def chosen_build(products: str, variable: str, builds: dict[str, str]) -> SmallG
         if candidates:
             log.info("%s products: the %s kernel (the only one this CPU runs)", products, candidates[0].name)
         return candidates[0] if candidates else None
-    times = {k.name: (measured_quantized_seconds if k.scale_rows else measured_seconds)(k) for k in candidates}
+    times = {k.name: measured_seconds(k) for k in candidates}
     chosen = min(candidates, key=lambda k: times[k.name])
     log.info(
         "%s products: the %s kernel, faster here (%s; 1 and 16 rows over a [%d, %d] weight)",
@@ -416,24 +411,14 @@ CHOICE_SHAPE = (4096, 1024)
 
 
 def measured_seconds(candidate: SmallGemm) -> float:
-    """The best of three: one row, then 16, through this kernel on this thread alone."""
+    """The best of three: one row, then 16, through this kernel on this thread alone (an 8-bit build's
+    over int8 values and their scales)."""
     generator = torch.Generator().manual_seed(0)
-    panels = candidate.pack(torch.randn(CHOICE_SHAPE, generator=generator).to(candidate.weight_dtype))
-    rows, out = torch.randn(16, CHOICE_SHAPE[1], generator=generator), torch.empty(16, CHOICE_SHAPE[0])
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        for count in (1, 16):
-            candidate._call(rows.data_ptr(), count, CHOICE_SHAPE[1], panels.data_ptr(), CHOICE_SHAPE[0], None, out.data_ptr())
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def measured_quantized_seconds(candidate: SmallGemm) -> float:
-    """measured_seconds for an 8-bit build: the same rows over int8 values and their scales."""
-    generator = torch.Generator().manual_seed(0)
-    values = torch.randint(-127, 128, CHOICE_SHAPE, dtype=torch.int8, generator=generator)
-    panels = candidate.pack_quantized(values, torch.rand(CHOICE_SHAPE[0], generator=generator) / 64)
+    if candidate.scale_rows:
+        values = torch.randint(-127, 128, CHOICE_SHAPE, dtype=torch.int8, generator=generator)
+        panels = candidate.pack_quantized(values, torch.rand(CHOICE_SHAPE[0], generator=generator) / 64)
+    else:
+        panels = candidate.pack(torch.randn(CHOICE_SHAPE, generator=generator).to(candidate.weight_dtype))
     rows, out = torch.randn(16, CHOICE_SHAPE[1], generator=generator), torch.empty(16, CHOICE_SHAPE[0])
     best = float("inf")
     for _ in range(3):
