@@ -31,7 +31,7 @@ from disagg.v1 import worker_pb2 as wpb
 
 from .colocated import ColocatedPrefillServicer
 from .config import DecodeWorkerConfig
-from .worker import DecodeWorker, KvPull
+from .worker import DecodeWorker, KvPull, refuse_unless_scores_guesses
 
 log = logging.getLogger(__name__)
 SERVICE = wpb.DESCRIPTOR.services_by_name["DecodeService"]
@@ -180,14 +180,6 @@ def draft_proposer(config: DecodeWorkerConfig, backend):
     draft.allocate_slots(config.batch_size)
     log.info("speculation: draft model %s, %d layers, up to %s guesses a row", config.draft_model, draft.info.num_layers, config.speculation().num_tokens)
     return DraftProposer(draft)
-
-
-def refuse_unless_scores_guesses(backend, whose: str) -> None:
-    """Speculation needs steps that take a sequence's guesses as rows of their own (Backend.scores_guesses):
-    refused with one line where the backend's step would not (the compiled step, chosen by default on CUDA)."""
-    if not backend.scores_guesses:
-        raise SystemExit(f"decode_worker: --speculative-method: {whose} {type(backend).__name__} step takes one row a sequence "
-                         "(compiled: run it with --no-compile)")
 
 
 def check_draft(config: DecodeWorkerConfig) -> None:

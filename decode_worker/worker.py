@@ -119,6 +119,8 @@ class DecodeWorker:
         cache_bytes = await self._loop.run_in_executor(
             None, self.backend.allocate_slots, config.batch_size, config.num_blocks, config.block_size if config.num_blocks else 0
         )
+        if config.speculative_method is not None:  # the step the slots chose (over an 8-bit cache, the native one only)
+            refuse_unless_scores_guesses(self.backend, "the model's")
         await self._loop.run_in_executor(None, self.constraints.wait_ready)  # before serving: its build stops every thread (compiler.wait_ready)
         if config.num_blocks:
             blocks, mib = config.num_blocks - 1, cache_bytes / 2**20
@@ -524,3 +526,11 @@ def open_nixl_sink(backend: Backend, write_kv=None, nixl_backend: str = "UCX"):
         return NixlSink(geometry, cache.keys, cache.values, backend=nixl_backend)
     log.info("KV transport: the KV cache is paged or not in host memory; NIXL reads into a host staging buffer first")
     return NixlHostStagingSink(geometry, dtype, write, backend=nixl_backend)
+
+
+def refuse_unless_scores_guesses(backend, whose: str) -> None:
+    """Speculation needs steps that take a sequence's guesses as rows of their own (Backend.scores_guesses):
+    refused with one line where the backend's step would not (the compiled step, chosen by default on CUDA; over an
+    8-bit KV cache, any but the native step)."""
+    if not backend.scores_guesses:
+        raise SystemExit(f"decode_worker: --speculative-method: {whose} {type(backend).__name__} step does not score guesses: {backend.guesses_refusal}")

@@ -285,7 +285,9 @@ def test_the_kv_dtype_is_refused_where_it_cannot_be_served():
 
 CONTEXT = "Every spring the school holds a fair. There are games, music, and a long table of cakes that the parents bake the night before. "
 QUESTIONS = ["Who bakes the cakes?", "What is there at the fair?", "When is the fair held?"]
+# mistral-sw's decode worker also guesses (prompt lookup): a rejected guess's 8-bit line is undone, the tokens are the reference's.
 CASES = [("llama", "int8", "grpc"), ("llama", "fp8", "nixl"), ("mistral-sw", "int8", DEFAULT_TRANSPORT), ("llama", "int8", "colocated")]
+SPECULATING = {"mistral-sw": ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
@@ -297,8 +299,8 @@ def kv8_cluster(request, cluster_logs):
         if not available():
             pytest.skip("NIXL is not installed")
     wire = {"colocated": True} if transport == "colocated" else {"transport": transport}  # colocated: the decode worker prefills itself
-    cluster = start_cluster(cluster_logs / f"kv8-{method}", architecture, batch_size=8, worker_args=["--kv-cache-dtype", method, "--block-size", str(BLOCK)],
-                            **wire)
+    flags = ["--kv-cache-dtype", method, "--block-size", str(BLOCK), *SPECULATING.get(architecture, [])]  # both pools: their settings must agree
+    cluster = start_cluster(cluster_logs / f"kv8-{method}", architecture, batch_size=8, worker_args=flags, **wire)
     yield architecture, method, transport, cluster
     cluster.stop()
 
@@ -321,6 +323,9 @@ def test_greedy_tokens_equal_the_reference_over_the_same_8_bit_kv(kv8_cluster):
     for (prompt, n), result in zip(cases, asyncio.run(run())):
         assert result.token_ids == spec_greedy(architecture, method, prompt, n), prompt
     assert decode_metric(cluster, "disagg_decode_prefix_hit_tokens_total") - hits >= 2 * BLOCK * 2  # both later questions hit the context
+    if architecture in SPECULATING:  # guesses kept, and others not: both paths ran
+        accepted, proposed = (decode_metric(cluster, f"disagg_decode_spec_{kind}_tokens_total") for kind in ("accepted", "proposed"))
+        assert 0 < accepted < proposed, (accepted, proposed)
     if transport != "colocated":
         assert kv_bytes_received(cluster, transport) > before, f"the KV did not move through {transport}"
     assert_nothing_held(cluster)

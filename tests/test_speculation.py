@@ -66,6 +66,11 @@ def test_a_row_whose_guesses_keep_missing_rests_and_one_that_hits_grows():
     assert length.wanted() == 2
 
 
+def case_table(backend, cases: int, i: int) -> list[int]:
+    """Case i's block table in decode_in_process: the cases' blocks interleaved."""
+    return [1 + i + cases * b for b in range(backend.info.max_seq_len // BLOCK)]
+
+
 def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: str = "ngram", proposer=None):
     """Each case (prompt ids, Sampling, max_new_tokens) prefilled and decoded together by one
     DecodeLoop over a paged cache (tables interleaved); {case index: tokens}, the loop's stats."""
@@ -91,9 +96,8 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: s
 
     loop = DecodeLoop(backend, publish, on_retired, async_mode=True, speculation=config, proposer=proposer)
     loop.start()
-    blocks = backend.info.max_seq_len // BLOCK
     for i, (ids, sampling, max_new) in enumerate(cases):
-        table = [1 + i + len(cases) * b for b in range(blocks)]
+        table = case_table(backend, len(cases), i)
         result = backend.prefill(ids, sampling)
         for layer, (k, v) in enumerate(result.layers):
             backend.write_kv(table, layer, KvKind.KEY, 0, k)
@@ -109,15 +113,32 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: s
 BLOCK = 8
 
 
-MODELS = [("llama", None), ("qwen2", None), ("mistral-sw", None), ("gemma2-sw", None), ("llama", "int8"), ("qwen2", "fp8")]
+MODELS = [("llama", None, None), ("qwen2", None, None), ("mistral-sw", None, None), ("gemma2-sw", None, None), ("llama", "int8", None),
+          ("qwen2", "fp8", None), ("llama", None, "int8"), ("mistral-sw", "int8", "fp8")]
 
 
-@pytest.mark.parametrize("architecture,quantization", MODELS, ids=[a + (f"-{q}" if q else "") for a, q in MODELS])
-def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(architecture, quantization):
+def model_id(architecture: str, quantization: str | None, kv_cache_dtype: str | None) -> str:
+    return architecture + (f"-{quantization}" if quantization else "") + (f"-kv-{kv_cache_dtype}" if kv_cache_dtype else "")
+
+
+def cache_blocks(backend, tables: list[list[int]], lines: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    """Per sequence, a copy of its whole blocks below its written lines: every layer's codes and scales of an
+    8-bit cache (the blocks' bytes as the decode steps left them)."""
+    cache, copies = backend.cache, []
+    for table, written in zip(tables, lines):
+        whole = torch.tensor(table[: written // BLOCK], dtype=torch.long)
+        copies.append(tuple(t.index_select(0, whole).clone() for t in (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales)))
+    return copies
+
+
+@pytest.mark.parametrize("architecture,quantization,kv_cache_dtype", MODELS, ids=[model_id(*m) for m in MODELS])
+def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(architecture, quantization, kv_cache_dtype):
     """The same requests decoded with and without guesses: greedy and seeded sampled rows (temperature,
     top-k, top-p, min-p), penalized ones (their guesses counted as generated), each token the same; with
     8-bit weights too (the guesses' rows through the same 8-bit kernels), greedy against generate() on
-    the dequantized checkpoint."""
+    the dequantized checkpoint. Over an 8-bit KV cache, the blocks the decode steps filled hold the same
+    codes and scales with guesses as without: a rejected guess's line, which may grow its block's scale
+    and code the kept lines again, is undone."""
     from conftest import reference, tiny_model
 
     from disagg.engine.backends import load_backend
@@ -132,8 +153,11 @@ def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(archit
         ref = dequantized_reference(architecture, quantization)
     else:
         ref = reference(architecture)
-    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", torch={"quantization": quantization})
+    options = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "kv_block_size": BLOCK}
+    backend = load_backend("torch", model=tiny_model(architecture), dtype="float32", torch=options)
     backend.allocate_slots(8, num_blocks=1 + 8 * (backend.info.max_seq_len // BLOCK), block_size=BLOCK)
+    if kv_cache_dtype:
+        assert backend.native is not None and backend.scores_guesses, "the native step serves guesses over an 8-bit cache"
     text = paragraphs()
     samplings = [
         Sampling(), Sampling(temperature=0.8, seed=11), Sampling(temperature=1.0, top_p=0.9, seed=12), Sampling(temperature=0.7, top_k=20, seed=13),
@@ -145,9 +169,18 @@ def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(archit
         paragraph = text[(3 * i) % len(text)]
         cases.append((ref.ids(paragraph + " " + " ".join(paragraph.split()[:4])), sampling, 40 + 5 * i))
     plain, _ = decode_in_process(backend, None, cases)
+    if kv_cache_dtype:
+        tables = [case_table(backend, len(cases), i) for i in range(len(cases))]
+        lines = [len(ids) + len(plain[i]) - 1 for i, (ids, _, _) in enumerate(cases)]  # the last token's line is never written
+        plain_blocks = cache_blocks(backend, tables, lines)
     speculated, stats = decode_in_process(backend, GUESSES, cases)
     assert speculated == plain
-    assert stats.accepted_tokens >= 20
+    assert stats.accepted_tokens >= 20 and stats.accepted_tokens < stats.proposed_tokens  # guesses kept, and some not
+    if kv_cache_dtype:
+        for i, (before, after) in enumerate(zip(plain_blocks, cache_blocks(backend, tables, lines))):
+            assert all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a, b.view(torch.uint8) if b.dtype != torch.float32 else b)
+                       for a, b in zip(before, after)), f"sequence {i}: its 8-bit blocks differ with guesses"
+        return  # generate() reads no 8-bit cache: the run without guesses is the reference
     for i, (ids, sampling, n) in enumerate(cases):
         if sampling == Sampling():
             assert plain[i] == ref.greedy(ids, n, ignore_eos=True), i
@@ -263,9 +296,16 @@ def test_a_step_that_takes_one_row_a_sequence_is_refused_for_speculation():
     compiled = load_backend("torch", model=tiny_model("llama"), dtype="float32", torch={"compile": True})  # compiles only when slots are allocated
     with pytest.raises(SystemExit) as refused:
         refuse_unless_scores_guesses(compiled, "the model's")
-    expected = "decode_worker: --speculative-method: the model's TorchBackend step takes one row a sequence (compiled: run it with --no-compile)"
+    expected = ("decode_worker: --speculative-method: the model's TorchBackend step does not score guesses: its compiled step takes one row "
+                "a sequence (run it with --no-compile)")
     assert str(refused.value) == expected
     refuse_unless_scores_guesses(load_backend("torch", model=tiny_model("llama"), dtype="float32"), "the model's")  # eager: served
+    # Over an 8-bit KV cache only the native step undoes a rejected guess's append: transformers' modules are refused.
+    modules = load_backend("torch", model=tiny_model("llama"), dtype="float32", torch={"kv_cache_dtype": "int8", "native_step": False})
+    with pytest.raises(SystemExit) as refused:
+        refuse_unless_scores_guesses(modules, "the model's")
+    assert str(refused.value).endswith("step does not score guesses: over its int8 KV cache only the native step (native_step.c) scores guesses, "
+                                       "and it does not serve this model here")
 
 
 def test_lmis_speculative_draft_model_and_length_are_a_draft_models_speculation(tmp_path):
@@ -469,7 +509,7 @@ def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_li
         (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-method"),
         (["--speculative-method", "draft"], "--speculative-method draft needs --draft-model"),
         (["--speculative-method", "ngram", "--draft-model", "d"], "--draft-model is for --speculative-method draft or eagle, not ngram"),
-        (["--speculative-method", "ngram", "--kv-cache-dtype", "int8"], "--speculative-method with --kv-cache-dtype int8: not served yet"),
+        (["--speculative-method", "ngram", "--compile"], "--speculative-method with --compile is not served yet"),
     ]:
         with pytest.raises(SystemExit) as refused:
             main(["--model", "unused", *flags])

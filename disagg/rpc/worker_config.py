@@ -69,9 +69,6 @@ class WorkerConfig:
                              "(docs/neuron.md#speculation)")
         if self.backend != "torch":
             raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not {self.backend} (yet)")
-        if self.kv_cache_dtype is not None:
-            # A guess's K/V line, rejected, may have grown its 8-bit block's scale: the kept tokens' codes would differ from a run without it.
-            raise ValueError(f"--speculative-method with --kv-cache-dtype {self.kv_cache_dtype}: not served yet: a rejected guess can grow its block's scale")
         if self.compile:
             raise ValueError("--speculative-method with --compile is not served yet: the compiled step takes one row a sequence")
         return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)

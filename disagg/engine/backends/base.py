@@ -139,6 +139,11 @@ class Backend(abc.ABC):
         guesses: StepInputs.guess_index), each writing its K/V line and then attending up to its own position."""
         return False
 
+    @property
+    def guesses_refusal(self) -> str | None:
+        """Why this backend's step does not score guesses (scores_guesses), in a few words; None where it does."""
+        return None if self.scores_guesses else "its step takes one row a sequence"
+
     @abc.abstractmethod
     def allocate_slots(self, num_slots: int, num_blocks: int = 0, block_size: int = 0) -> int:
         """Allocates the decode KV cache once, for num_slots sequences at a time: num_blocks

@@ -359,8 +359,24 @@ class TorchBackend(Backend):
 
     @property
     def scores_guesses(self) -> bool:
-        """The eager steps (native, in-place attention, transformers' modules) do; the compiled step takes one row a sequence."""
-        return not self.compile
+        """The eager steps (native, in-place attention, transformers' modules) do; the compiled step takes one row a
+        sequence. Over an 8-bit KV cache only the native step does: its verify rows write and attend in turn, and a
+        rejected guess's append is undone (a scale it grew would change the kept lines' codes); before the slots
+        exist, where it may run."""
+        if self.compile:
+            return False
+        if self.kv_quantization is None:
+            return True
+        return self.native is not None if self.cache is not None else self.native_model is not None
+
+    @property
+    def guesses_refusal(self) -> str | None:
+        if self.scores_guesses:
+            return None
+        if self.compile:
+            return "its compiled step takes one row a sequence (run it with --no-compile)"
+        return (f"over its {self.config.kv_cache_dtype} KV cache only the native step (native_step.c) scores guesses, "
+                "and it does not serve this model here")
 
     def allocate_slots(self, num_slots: int, num_blocks: int = 0, block_size: int = 0) -> int:
         """The KV cache for num_slots sequences: num_blocks blocks of block_size positions
@@ -589,7 +605,8 @@ class TorchBackend(Backend):
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         if self.native is not None:
             hidden = [] if self.keep_hidden else None
-            logits = self.native.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len, hidden)
+            guesses = None if inputs.guess_index is None else inputs.guess_index > 0
+            logits = self.native.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len, hidden, guesses)
             self.step_hidden = hidden[0] if hidden else None
             return logits
         if not self.keep_hidden:
@@ -641,7 +658,9 @@ class TorchBackend(Backend):
         params = inputs.params.to(self.device)
         bitmask = inputs.token_bitmask() if inputs.token_bitmask is not None else None
         out = sample(logits, params, inputs.seeds, inputs.steps, self.config.global_topk, counts, in_prompt, inputs.top_logprobs, bitmask)
+        kept = None if inputs.guess_index is None else kept_rows(inputs.input_ids.to(self.device), inputs.guess_index.to(self.device), out.token_ids)
+        if self.native is not None and self.native.undo is not None:
+            self.native.roll_back(~kept)  # an 8-bit cache: blocks whose scale a rejected guess grew, as before it
         if inputs.penalized:
-            kept = slice(None) if inputs.guess_index is None else kept_rows(inputs.input_ids.to(self.device), inputs.guess_index.to(self.device), out.token_ids)
-            self.token_counts.add(slots[kept], out.token_ids[kept])
+            self.token_counts.add(slots if kept is None else slots[kept], out.token_ids if kept is None else out.token_ids[kept])
         return out

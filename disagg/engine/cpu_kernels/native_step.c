@@ -196,6 +196,20 @@ struct layer {
     long window; /* a sliding layer's window; 0: full attention */
 };
 
+/* A verify step over an 8-bit cache: a sequence's input row and its guesses' rows at consecutive
+ * positions. A guess's line may be rejected, yet appending it may have grown its block's scale and
+ * coded the block's earlier lines again: a step of one row a sequence would not have. So with a log,
+ * each row writes its lines and attends before the next row writes (row j reads the blocks as that
+ * step would have left them at its position), and a guess row saves the block and head's codes and
+ * scale before its append; native_roll_back puts back those of the rows whose guesses were not kept.
+ * Index [row][layer][2: keys, values][kv_head]. */
+struct undo_log {
+    const unsigned char *guess; /* [rows]: nonzero where the row's token is a guess */
+    unsigned char *saved;       /* nonzero where the row's append changed the block's scale (codes and scale saved) */
+    kv_t *codes;                /* the block's codes before the append: block_size * head_dim each */
+    float *scales;              /* and its scale */
+};
+
 /* Where the step's K/V lines go and its attention reads: per layer [blocks, kv_heads,
  * block_size, head_dim] with these strides (in floats); the decode worker's cache of
  * blocks, or one prompt's K/V (one block of all its positions). */
@@ -206,18 +220,32 @@ struct kv_cache {
      * b * scale_block_stride + h (NULL, and unread, where the cache holds the model's dtype). */
     float *const *key_scales, *const *value_scales;
     long scale_block_stride;
+    /* A verify step's undo log over an 8-bit cache (speculation), or NULL: see struct undo_log. */
+    const struct undo_log *undo;
 };
 
 /* Row line into the layer's `lines` (keys or values) at `offset` of block `block`, KV head kv:
  * stored in the model's dtype, or appended as codes under the block's scale (scales: the layer's). */
-static void write_line(const struct kv_cache *c, kv_t *lines, float *scales, long block, long offset, long kv, const float *line, long d) {
+static void write_line(const struct kv_cache *c, kv_t *lines, float *scales, long block, long offset, long kv, const float *line, long d,
+                       long undo_at) {
 #ifdef KV_SCALED
-    native_append_line(lines + block * c->block_stride + kv * c->head_stride, scales + block * c->scale_block_stride + kv, c->block_size, d, offset, line);
+    kv_t *codes = lines + block * c->block_stride + kv * c->head_stride;
+    float *scale = scales + block * c->scale_block_stride + kv;
+    const struct undo_log *u = c->undo;
+    long n = c->block_size * d;
+    if (undo_at >= 0) { /* a guess's line: the block as it was, in case the guess is not kept */
+        memcpy(u->codes + undo_at * n, codes, (size_t)n * sizeof(kv_t));
+        u->scales[undo_at] = *scale;
+    }
+    native_append_line(codes, scale, c->block_size, d, offset, line);
+    if (undo_at >= 0) /* NaN != NaN: a NaN scale counts as changed */
+        u->saved[undo_at] = !(*scale == u->scales[undo_at]);
 #else
-    (void)scales;
+    (void)scales, (void)undo_at;
     store_line(lines + block * c->block_stride + offset * c->pos_stride + kv * c->head_stride, line, d);
 #endif
 }
+
 
 /* Called once a layer's K/V lines are written (a prefill hands them on while later layers compute); nonzero stops the step. */
 typedef int (*layer_done_fn)(long layer);
@@ -302,6 +330,25 @@ static void rotate(const float *x, long heads, long d, const float *cos, const f
             o[i] = xh[i] * cos[i] + (-xh[i + half]) * sin[i];
             o[i + half] = xh[i + half] * cos[i + half] + xh[i] * sin[i + half];
         }
+    }
+}
+
+/* Row r's K and V lines of layer l, from its q/k/v product row (k rotated by its angles c, s; line: d floats of scratch)
+ * into its position's block. */
+static void write_row_lines(const struct model *m, const struct kv_cache *cache, const struct layer *L, long l, long r, const float *row,
+                            const float *c, const float *s, const long *tables, long table_stride, const long *positions, float *line) {
+    long d = m->head_dim, p = positions[r], bs = cache->block_size, block = tables[r * table_stride + p / bs];
+    kv_t *keys = cache->keys[l], *values = cache->values[l];
+    float *key_scales = cache->key_scales ? cache->key_scales[l] : 0, *value_scales = cache->value_scales ? cache->value_scales[l] : 0;
+    long undo_at = -1; /* where this row's saved blocks go in the log: keys at undo_at + kv, values kv_heads further */
+#ifdef KV_SCALED
+    if (cache->undo && cache->undo->guess[r])
+        undo_at = (r * m->layers + l) * 2 * m->kv_heads;
+#endif
+    for (long kv = 0; kv < m->kv_heads; kv++) {
+        rotate(row + L->k_col + kv * d, 1, d, c, s, line);
+        write_line(cache, keys, key_scales, block, p % bs, kv, line, d, undo_at < 0 ? -1 : undo_at + kv);
+        write_line(cache, values, value_scales, block, p % bs, kv, row + L->v_col + kv * d, d, undo_at < 0 ? -1 : undo_at + m->kv_heads + kv);
     }
 }
 
@@ -517,6 +564,7 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
 #endif
     for (long r = 0; r < rows; r++)
         load_line(x + r * hidden, m->embed + ids[r] * hidden, hidden);
+    int in_turn = cache->undo != 0; /* a verify step over an 8-bit cache: each row writes its lines, then attends, in order */
     for (long l = 0; l < m->layers; l++) {
         const struct layer *L = &m->layer[l];
         kv_t *keys = cache->keys[l], *values = cache->values[l];
@@ -524,14 +572,9 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
         rms_norm(x, rows, hidden, L->attn_norm, m->eps, h);
         product(m, may_share, h, rows, hidden, &L->qkv, wide);
         for (long r = 0; r < rows; r++) {
-            const float *row = wide + r * L->qkv.n, *c = cos + r * d, *s = sin + r * d;
-            long p = positions[r], bs = cache->block_size, block = tables[r * table_stride + p / bs];
-            rotate(row + L->q_col, m->q_heads, d, c, s, q + r * q_dim);
-            for (long kv = 0; kv < m->kv_heads; kv++) {
-                rotate(row + L->k_col + kv * d, 1, d, c, s, line);
-                write_line(cache, keys, key_scales, block, p % bs, kv, line, d);
-                write_line(cache, values, value_scales, block, p % bs, kv, row + L->v_col + kv * d, d);
-            }
+            rotate(wide + r * L->qkv.n + L->q_col, m->q_heads, d, cos + r * d, sin + r * d, q + r * q_dim);
+            if (!in_turn)
+                write_row_lines(m, cache, L, l, r, wide + r * L->qkv.n, cos + r * d, sin + r * d, tables, table_stride, positions, line);
         }
         if (layer_done && layer_done(l)) {
 #if defined(MODEL_BF16) && !defined(KV_SCALED)
@@ -546,7 +589,12 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
 #endif
         {
             struct attend_job job = layer_attention(m, cache, L, keys, values, key_scales, value_scales, table_stride);
-            if (!(share_attention && split_attention(m, job, rows, q, tables, positions, attended)))
+            if (in_turn)
+                for (long r = 0; r < rows; r++) {
+                    write_row_lines(m, cache, L, l, r, wide + r * L->qkv.n, cos + r * d, sin + r * d, tables, table_stride, positions, line);
+                    attend_rows(&job, q, tables, positions, r, 1, attended, scores);
+                }
+            else if (!(share_attention && split_attention(m, job, rows, q, tables, positions, attended)))
                 attend_rows(&job, q, tables, positions, 0, rows, attended, scores);
         }
         product(m, may_share, attended, rows, q_dim, &L->o, mixed);
@@ -566,3 +614,29 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
 #endif
     return 0;
 }
+
+#ifdef KV_SCALED
+/* After a verify step with an undo log (cache->undo): puts back, last row first, the codes and scale of every
+ * block and head whose scale the append of a row `rejected` marks (a guess not kept) changed, so the cache holds
+ * what steps of one row a sequence would have left. Lines past a sequence's kept length are never read. */
+void native_roll_back(const struct model *m, const struct kv_cache *cache, long rows, const long *tables, long table_stride, const long *positions,
+                      const unsigned char *rejected) {
+    const struct undo_log *u = cache->undo;
+    long n = cache->block_size * m->head_dim;
+    for (long r = rows - 1; r >= 0; r--) {
+        if (!rejected[r] || !u->guess[r])
+            continue;
+        long block = tables[r * table_stride + positions[r] / cache->block_size];
+        for (long l = 0; l < m->layers; l++)
+            for (long kind = 0; kind < 2; kind++)
+                for (long kv = 0; kv < m->kv_heads; kv++) {
+                    long at = ((r * m->layers + l) * 2 + kind) * m->kv_heads + kv;
+                    if (!u->saved[at])
+                        continue;
+                    kv_t *codes = (kind ? cache->values : cache->keys)[l] + block * cache->block_stride + kv * cache->head_stride;
+                    memcpy(codes, u->codes + at * n, (size_t)n * sizeof(kv_t));
+                    (kind ? cache->value_scales : cache->key_scales)[l][block * cache->scale_block_stride + kv] = u->scales[at];
+                }
+    }
+}
+#endif

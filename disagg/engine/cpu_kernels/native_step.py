@@ -34,6 +34,7 @@ import ctypes
 import functools
 import logging
 import pathlib
+from dataclasses import dataclass
 
 import torch
 from transformers.models.llama import modeling_llama
@@ -113,7 +114,30 @@ class _KvCache(ctypes.Structure):
         ("keys", ctypes.POINTER(ctypes.c_void_p)), ("values", ctypes.POINTER(ctypes.c_void_p)),
         ("block_stride", ctypes.c_long), ("head_stride", ctypes.c_long), ("pos_stride", ctypes.c_long), ("block_size", ctypes.c_long),
         ("key_scales", ctypes.POINTER(ctypes.c_void_p)), ("value_scales", ctypes.POINTER(ctypes.c_void_p)), ("scale_block_stride", ctypes.c_long),
+        ("undo", ctypes.c_void_p),
     ]
+
+
+class _UndoLog(ctypes.Structure):
+    """native_step.c's struct undo_log: a verify step's saved blocks over an 8-bit cache."""
+
+    _fields_ = [("guess", ctypes.c_void_p), ("saved", ctypes.c_void_p), ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
+
+
+@dataclass
+class UndoLog:
+    """One verify step's undo log over an 8-bit cache (native_step.c, struct undo_log): its rows' tables and
+    positions, which rows are guesses, and the blocks their appends changed, saved before."""
+
+    tables: torch.Tensor
+    positions: torch.Tensor
+    guess: torch.Tensor  # [rows] uint8
+    saved: torch.Tensor  # [rows, layers, 2, kv_heads] uint8
+    codes: torch.Tensor  # [rows, layers, 2, kv_heads, block_size * head_dim] of the codes' dtype
+    scales: torch.Tensor  # [rows, layers, 2, kv_heads] float32
+
+    def struct(self) -> _UndoLog:
+        return _UndoLog(*(t.data_ptr() for t in (self.guess, self.saved, self.codes, self.scales)))
 
 
 _LAYER_DONE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_long)
@@ -161,8 +185,10 @@ def _library(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> ctypes.
 
 
 def _declare_8_bit(library: ctypes.CDLL) -> None:
-    """An 8-bit build's own entry points: a line appended to one block and head, and codes of scaled values (its tests read them)."""
+    """An 8-bit build's own entry points: a verify step's roll-back, a line appended to one block and head, and
+    codes of scaled values (its tests read them)."""
     pointer, long = ctypes.c_void_p, ctypes.c_long
+    library.native_roll_back.argtypes, library.native_roll_back.restype = [pointer, pointer, long, pointer, long, pointer, pointer], None
     library.native_append_line.argtypes, library.native_append_line.restype = [pointer, pointer, long, long, long, pointer], None
     library.native_codes.argtypes, library.native_codes.restype = [pointer, long, pointer], None
 
@@ -330,6 +356,8 @@ class NativeModel:
         self.model.split_rows = ctypes.cast(self.kernel._split_rows, ctypes.c_void_p).value
         self.model.split_attention_bytes = SPLIT_ATTENTION_MIN_BYTES
         self.slot_cache: _KvCache | None = None
+        self.code_dtype: torch.dtype | None = None  # the attached cache's 8-bit codes, or None: in the model's dtype
+        self.undo: UndoLog | None = None
         # The decode steps' build and model struct: the prefill's, or an 8-bit cache's (see attach).
         self.step_library, self.step_model = self.library, self.model
 
@@ -364,16 +392,57 @@ class NativeModel:
             model.attention = ctypes.cast(attention._call, ctypes.c_void_p).value
         slot_cache = _kv_cache(cache.keys, cache.values, code_dtype or self.dtype, cache.key_scales, cache.value_scales)
         self.slot_cache, self.slot_shape, self.step_library, self.step_model = slot_cache, cache.keys[0].shape, library, model
+        self.code_dtype = code_dtype
+        self.undo: UndoLog | None = None  # the last verify step's over an 8-bit cache, until roll_back
 
-    def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int, hidden: list | None = None) -> torch.Tensor:
+    def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int, hidden: list | None = None,
+                      guesses: torch.Tensor | None = None) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step; row i is token input_ids[i] at
         positions[i] of the sequence whose block table is tables[i] ([n, blocks]; [n]: slots,
         one block each), its K/V line written there; its earlier positions hold its K/V.
-        hidden: where given, gets the rows' final hidden states [n, hidden] (float32, after the final norm)."""
+        hidden: where given, gets the rows' final hidden states [n, hidden] (float32, after the final norm).
+        guesses: [n] bool, a verify step's guess rows (a sequence's rows consecutive, in order): over an
+        8-bit cache their appends are logged, to be undone by roll_back where not kept."""
         tables, positions, input_ids = (t.to(torch.long).contiguous() for t in (tables, positions, input_ids))
         table_width = tables.shape[1] if tables.dim() == 2 else 1
         self._check_rows(tables, positions, input_ids, self.slot_shape[0], min(kv_len, table_width * self.slot_shape[2]))
-        return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model, hidden)
+        self.undo = None
+        if guesses is None or self.code_dtype is None or not bool(guesses.any()):
+            return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model, hidden)
+        undo = self._undo_log(tables, positions, guesses)
+        log_struct = undo.struct()
+        self.slot_cache.undo = ctypes.addressof(log_struct)
+        try:
+            return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model, hidden)
+        finally:
+            self.slot_cache.undo = None
+            self.undo = undo
+
+    def _undo_log(self, tables: torch.Tensor, positions: torch.Tensor, guesses: torch.Tensor) -> UndoLog:
+        rows, block_lines = len(positions), self.slot_shape[2] * self.head_dim
+        index = (rows, self.layers, 2, self.kv_heads)
+        return UndoLog(
+            tables, positions, guesses.to(torch.uint8).contiguous(), torch.zeros(index, dtype=torch.uint8),
+            torch.empty(*index, block_lines, dtype=self.code_dtype), torch.empty(index, dtype=torch.float32),
+        )
+
+    def roll_back(self, rejected: torch.Tensor) -> None:
+        """After a verify step over an 8-bit cache: the blocks whose scale the rows `rejected` marks ([n] bool: guesses
+        not kept) changed get back their codes and scales, as steps of one row a sequence would have left them."""
+        undo, self.undo = self.undo, None
+        if undo is None or not bool((rejected.to(torch.bool) & undo.guess.bool()).any()):
+            return
+        rejected = rejected.to(torch.uint8).contiguous()
+        if rejected.shape != undo.guess.shape:
+            raise ValueError(f"roll_back: {tuple(rejected.shape)} rows for a step of {tuple(undo.guess.shape)}")
+        log_struct = undo.struct()
+        self.slot_cache.undo = ctypes.addressof(log_struct)
+        try:
+            table_stride = undo.tables.stride(0) if undo.tables.dim() == 2 else 1
+            self.step_library.native_roll_back(ctypes.byref(self.step_model), ctypes.byref(self.slot_cache), len(undo.positions),
+                                               undo.tables.data_ptr(), table_stride, undo.positions.data_ptr(), rejected.data_ptr())
+        finally:
+            self.slot_cache.undo = None
 
     def prefill_logits(self, token_ids: list[int], on_layer: LayerKvCallback, prefix_kv=None) -> torch.Tensor:
         """[1, vocab]: the logits after the prompt; each layer's K/V [kv_heads, tokens,
