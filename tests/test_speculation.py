@@ -500,6 +500,19 @@ def test_a_mixed_batch_gets_what_each_request_gets_alone(speculating_cluster, ll
     assert_nothing_held(speculating_cluster)
 
 
+def test_speculation_and_an_8_bit_kv_cache_run_eagerly_unless_compile_is_asked_for():
+    """CUDA's default is the compiled step, which takes one row a sequence in one slot each: speculation and an
+    8-bit KV cache make the default eager (as vLLM falls back), and --compile with either is refused."""
+    from decode_worker.config import DecodeWorkerConfig
+
+    assert DecodeWorkerConfig(model="m").compile_choice() is None  # the backend's default: compiled on CUDA only
+    assert DecodeWorkerConfig(model="m", compile=True).compile_choice() is True
+    assert DecodeWorkerConfig(model="m", speculative_method="ngram").compile_choice() is False
+    assert DecodeWorkerConfig(model="m", kv_cache_dtype="fp8").compile_choice() is False
+    with pytest.raises(ValueError, match="--speculative-method with --compile is not served yet"):
+        DecodeWorkerConfig(model="m", speculative_method="ngram", compile=True)
+
+
 def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_line():
     """The worker's own entry point: SystemExit with the line it prints, before anything loads."""
     from decode_worker.__main__ import main

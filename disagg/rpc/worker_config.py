@@ -47,6 +47,14 @@ class WorkerConfig:
     def __post_init__(self):
         self.speculation()  # a combination not served yet is refused before anything loads
 
+    def compile_choice(self) -> bool | None:
+        """--compile as the torch backend takes it: given, or None (its default: compiled on CUDA), except that
+        speculation and an 8-bit KV cache run eagerly unless --compile is given (then refused): the compiled step
+        keeps one slot of every position per sequence and takes one row a sequence, as vLLM's eager fallbacks."""
+        if self.compile is None and (self.speculative_method is not None or self.kv_cache_dtype is not None):
+            return False
+        return self.compile
+
     def quantization_options(self) -> dict:
         """The quantization settings as the backends take them."""
         return dict(quantization=self.quantization, quantization_type=self.quantization_type, quantization_skip=tuple(self.quantization_skip))
