@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--eagle-head", default=None, help="the EAGLE head (default with the default model: one trained for TARGET on first use, "
                         "disagg/tools/tiny_eagle.py)")
     parser.add_argument("--systems", default="plain,ngram,draft,eagle", help="which of ours to run: plain, ngram, draft, eagle")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8"], help="every system of ours over an 8-bit KV cache")
     parser.add_argument("--rounds", type=int, default=3, help="each point measured this many times for every system in turn (median)")
     parser.add_argument("--only-peers", action="store_true", help="measure the --peer servers alone")
     args = parser.parse_args()
@@ -171,7 +172,8 @@ def main() -> None:
     if args.eagle_head or not args.model:
         systems["eagle"] = ["--speculative-method", "eagle", "--draft-model", args.eagle_head or str(ensure_eagle_head(model, EAGLE_STEPS)), *guesses]
     systems = {name: systems[name] for name in args.systems.split(",")} if not args.only_peers else {}
-    results = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": model, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M")}
+    results = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": model, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M"),
+               "kv_cache_dtype": args.kv_cache_dtype}
     peers = {}
     for peer in args.peer:  # servers already running, over their OpenAI API: the same prompts as token ids
         name, url = peer.split("=", 1)
@@ -179,7 +181,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         measured = {}
         for name, flags in systems.items():  # all of ours up at once: each point measured for each in turn
-            spec = ClusterSpec(model=model, batch_size=max(streams), worker_args=flags, log_dir=f"/tmp/bench-speculation-{name}")
+            kv = ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
+            spec = ClusterSpec(model=model, batch_size=max(streams), worker_args=[*flags, *kv], log_dir=f"/tmp/bench-speculation-{name}")
             cluster = stack.enter_context(LocalCluster(spec))
             measured[name] = (lambda address=cluster.router_address: AsyncClient(address, timeout=900),
                               lambda cluster=cluster: speculation_counters(cluster))
