@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 
 import llguidance
-import llguidance.torch
 import torch
 
 log = logging.getLogger(__name__)
@@ -54,8 +53,15 @@ class RowMatcher:
         self.guessed = 0
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Writes the allowed next tokens into bitmask[row] (EOS only once the grammar is done or failed)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        """Writes the allowed next tokens into bitmask[row] (EOS only once the grammar is done or failed).
+
+        The matcher writes the row's words itself, as llguidance.torch.fill_next_token_bitmask has it do; that
+        module is not imported: it compiles a kernel with torch.compile at import, which loads TorchDynamo and
+        Inductor (about 2 s of every worker's start, for a function this project does not call)."""
+        if bitmask.dtype != torch.int32 or not bitmask.is_cpu or bitmask.dim() != 2 or not bitmask[row].is_contiguous():
+            raise ValueError(f"a token bitmask is [rows, words] int32 on the CPU, rows contiguous: got {tuple(bitmask.shape)} {bitmask.dtype}")
+        words = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     @property
     def done(self) -> bool:
