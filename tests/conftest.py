@@ -137,9 +137,9 @@ def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, d
     """A router and its workers as processes; transport: --kv-transport on every worker (None: the default).
 
     compile: the decode workers compile their step (their default on CUDA). The
-    shared llama cluster (exactness, concurrency, every API test) and the Gemma 2
-    sliding-window cluster run compiled on CPU too; the rest eager, to keep CI
-    short (each model's compile costs about a minute here).
+    shared llama cluster (exactness, concurrency, every API test) runs compiled on
+    CPU too; the rest eager, to keep CI short (each model's compile costs about a
+    minute here; tests/test_compiled.py compiles each architecture in process).
 
     Each worker runs one torch thread unless the test asks otherwise (threads_per_worker):
     the launcher's default splits the machine's cores, and the float32 C kernels run only

@@ -499,10 +499,18 @@ class LocalCluster:
         return out
 
     def wait_until_idle(self, within: float = 2.0) -> dict[str, list[int]]:
-        """held() once every live worker holds nothing, or as it stands after `within` seconds."""
+        """held() once every live worker holds nothing, or as it stands after `within` seconds. A worker that
+        does not answer yet (UNAVAILABLE: restarted a moment ago, its connection refused or reset) is asked
+        again until then."""
         deadline = time.monotonic() + within
         while True:
-            held = self.held()
+            try:
+                held = self.held()
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+                continue
             if all(not any(v) for v in held.values()) or time.monotonic() > deadline:
                 return held
             time.sleep(0.02)
