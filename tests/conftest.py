@@ -147,6 +147,9 @@ def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, d
     from disagg.tools.local_cluster import ClusterSpec, LocalCluster
 
     spec.setdefault("threads_per_worker", 1)
+    # Forked from one process that imported torch and transformers (disagg/tools/forked_launch.py): a cluster starts in
+    # about 2.7 s here instead of 7.5, over a hundred clusters a run. Each part is still a process of its own.
+    spec.setdefault("forked", True)
 
     name = f"{architecture}-{prefill}p{decode}d" + (f"-{transport}" if transport else "")
     if transport:

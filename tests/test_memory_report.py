@@ -43,7 +43,8 @@ def test_a_file_two_processes_map_is_shared_and_each_pays_half_in_its_pss(tmp_pa
 
 
 def test_workers_report_their_memory_in_get_load_and_their_metrics(cluster_logs):
-    cluster = start_cluster(cluster_logs / "memory-report", "llama", prefill=1, decode=1, batch_size=2)
+    # Launched as `python -m`: a fork shares its libraries' pages with the fork server, which lowers its proportional memory.
+    cluster = start_cluster(cluster_logs / "memory-report", "llama", prefill=1, decode=1, batch_size=2, forked=False)
     try:
         for process in cluster.processes[:2]:
             role = process.name.split("-")[0]

@@ -78,6 +78,7 @@ class ClusterSpec:
     stall_seconds: float = 60.0  # a compiling worker whose heartbeat is older than this is stuck
     silence: float = 120.0  # a starting part with no progress (CPU time, a new phase) for this long has failed its start
     compile_timeout: float | None = None  # at most this long compiling (None: as long as it makes progress)
+    forked: bool = False  # parts forked from a process that imported their libraries (forked_launch.py: the test suite's)
 
     def worker_threads(self, role: str) -> int:
         """torch threads for a worker of this role: threads_per_worker, else the machine's cores
@@ -360,6 +361,12 @@ class LocalCluster:
                 lower_priority(nice)
 
         env = {**os.environ, **self._env[name]} if name in self._env else None
+        if self.spec.forked and command[1:2] == ["-m"]:
+            from disagg.tools.forked_launch import ForkedPart
+
+            if log:
+                log.close()
+            return ForkedPart(command[2], command[3:], env or dict(os.environ), self.log_path(name) if log else None, cpus=cpus, nice=nice)
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=env, start_new_session=True,
                                 preexec_fn=place if cpus or nice else None)
 
