@@ -10,8 +10,9 @@ exit code, running the same `python -m MODULE` entry point.
 What differs from `python -m MODULE` (so this is opt-in: ClusterSpec.forked, set by the
 tests, never by `disagg serve`): the libraries were imported with the environment of the
 first launch (the environment a part is given still applies to everything imported after:
-every module of this project reads its variables when it runs), OpenMP's settings
-among them (the tests' workers run one torch thread, where OpenMP starts no team); and
+every module of this project reads its variables when it runs; PYTHONPATH's entries go
+first on sys.path, as a new interpreter puts them), OpenMP's settings among them (the
+tests' workers run one torch thread, where OpenMP starts no team); and
 pages the libraries' import wrote are shared with the fork server until written, so a
 part's proportional memory reads lower (tests/test_memory_report.py launches its own).
 """
@@ -51,6 +52,8 @@ def _run(module: str, argv: list[str], env: dict[str, str], log_path: str | None
         os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    # A new interpreter puts PYTHONPATH before the libraries on sys.path (the tests point parts at stand-ins with it).
+    sys.path[0:0] = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in sys.path]
     if cpus:
         os.sched_setaffinity(0, cpus)
     if nice:
