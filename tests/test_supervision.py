@@ -205,7 +205,8 @@ def test_disagg_serve_restarts_a_killed_decode_worker_and_the_router_and_every_s
 @pytest.fixture
 def one_prefill(cluster_logs, request):
     # The gRPC push: a send the test can hold mid-transfer (a NIXL pull killed midway: tests/test_kv_nixl_faults.py).
-    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, transport="grpc", batch_size=4, router_args=WAIT_FOR_WORKERS)
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=1, transport="grpc", batch_size=4, router_args=WAIT_FOR_WORKERS,
+                            forked=False)  # restarts as `python -m`: the router sees each worker away before it returns (its metrics count that)
     yield cluster
     cluster.stop()
 
@@ -246,7 +247,8 @@ def test_the_only_prefill_worker_killed_mid_prefill_and_mid_transfer_is_restarte
 
 @pytest.fixture
 def two_decode(cluster_logs, request):
-    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=2, batch_size=4, router_args=WAIT_FOR_WORKERS)
+    cluster = start_cluster(cluster_logs / request.node.name, "llama", prefill=1, decode=2, batch_size=4, router_args=WAIT_FOR_WORKERS,
+                            forked=False)  # as above
     yield cluster
     cluster.stop()
 
