@@ -357,7 +357,7 @@ class NativeModel:
         self.model.split_attention_bytes = SPLIT_ATTENTION_MIN_BYTES
         self.slot_cache: _KvCache | None = None
         self.code_dtype: torch.dtype | None = None  # the attached cache's 8-bit codes, or None: in the model's dtype
-        self.undo: UndoLog | None = None
+        self.undo: UndoLog | None = None  # the last verify step's over an 8-bit cache, until roll_back
         # The decode steps' build and model struct: the prefill's, or an 8-bit cache's (see attach).
         self.step_library, self.step_model = self.library, self.model
 
@@ -393,7 +393,7 @@ class NativeModel:
         slot_cache = _kv_cache(cache.keys, cache.values, code_dtype or self.dtype, cache.key_scales, cache.value_scales)
         self.slot_cache, self.slot_shape, self.step_library, self.step_model = slot_cache, cache.keys[0].shape, library, model
         self.code_dtype = code_dtype
-        self.undo: UndoLog | None = None  # the last verify step's over an 8-bit cache, until roll_back
+        self.undo = None
 
     def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int, hidden: list | None = None,
                       guesses: torch.Tensor | None = None) -> torch.Tensor:
@@ -406,17 +406,14 @@ class NativeModel:
         tables, positions, input_ids = (t.to(torch.long).contiguous() for t in (tables, positions, input_ids))
         table_width = tables.shape[1] if tables.dim() == 2 else 1
         self._check_rows(tables, positions, input_ids, self.slot_shape[0], min(kv_len, table_width * self.slot_shape[2]))
-        self.undo = None
-        if guesses is None or self.code_dtype is None or not bool(guesses.any()):
-            return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model, hidden)
-        undo = self._undo_log(tables, positions, guesses)
-        log_struct = undo.struct()
-        self.slot_cache.undo = ctypes.addressof(log_struct)
+        logged = guesses is not None and self.code_dtype is not None and bool(guesses.any())
+        self.undo = self._undo_log(tables, positions, guesses) if logged else None
+        log_struct = self.undo.struct() if logged else None  # alive for the call: the C side points at it
+        self.slot_cache.undo = ctypes.addressof(log_struct) if logged else None
         try:
             return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model, hidden)
         finally:
             self.slot_cache.undo = None
-            self.undo = undo
 
     def _undo_log(self, tables: torch.Tensor, positions: torch.Tensor, guesses: torch.Tensor) -> UndoLog:
         rows, block_lines = len(positions), self.slot_shape[2] * self.head_dim
@@ -430,11 +427,13 @@ class NativeModel:
         """After a verify step over an 8-bit cache: the blocks whose scale the rows `rejected` marks ([n] bool: guesses
         not kept) changed get back their codes and scales, as steps of one row a sequence would have left them."""
         undo, self.undo = self.undo, None
-        if undo is None or not bool((rejected.to(torch.bool) & undo.guess.bool()).any()):
+        if undo is None:
             return
-        rejected = rejected.to(torch.uint8).contiguous()
         if rejected.shape != undo.guess.shape:
             raise ValueError(f"roll_back: {tuple(rejected.shape)} rows for a step of {tuple(undo.guess.shape)}")
+        if not bool((rejected.to(torch.bool) & undo.guess.bool()).any()):
+            return
+        rejected = rejected.to(torch.uint8).contiguous()
         log_struct = undo.struct()
         self.slot_cache.undo = ctypes.addressof(log_struct)
         try:
