@@ -658,9 +658,12 @@ class TorchBackend(Backend):
         params = inputs.params.to(self.device)
         bitmask = inputs.token_bitmask() if inputs.token_bitmask is not None else None
         out = sample(logits, params, inputs.seeds, inputs.steps, self.config.global_topk, counts, in_prompt, inputs.top_logprobs, bitmask)
-        kept = None if inputs.guess_index is None else kept_rows(inputs.input_ids.to(self.device), inputs.guess_index.to(self.device), out.token_ids)
-        if self.native is not None and self.native.undo is not None:
-            self.native.roll_back(~kept)  # an 8-bit cache: blocks whose scale a rejected guess grew, as before it
+        undo = self.native is not None and self.native.undo is not None  # a verify step over an 8-bit cache
+        kept = None  # every row; else the rows whose tokens their sequences keep
+        if inputs.guess_index is not None and (inputs.penalized or undo):
+            kept = kept_rows(inputs.input_ids.to(self.device), inputs.guess_index.to(self.device), out.token_ids)
+        if undo:
+            self.native.roll_back(~kept)  # blocks whose scale a rejected guess grew, as before it
         if inputs.penalized:
             self.token_counts.add(slots if kept is None else slots[kept], out.token_ids if kept is None else out.token_ids[kept])
         return out
