@@ -1,9 +1,11 @@
 """Speculative decoding's benchmark: closed-loop tok/s of `disagg serve`'s cluster with and without
 --speculative-method, on two workloads, at several stream counts, in one run.
 
-  repeating: the output largely repeats the prompt. Each prompt is a paragraph of the model's
-             training text and then its first words again: the trained model goes on to recite it
-             (as an edit or a summary repeats its source), and prompt lookup finds what comes next.
+  repeating: the output largely repeats the prompt. Each prompt is a document of four consecutive
+             paragraphs of the training text, then the document's first words again: the model goes on
+             to recite it (as an edit or a summary repeats its source), and prompt lookup finds what
+             comes next. TARGET and DRAFT learnt to (tinymodel's "recital" rows); the document (100-130
+             tokens) is longer than the output, so all of the output is recital where the model holds.
   free:      the first words of a paragraph alone: nothing in the prompt to look up.
 
 Both greedy, ignore_eos, --output-len tokens out; max(12, 4 x streams) requests per stream count
@@ -44,12 +46,14 @@ from disagg.tools.tinymodel import TinyModelSpec, ensure_tiny_model, paragraphs 
 
 # The target: trained on the local text as the tests' models are, large enough that a step's weights,
 # not the service's per-token work, set the pace (26M parameters, where `disagg serve`'s default
-# model's step takes 0.3 ms and the router's per-token work 0.5 ms). About 6 minutes to train here.
+# model's step takes 0.3 ms and the router's per-token work 0.5 ms). It learns to recite a document it is
+# given (tinymodel's recital rows: a document, then the document again). About 15 minutes to train here.
 TARGET = TinyModelSpec(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=2,
-                       max_position_embeddings=2048, train_steps=300, learning_rate=1e-3)
+                       max_position_embeddings=2048, train_steps=400, learning_rate=1e-3, training_text="recital")
 # Its draft: the same tokenizer (vocabulary size and text), a fifth of its width and two layers: about 1/50 of its weights.
 DRAFT = TinyModelSpec(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1,
-                      max_position_embeddings=2048, train_steps=300)
+                      max_position_embeddings=2048, train_steps=400, training_text="recital")
+DOCUMENT_PARAGRAPHS = 4
 # Its EAGLE head: one layer of its width over its own hidden states (disagg/tools/tiny_eagle.py), a fifth of its weights.
 EAGLE_STEPS = 600
 
@@ -59,8 +63,14 @@ class _NoBar:
         pass
 
 
-def workload(tokenizer, name: str, count: int, output_len: int) -> list[RequestSpec]:
+def documents(count: int) -> list[str]:
+    """The repeating workload's documents: DOCUMENT_PARAGRAPHS consecutive paragraphs (wrapping around), from each in turn."""
     texts = paragraphs()
+    return [" ".join(texts[(i + j) % len(texts)] for j in range(DOCUMENT_PARAGRAPHS)) for i in range(count)]
+
+
+def workload(tokenizer, name: str, count: int, output_len: int) -> list[RequestSpec]:
+    texts = documents(count) if name == "repeating" else paragraphs()
     specs = []
     for i in range(count):
         text = texts[i % len(texts)]
@@ -142,7 +152,7 @@ def cpu_model() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: TARGET, trained on first use: about 8 minutes here)")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: TARGET, trained on first use: about 15 minutes here)")
     parser.add_argument("--streams", default="1,4,16,64")
     parser.add_argument("--workloads", default="repeating,free")
     parser.add_argument("--output-len", type=int, default=96)

@@ -56,16 +56,19 @@ class TinyModelSpec:
     sliding_window: int | None = None  # for architectures that have one
     saved_dtype: str = "float32"  # the checkpoint's tensors (bfloat16 halves a large shape's file)
     held_out_every: int = 0  # n: every n-th paragraph (0, n, 2n, ...) is left out of training, for held-out evaluations
-    # What it is trained on: "prose" (the paragraphs of CORPUS), or "tool-chat": those and chat transcripts
-    # through CHAT_TEMPLATE with tools, where the assistant calls a tool or answers in text (TOOL_CHAT_TOOLS).
+    # What it is trained on: "prose" (the paragraphs of CORPUS); "tool-chat": those and chat transcripts
+    # through CHAT_TEMPLATE with tools, where the assistant calls a tool or answers in text (TOOL_CHAT_TOOLS);
+    # or "recital": texts followed by themselves (recital_row), so the model learns to copy what its context holds.
     training_text: str = "prose"
     learning_rate: float = 3e-3  # AdamW's: wider models need less (at 640 wide and 10 layers 3e-3 diverged to one token)
 
     def cache_key(self) -> str:
         # Fields added since the first checkpoints count only when set, so those keep their keys.
         fields = {name: value for name, value in asdict(self).items() if LATER_FIELDS.get(name, object()) != value}
-        if self.training_text != "prose":  # the transcripts are made by code here: their text is the key, not the code
+        if self.training_text == "tool-chat":  # the transcripts are made by code here: their text is the key, not the code
             fields["training_rows"] = training_rows(self)
+        elif self.training_text == "recital":
+            fields["recital"] = RECITAL_VERSION
         if self.vocab_size > PLACEHOLDER_MIN_VOCAB:  # since 2026-11-27 its placeholders are vocabulary entries, not added tokens
             fields["placeholders"] = "vocabulary"
         blob = json.dumps({**fields, "corpus": CORPUS.read_text(), "v": _VERSION, "chat_template": CHAT_TEMPLATE}, sort_keys=True)
@@ -157,6 +160,25 @@ def training_rows(spec: TinyModelSpec) -> list[str]:
     return rows + [text for text, times in tool_chat_transcripts() for _ in range(times)]
 
 
+# -- The reciting model's rows (training_text="recital") -----------------------------------------------------------
+# A model trained on 64-token windows of the paragraphs does not recite a document it is given: asked to go on
+# with a text it has just read, it strays within a few words. Real models repeat their source where a task asks
+# it (an edit, a summary, code with a small change), and prompt lookup exists for that. These rows teach it: a
+# document of 1-4 paragraphs in the corpus's order (from any one, wrapping around), a space, the document again.
+# The model learns the paragraphs and their order, so given a document and its first words it goes on with the
+# document. (Rows in a random order, where what follows a paragraph can only be read from the context, did not
+# train to a model that recites here: after 600 steps it still lost its place at most paragraph ends.)
+RECITAL_VERSION = 2  # bump when recital_row changes
+
+
+def recital_row(rng: random.Random, paragraph_ids: list[int], texts: list[str], tokenizer) -> list[int]:
+    """One training row: a document of consecutive texts, a space, the same document again (no EOS: the
+    model is never taught to stop where the second copy ends, which it cannot see coming)."""
+    start, count = rng.randrange(len(paragraph_ids)), rng.randint(1, min(4, len(paragraph_ids)))
+    document = " ".join(texts[paragraph_ids[(start + j) % len(paragraph_ids)]] for j in range(count))
+    return tokenizer(f"{document} {document}")["input_ids"]
+
+
 def build_tokenizer(vocab_size: int, texts: list[str] | None = None):
     """A byte-level BPE of vocab_size tokens, its merges learnt from texts (the paragraphs unless given)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -230,8 +252,10 @@ def _config(spec: TinyModelSpec, tokenizer):
 def _train(model, tokenizer, spec: TinyModelSpec) -> None:
     import torch
 
-    if spec.training_text != "prose":
+    if spec.training_text == "tool-chat":
         return _train_rows(model, tokenizer, spec)
+    if spec.training_text == "recital":
+        return _train_recital(model, tokenizer, spec)
 
     # One stream of paragraphs, each followed by EOS, so the model learns to stop.
     stream: list[int] = []
@@ -256,15 +280,26 @@ def _train(model, tokenizer, spec: TinyModelSpec) -> None:
 
 def _train_rows(model, tokenizer, spec: TinyModelSpec) -> None:
     """Trains on whole rows (a transcript is one sequence, not a window across two), each ending in EOS."""
+    rows = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in training_rows(spec)]
+    _fit_rows(model, tokenizer, spec, lambda rng: [rows[rng.randrange(len(rows))] for _ in range(16)])
+
+
+def _train_recital(model, tokenizer, spec: TinyModelSpec) -> None:
+    """Trains on recital rows (recital_row) of the paragraphs not held out, 8 a step (they are 4-8 times a window's length)."""
+    texts = paragraphs()
+    trained = [i for i in range(len(texts)) if not (spec.held_out_every and i % spec.held_out_every == 0)]
+    _fit_rows(model, tokenizer, spec, lambda rng: [recital_row(rng, trained, texts, tokenizer) for _ in range(8)])
+
+
+def _fit_rows(model, tokenizer, spec: TinyModelSpec, batch_of) -> None:
+    """spec.train_steps steps of AdamW over batch_of(rng)'s rows, padded at the end."""
     import torch
 
-    rows = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in training_rows(spec)]
-    batch = 16
     rng = random.Random(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
     model.train()
     for _ in range(spec.train_steps):
-        picked = [rows[rng.randrange(len(rows))] for _ in range(batch)]
+        picked = batch_of(rng)
         width = max(map(len, picked))
         # Padded at the end, so no attention mask: causal attention never looks ahead at the padding; its labels are ignored.
         ids = torch.tensor([row + [tokenizer.eos_token_id] * (width - len(row)) for row in picked])
@@ -283,7 +318,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
 
     out = pathlib.Path(out_dir)
     torch.manual_seed(spec.seed)
-    tokenizer = build_tokenizer(spec.vocab_size, None if spec.training_text == "prose" else training_rows(spec))
+    tokenizer = build_tokenizer(spec.vocab_size, training_rows(spec) if spec.training_text == "tool-chat" else None)
     config = _config(spec, tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
