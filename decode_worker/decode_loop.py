@@ -63,6 +63,7 @@ from disagg.engine.faults import FailureStreak, describe
 from disagg.engine.requests import FinishReason, Sampling, Stopping, TokenLogprobs, token_finish
 from disagg.engine.sampler import SampleOutput, params_row
 from disagg.engine.speculation import SpeculationConfig
+from disagg.engine.speculation.payoff import StepPayoff
 from disagg.engine.speculation.proposers import NgramProposer
 from disagg.engine.speculation.rows import RowSpeculation
 from disagg.engine.threads import pin_this_thread
@@ -151,6 +152,8 @@ class DecodeLoop:
         # Guesses: the draft model's or EAGLE head's (speculation/draft.py, eagle.py; given by the worker) or prompt lookup's.
         self.proposer = proposer if proposer is not None or speculation is None else NgramProposer()
         self._after_step = getattr(self.proposer, "after_step", None)
+        self._payoff = StepPayoff() if speculation is not None else None  # whether guessing pays, per batch size
+        self._last_taken_in: float | None = None  # when the loop last took in a step's output (None after idle)
         self.backend = backend
         self._decode_step = decode_step or backend.decode_step  # the worker may put the test-only fault hook in front
         self._on_fatal = on_fatal or (lambda cause: None)
@@ -222,6 +225,8 @@ class DecodeLoop:
     def _serve(self) -> None:
         in_flight: _Step | None = None
         while True:
+            if in_flight is None and not self._active:
+                self._last_taken_in = None  # the next step follows an idle wait: not a step's own time
             self._drain_inbox(block=in_flight is None and not self._active and not self._stopping)
             if self._stopping:
                 break
@@ -256,9 +261,19 @@ class DecodeLoop:
         if self.speculation is None or len(self._active) > self.speculation.max_batch:
             return False
         ready = [s.speculation for s in self._active.values() if s.speculation is not None and s.speculation.ready]
-        if len(self._active) <= self.speculation.rest_above:
+        batch = len(self._active)
+        if batch <= self.speculation.rest_above or not ready:
             return bool(ready)
-        return sum(row.expected for row in ready) >= self.speculation.worth_share * len(self._active)
+        expected = sum(row.expected for row in ready)
+        promising = expected >= self.speculation.worth_share * batch
+        return self._payoff.worth_guessing(batch, batch + expected, promising)
+
+    def _measure_payoff(self, step: _Step, taken_in: float, emitted: int) -> None:
+        """The step's share of the loop's time: since the step before it was taken in (async: the pipeline's
+        period; with guesses: the wait, the proposals and the step), with what it emitted."""
+        if self._payoff is not None and self._last_taken_in is not None:
+            self._payoff.observe(len(step.rows), step.speculative, taken_in - self._last_taken_in, emitted)
+        self._last_taken_in = taken_in
 
     def _take_in_arrivals(self, queued: _Step | None, running: _Step) -> _Step | None:
         """Until step k (`running`) ends, step k+1 (`queued`) only waits behind it on the
@@ -541,6 +556,7 @@ class DecodeLoop:
         try:
             output: SampleOutput = step.output.result()
             tokens = output.token_ids.tolist()  # the one host/device sync of a step
+            taken_in = time.perf_counter()
             logprobs = output.rows([s.sampling.logprobs for s, g in zip(step.rows, step.guesses) for _ in range(1 + len(g))])
         except Exception as exc:  # whatever the step raised (device, allocation, bounds check): its rows fail, the loop goes on
             self._step_failed(step, self.backend.device_error(exc))
@@ -559,6 +575,7 @@ class DecodeLoop:
                 if seq.matcher is not None:  # this step's masks are done with (the step was processed first): no other thread holds it
                     seq.matcher.keep_guesses(len(kept) - 1)
             events.append(self._emit(seq, kept, logprobs[first : first + len(kept)]))
+        self._measure_payoff(step, taken_in, sum(len(e.token_ids) for e in events))
         self.stats.steps += 1
         self.stats.tokens += sum(len(e.token_ids) for e in events)
         self.stats.last_batch_size = len(step.rows)
