@@ -14,7 +14,8 @@ over by the next step.
 Proposers (proposers.py): `ngram` (prompt lookup, ngram.py), `draft` (a smaller model with the
 same tokenizer, draft.py) and `eagle` (a draft head over the model's own hidden states, eagle.py).
 The number of guesses a row gets
-follows its acceptance (acceptance.AdaptiveLength), down to none.
+follows its acceptance (acceptance.AdaptiveLength), down to none, and whether a step of several
+sequences guesses at all follows its measured payoff (payoff.py).
 """
 
 from __future__ import annotations
