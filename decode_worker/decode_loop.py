@@ -154,6 +154,7 @@ class DecodeLoop:
         self._after_step = getattr(self.proposer, "after_step", None)
         self._payoff = StepPayoff() if speculation is not None else None  # whether guessing pays, per batch size
         self._last_taken_in: float | None = None  # when the loop last took in a step's output (None after idle)
+        self._last_guessed = False  # whether that step had guesses
         self.backend = backend
         self._decode_step = decode_step or backend.decode_step  # the worker may put the test-only fault hook in front
         self._on_fatal = on_fatal or (lambda cause: None)
@@ -270,10 +271,12 @@ class DecodeLoop:
 
     def _measure_payoff(self, step: _Step, taken_in: float, emitted: int) -> None:
         """The step's share of the loop's time: since the step before it was taken in (async: the pipeline's
-        period; with guesses: the wait, the proposals and the step), with what it emitted."""
-        if self._payoff is not None and self._last_taken_in is not None:
+        period; with guesses: the wait, the proposals and the step), with what it emitted. Not the first step
+        without guesses after one with them: it ran alone, before the pipeline filled again, so its time is
+        not the async period that steps without guesses are measured by."""
+        if self._payoff is not None and self._last_taken_in is not None and (step.speculative or not self._last_guessed):
             self._payoff.observe(len(step.rows), step.speculative, taken_in - self._last_taken_in, emitted)
-        self._last_taken_in = taken_in
+        self._last_taken_in, self._last_guessed = taken_in, step.speculative
 
     def _take_in_arrivals(self, queued: _Step | None, running: _Step) -> _Step | None:
         """Until step k (`running`) ends, step k+1 (`queued`) only waits behind it on the
