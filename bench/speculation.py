@@ -6,7 +6,9 @@
              to recite it (as an edit or a summary repeats its source), and prompt lookup finds what
              comes next. TARGET and DRAFT learnt to (tinymodel's "recital" rows); the document (100-130
              tokens) is longer than the output, so all of the output is recital where the model holds.
-  free:      the first words of a paragraph alone: nothing in the prompt to look up.
+  free:      the first words of a paragraph alone: nothing in the prompt to look up (the reciting
+             TARGET goes on with the paragraphs that follow and then repeats them, so prompt
+             lookup still finds its own output's earlier tokens).
 
 Both greedy, ignore_eos, --output-len tokens out; max(12, 4 x streams) requests per stream count
 after a warm-up of one request per stream. Every system is up at once and each point is measured for

@@ -44,3 +44,12 @@ def test_a_recital_row_is_consecutive_paragraphs_then_the_same_document():
         count = next(n for n in range(1, 5) if " ".join(texts[(start + j) % len(texts)] for j in range(n)) == first)
         counts.add(count)
     assert counts == {1, 2, 3, 4}
+
+
+def test_a_training_text_it_does_not_know_is_refused():
+    import pytest
+
+    from disagg.tools.tinymodel import TinyModelSpec
+
+    with pytest.raises(ValueError, match="training_text 'recitals'"):
+        TinyModelSpec(training_text="recitals")

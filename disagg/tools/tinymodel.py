@@ -58,9 +58,14 @@ class TinyModelSpec:
     held_out_every: int = 0  # n: every n-th paragraph (0, n, 2n, ...) is left out of training, for held-out evaluations
     # What it is trained on: "prose" (the paragraphs of CORPUS); "tool-chat": those and chat transcripts
     # through CHAT_TEMPLATE with tools, where the assistant calls a tool or answers in text (TOOL_CHAT_TOOLS);
-    # or "recital": texts followed by themselves (recital_row), so the model learns to copy what its context holds.
+    # or "recital": documents of consecutive paragraphs followed by themselves (recital_row), so given a document
+    # and its first words the model recites it.
     training_text: str = "prose"
     learning_rate: float = 3e-3  # AdamW's: wider models need less (at 640 wide and 10 layers 3e-3 diverged to one token)
+
+    def __post_init__(self):
+        if self.training_text not in TRAINING_TEXTS:  # a misspelt one would train on prose, unnoticed
+            raise ValueError(f"training_text {self.training_text!r}: expected one of {', '.join(TRAINING_TEXTS)}")
 
     def cache_key(self) -> str:
         # Fields added since the first checkpoints count only when set, so those keep their keys.
@@ -75,6 +80,7 @@ class TinyModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+TRAINING_TEXTS = ("prose", "tool-chat", "recital")
 LATER_FIELDS = {"saved_dtype": "float32", "held_out_every": 0, "training_text": "prose", "learning_rate": 3e-3}
 
 # A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks.
