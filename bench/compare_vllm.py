@@ -14,6 +14,7 @@ once: each gets the whole machine.
     bench/peers/llama_cpp.sh install     # once: llama-server and its converter ($DISAGG_PEERS)
     python bench/compare_vllm.py [--streams 1,8,16,32,64] [--systems vllm,llamacpp,disagg] [--json bench/results/compare_vllm.json]
     python bench/compare_vllm.py --shape llama-3.2-1b --json bench/results/compare_vllm_1b.json
+    python bench/compare_vllm.py --systems llamacpp,disagg --llamacpp-type q8_0 --disagg-quantization w8a8_int8 --json bench/results/compare_q8.json
 
 Per stream count: ITL p50, TTFT p50, output tokens/s, and ours/peer ratios, a
 table per peer; also the TTFT of one long prompt at one stream, and each system's
@@ -98,7 +99,8 @@ async def measure(client, args, out: dict, checkpoint) -> None:
 def run_disagg(model: str, args, out: dict, checkpoint) -> None:
     # The defaults `disagg serve` starts with (1 prefill + 1 decode worker, its batch size, dtype and
     # decode workers' niceness). batch_size 0: the slots sized from the KV budget, as `disagg serve` does.
-    spec = ClusterSpec(model=model, dtype=args.disagg_dtype, batch_size=0, log_dir=args.log_dir + "/disagg", nice=decode_nice())
+    quantization = ["--quantization", args.disagg_quantization] if args.disagg_quantization else []
+    spec = ClusterSpec(model=model, dtype=args.disagg_dtype, batch_size=0, log_dir=args.log_dir + "/disagg", nice=decode_nice(), worker_args=quantization)
 
     async def run(address: str) -> None:
         async with AsyncClient(address, timeout=900) as client:
@@ -109,7 +111,8 @@ def run_disagg(model: str, args, out: dict, checkpoint) -> None:
     with LocalCluster(spec) as cluster:
         startup = time.perf_counter() - started
         print(f"  healthy after {startup:.1f} s", flush=True)
-        out.update(name="disagg serve", dtype=args.disagg_dtype, startup_seconds=startup, batch_size=spec.batch_size)
+        dtype = args.disagg_dtype + (f", --quantization {args.disagg_quantization}" if args.disagg_quantization else "")
+        out.update(name="disagg serve", dtype=dtype, startup_seconds=startup, batch_size=spec.batch_size)
         asyncio.run(run(cluster.router_address))
 
 
@@ -320,7 +323,9 @@ def main() -> int:
     parser.add_argument("--long-prompt", type=int, default=1024, help="TTFT of a prompt this long at 1 stream (0: skip)")
     parser.add_argument("--long-prompt-requests", type=int, default=5)
     parser.add_argument("--systems", default="vllm,llamacpp,disagg", help="which to run, in this order; a system left out keeps its figures from --json")
-    parser.add_argument("--llamacpp-type", choices=["f32", "bf16"], default=None, help="llama.cpp's GGUF (default: bf16 on a native-bf16 CPU, else f32)")
+    parser.add_argument("--llamacpp-type", choices=["f32", "bf16", "q8_0"], default=None,
+                        help="llama.cpp's GGUF (default: bf16 on a native-bf16 CPU, else f32; q8_0: its 8-bit weights, against --disagg-quantization)")
+    parser.add_argument("--disagg-quantization", choices=["int8", "fp8", "w8a8_int8"], default=None, help="ours: --quantization (default: none)")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
     parser.add_argument("--shape", default="smollm-135m", choices=sorted(BENCH_SHAPES), help="the model's shape (seeded weights)")
     add_run_flags(parser, quiet_timeout=180.0, log_dir="/tmp/disagg-compare-vllm-logs")

@@ -41,6 +41,7 @@ it): on a shared host the bandwidth moves between runs of a minute.
     python bench/decode_step.py --dtype float32 --batch 1,8,16,32,64 --variants prepacked,native --scattered
     python bench/decode_step.py --batch 1,8,32 --variants prepacked,prepacked-paged --scattered   # the paged KV cache
     python bench/decode_step.py --batch 1,8,32 --variants native,native-int8,native-fp8 --scattered   # 8-bit weights
+    python bench/decode_step.py --batch 1,8,32 --variants native,native-int8,native-w8a8 --scattered   # W8A8 too
     python bench/decode_step.py --batch 1 --variants native-int8,native-int8-head   # the LM head in int8 too (--quantization-skip "")
     python bench/decode_step.py --batch 1,8,32 --variants native-int8@dot,native-int8@vnni   # int8 kernels named (DISAGG_INT8_KERNEL)
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native-paged,native-kv-int8,native-kv-fp8   # an 8-bit KV cache
@@ -244,6 +245,8 @@ def variant_options() -> dict[str, dict]:
         # 8-bit weights (--quantization), quantized at load; the LM head stays in --dtype.
         "native-int8": dict(compile=False, prepack=True, quantization="int8"),
         "native-fp8": dict(compile=False, prepack=True, quantization="fp8"),
+        # W8A8 (--quantization w8a8_int8): int8 weights, each input row int8 per row (small_gemm.c's ACT_INT8 builds).
+        "native-w8a8": dict(compile=False, prepack=True, quantization="w8a8_int8"),
         # The same with the LM head in int8 too (--quantization-skip ""): one 8-bit kernel for the whole step.
         "native-int8-head": dict(compile=False, prepack=True, quantization="int8", quantization_skip=()),
         "compiled": dict(compile=True, prepack=False),

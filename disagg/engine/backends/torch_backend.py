@@ -61,7 +61,8 @@ class TorchBackendConfig:
     native_step: bool | None = None
     # Prepacked weights in one file per box, mapped by every worker that serves the same checkpoint (`shared_weights`).
     share_weights: bool = True
-    # Linear weights in 8 bits, quantized at load (disagg/engine/quantization): "int8", "fp8", or None.
+    # Linear weights in 8 bits, quantized at load (disagg/engine/quantization): "int8", "fp8" (weight-only),
+    # "w8a8_int8" (int8 weights, each linear's input rows quantized per row at run time), or None.
     quantization: str | None = None
     quantization_type: str = "per_channel"
     quantization_skip: tuple[str, ...] = DEFAULT_SKIP
@@ -179,6 +180,7 @@ class TorchBackend(Backend):
         # The model, its linears set to their dequantized values where they are 8-bit (`quantized`: those weights, by name).
         if model is None:  # before either loader (load_model, or a pre-quantized checkpoint's built from its config)
             architectures.check_verdict(AutoConfig.from_pretrained(config.model))
+        self._check_w8a8_kernel()
         if model is not None:
             loaded = LoadedWeights(model, {}, "")
         else:
@@ -230,6 +232,15 @@ class TorchBackend(Backend):
             log.info("KV cache in %s: a float32 scale per block of %d positions and head", config.kv_cache_dtype, config.kv_block_size)
         if self.loaded_here:  # a model handed in (the sweep, ~200 of them) was loaded by its caller, and a full gc.collect costs 0.2 s each
             memory.return_freed_memory()  # what loading and the checks freed, given back (1.35 GiB for Llama-3.2-1B quantized at load)
+
+    def _check_w8a8_kernel(self) -> None:
+        """W8A8 on a CPU is served by its kernel (VPDPBUSD): refused at start-up where it does not run, rather
+        than served through full precision's products at full precision's memory."""
+        settings = self.config.quantization_settings()
+        if settings.activations and self.device.type == "cpu" and self.config.prepack is not False:
+            if small_gemm.quantized_kernel(torch.int8, self.dtype, settings.activations) is None:
+                raise ValueError(f"--quantization {settings.method}: its kernel needs a CPU with AVX512_VNNI and a C compiler, and does not "
+                                 "run here; serve --quantization int8 (weight-only) on this host")
 
     def _prepack(self) -> None:
         """Prepacks the linears; refuses a model whose logits they change (one that

@@ -65,8 +65,9 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from ..quantization.schemes import QuantizedWeight
+from ..quantization.schemes import QuantizedWeight, quantize_rows
 from . import small_gemm
 
 # Up to this many rows go through small_gemm's kernel (faster than oneDNN at 64 rows
@@ -102,7 +103,12 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = weight.dtype  # the model's: what its rows and outputs are
-        kernel = small_gemm.quantized_kernel(quantized.values.dtype, weight.dtype) if quantized is not None else small_gemm.kernel(weight.dtype)
+        if quantized is not None:
+            kernel = small_gemm.quantized_kernel(quantized.values.dtype, weight.dtype, quantized.activations)
+        else:
+            kernel = small_gemm.kernel(weight.dtype)
+        if kernel is None and quantized is not None and quantized.activations:  # TorchBackend refuses this before packing
+            raise ValueError("W8A8 weights need the w8a8 kernel, which does not run here")
         if kernel is None or not fits_panels(panels, kernel, weight):
             if kernel is None:
                 panels = None
@@ -163,6 +169,9 @@ def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torc
         return torch.ops.mkldnn._linear_pointwise(rows, onednn, bias, "none", [], "")
     kernel = small_gemm.kernel(panels.dtype)
     n = rows.shape[0]
+    if n >= DERIVED_MIN_ROWS and panels.dtype in small_gemm.W8A8_DTYPES and not kernel.shares(panels):
+        # W8A8's rows quantized as its kernel quantizes them; the product in float32 over the exact dequantized weight.
+        return F.linear(quantize_rows(rows), kernel.unpack(panels, out_features, rows.shape[1]), None if bias is None else bias.float()).to(rows.dtype)
     if n >= DERIVED_MIN_ROWS and not kernel.shares(panels):
         derived = torch.ops.mkldnn._reorder_linear_weight(kernel.unpack(panels, out_features, rows.shape[1]).to(rows.dtype).contiguous(), None)
         return torch.ops.mkldnn._linear_pointwise(rows, derived, bias, "none", [], "")

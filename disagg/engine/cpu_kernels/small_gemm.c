@@ -123,9 +123,19 @@ static inline __m256 load_weights(const weight_t *w) { return _mm256_load_ps(w);
  * are joined in float32 and times 2^s. A row's prepared form: planes 0, 1, 2 (INPUT_K bytes each, K padded to 8),
  * the float 2^s, then per chunk the three planes' 128 sum(d) (int32). */
 typedef signed char input_t;
+/* Built with -DACT_INT8 as well (W8A8, `--quantization w8a8_int8`): each row quantized to int8 on the fly,
+ * per row and symmetric (scale = max|x| / 127 in float32, q = x / scale rounded to nearest even, as
+ * torch.round(x / scale) computes it), so a row is one plane of digits and each product one VPDPBUSD, a third
+ * of the exact rows' work; the scale takes the place of 2^s. Not exact against the full-precision rows: it is
+ * the W8A8 scheme's own numbers (quantization/schemes.py, quantize_rows). */
+#ifdef ACT_INT8
+#define PLANES 1
+#else
+#define PLANES 3
+#endif
 #define INPUT_K(K) (((K) + 7) & ~7L)
 #define INPUT_CHUNKS(K) ((INPUT_K(K) + KC - 1) / KC)
-#define INPUT_STRIDE(K) (3 * INPUT_K(K) + 4 + 12 * INPUT_CHUNKS(K))
+#define INPUT_STRIDE(K) (PLANES * INPUT_K(K) + 4 + 4 * PLANES * INPUT_CHUNKS(K))
 /* The bits of row[k .. k + 16) (zeros past K), rounded to bf16 with -DROWS_BF16 (to nearest, ties to even, as
  * PyTorch's conversion; an infinity or a NaN stays one of the two, which makes the row's products NaN). */
 static inline __m512i row_bits(const float *row, long K, long k) {
@@ -137,6 +147,39 @@ static inline __m512i row_bits(const float *row, long K, long k) {
 #endif
     return bits;
 }
+#ifdef ACT_INT8
+static void prepare_input(const float *x, long M, long K, input_t *out) {
+    long kp = INPUT_K(K), stride = INPUT_STRIDE(K);
+    for (long m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        input_t *o = out + m * stride;
+        __m512i top_bits = _mm512_setzero_si512();
+        for (long k = 0; k < K; k += 16)
+            top_bits = _mm512_max_epu32(top_bits, _mm512_and_si512(row_bits(row, K, k), _mm512_set1_epi32(0x7fffffff)));
+        unsigned top = (unsigned)_mm512_reduce_max_epu32(top_bits);
+        union { unsigned u; float f; } largest = {top};
+        /* an infinity or NaN: the row's products are NaN; an all-zero row: zero digits, scale 0 */
+        float scale = top >= 0x7f800000u ? __builtin_nanf("") : largest.f / 127.0f;
+        int finite = top < 0x7f800000u && top != 0;
+        int *corrections = (int *)(o + kp + 4);
+        memcpy(o + kp, &scale, sizeof scale);
+        __m512 divisor = _mm512_set1_ps(finite ? scale : 1.0f);
+        __m512i sum = _mm512_setzero_si512();
+        for (long k = 0; k < kp; k += 16) {
+            __mmask16 kept = kp - k >= 16 ? 0xFFFF : (__mmask16)((1u << (kp - k)) - 1);
+            __m512 value = _mm512_castsi512_ps(row_bits(row, K, k));
+            __m512i q = finite ? _mm512_cvtps_epi32(_mm512_div_ps(value, divisor)) : _mm512_setzero_si512(); /* nearest even */
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
+            _mm512_mask_cvtepi32_storeu_epi8(o + k, kept, q);
+            sum = _mm512_add_epi32(sum, q);
+            if ((k + 16) % KC == 0 || k + 16 >= kp) { /* a chunk's end */
+                corrections[k / KC] = 128 * _mm512_reduce_add_epi32(sum);
+                sum = _mm512_setzero_si512();
+            }
+        }
+    }
+}
+#else
 static void prepare_input(const float *x, long M, long K, input_t *out) {
     long kp = INPUT_K(K), stride = INPUT_STRIDE(K);
     for (long m = 0; m < M; m++) {
@@ -183,6 +226,7 @@ static void prepare_input(const float *x, long M, long K, input_t *out) {
         }
     }
 }
+#endif
 #elif defined(DOT_BF16)
 typedef unsigned short input_t;
 #define INPUT_K(K) (((K) + 3) & ~3L)
@@ -282,7 +326,11 @@ BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
  * sum per digit plane for columns 0-15 and one for 16-23's lanes (added in pairs at the chunk's end), in
  * variables of its own, not arrays (GCC then copied every accumulator between registers each quad). Sums of one chunk, exact integers, joined at its end (see prepare_input),
  * so every row's result is the same whatever the block's rows. */
+#if PLANES == 1
+#define VNNI_ROWS 4 /* one plane: 8 accumulators for 4 rows */
+#else
 #define VNNI_ROWS 2 /* 12 accumulators: at 3 and 4 rows (18, 24) GCC spilled them inside the loop */
+#endif
 /* Columns 16-23's sums from the tail's lanes: each column's two lanes (its two quads) added. */
 static inline __m256i vnni_tail_columns(__m512i tails) {
     __m512i sums = _mm512_add_epi32(tails, _mm512_shuffle_epi32(tails, (_MM_PERM_ENUM)0xB1)); /* lane 2c + lane 2c + 1, in lane 2c */
@@ -293,9 +341,15 @@ static inline __m256i vnni_tail_columns(__m512i tails) {
 static inline __attribute__((always_inline)) void vnni_store(const input_t *row, long kp, long k0, __m512i l0, __m512i l1, __m512i l2, __m512i t0,
                                                              __m512i t1, __m512i t2, float *y, const float *bias, int ncols, int first,
                                                              const float *scales) {
-    const int *correction = (const int *)(row + 3 * kp + 4) + 3 * (k0 / KC);
+    const int *correction = (const int *)(row + PLANES * kp + 4) + PLANES * (k0 / KC);
     float scale;
-    memcpy(&scale, row + 3 * kp, sizeof scale);
+    memcpy(&scale, row + PLANES * kp, sizeof scale);
+#if PLANES == 1
+    (void)l1, (void)l2, (void)t1, (void)t2;
+    __m512i c0 = _mm512_set1_epi32(correction[0]);
+    __m512 head = _mm512_cvtepi32_ps(_mm512_sub_epi32(l0, c0));
+    __m256 tail = _mm256_cvtepi32_ps(_mm256_sub_epi32(vnni_tail_columns(t0), _mm512_castsi512_si256(c0)));
+#else
     __m512i c0 = _mm512_set1_epi32(correction[0]), c1 = _mm512_set1_epi32(correction[1]), c2 = _mm512_set1_epi32(correction[2]);
     __m256i h0 = vnni_tail_columns(t0), h1 = vnni_tail_columns(t1), h2 = vnni_tail_columns(t2);
     __m512 head = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l2, c2)), _mm512_set1_ps(65536.0f),
@@ -304,6 +358,7 @@ static inline __attribute__((always_inline)) void vnni_store(const input_t *row,
     __m256 tail = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(h2, _mm512_castsi512_si256(c2))), _mm256_set1_ps(65536.0f),
                                   _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(h1, _mm512_castsi512_si256(c1))), _mm256_set1_ps(256.0f),
                                                   _mm256_cvtepi32_ps(_mm256_sub_epi32(h0, _mm512_castsi512_si256(c0)))));
+#endif
     head = _mm512_mul_ps(head, _mm512_set1_ps(scale)), tail = _mm256_mul_ps(tail, _mm256_set1_ps(scale));
     store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail, 2), y, bias, ncols, first);
 }
@@ -317,8 +372,13 @@ static inline __attribute__((always_inline)) void vnni_store(const input_t *row,
         l##r##p = _mm512_dpbusd_epi32(l##r##p, next, _mm512_broadcastd_epi32(_mm_loadu_si32((const void *)(digits + 4)))); \
         t##r##p = _mm512_dpbusd_epi32(t##r##p, tails, _mm512_broadcastq_epi64(_mm_loadu_si64((const void *)digits)));    \
     }
+#if PLANES == 1
+#define VNNI_ACCUMULATE(r) VNNI_PLANE(r, 0)
+#define VNNI_STORE(r) vnni_store(x + (r) * ldx, kp, k0, l##r##0, l##r##0, l##r##0, t##r##0, t##r##0, t##r##0, y + (r) * ldy, bias, ncols, first, scales);
+#else
 #define VNNI_ACCUMULATE(r) VNNI_PLANE(r, 0) VNNI_PLANE(r, 1) VNNI_PLANE(r, 2)
 #define VNNI_STORE(r) vnni_store(x + (r) * ldx, kp, k0, l##r##0, l##r##1, l##r##2, t##r##0, t##r##1, t##r##2, y + (r) * ldy, bias, ncols, first, scales);
+#endif
 #define VNNI_BLOCK(rows, declare, accumulate, store)                                                                     \
     static void vnni_block##rows(const input_t *x, long ldx, long kp, long k0, const weight_t *chunk, long kn, long ahead, float *y, \
                                  long ldy, const float *bias, int ncols, int first, const float *scales) {             \
@@ -333,8 +393,17 @@ static inline __attribute__((always_inline)) void vnni_store(const input_t *row,
         }                                                                                                                \
         store                                                                                                            \
     }
+#if PLANES == 1
+#define VNNI_DECLARE1(r) __m512i l##r##0 = _mm512_setzero_si512(), t##r##0 = _mm512_setzero_si512();
+VNNI_BLOCK(4, VNNI_DECLARE1(0) VNNI_DECLARE1(1) VNNI_DECLARE1(2) VNNI_DECLARE1(3), VNNI_ACCUMULATE(0) VNNI_ACCUMULATE(1) VNNI_ACCUMULATE(2) VNNI_ACCUMULATE(3),
+           VNNI_STORE(0) VNNI_STORE(1) VNNI_STORE(2) VNNI_STORE(3))
+VNNI_BLOCK(3, VNNI_DECLARE1(0) VNNI_DECLARE1(1) VNNI_DECLARE1(2), VNNI_ACCUMULATE(0) VNNI_ACCUMULATE(1) VNNI_ACCUMULATE(2), VNNI_STORE(0) VNNI_STORE(1) VNNI_STORE(2))
+VNNI_BLOCK(2, VNNI_DECLARE1(0) VNNI_DECLARE1(1), VNNI_ACCUMULATE(0) VNNI_ACCUMULATE(1), VNNI_STORE(0) VNNI_STORE(1))
+VNNI_BLOCK(1, VNNI_DECLARE1(0), VNNI_ACCUMULATE(0), VNNI_STORE(0))
+#else
 VNNI_BLOCK(2, VNNI_DECLARE(0) VNNI_DECLARE(1), VNNI_ACCUMULATE(0) VNNI_ACCUMULATE(1), VNNI_STORE(0) VNNI_STORE(1))
 VNNI_BLOCK(1, VNNI_DECLARE(0), VNNI_ACCUMULATE(0), VNNI_STORE(0))
+#endif
 #define BLOCK_CALL(rows) vnni_block##rows(xm - k0, ldx, kp, k0, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
 #define BLOCK_ROWS VNNI_ROWS
 #elif defined(DOT_BF16)

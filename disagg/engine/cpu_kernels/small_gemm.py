@@ -87,11 +87,17 @@ BUILDS = {
     # float8_e5m2 / float8_e5m2fnuz, dtypes no other build reads (the bytes are q + 128: unpack_quantized reads them).
     "int8-vnni": (torch.float8_e5m2, VNNI_FLAGS, VNNI_NEEDS),
     "int8-vnni-bf16": (torch.float8_e5m2fnuz, (*VNNI_FLAGS, "-DROWS_BF16"), VNNI_NEEDS),
+    # W8A8 (`--quantization w8a8_int8`): the same panels, each row quantized to int8 per row on the fly
+    # (small_gemm.c, ACT_INT8): one plane of digits, one VPDPBUSD a product. `-bf16` for a bf16 model's rows.
+    # Tagged float8_e8m0fnu / float4_e2m1fn_x2, one-byte dtypes no other build reads.
+    "w8a8-vnni": (torch.float8_e8m0fnu, (*VNNI_FLAGS, "-DACT_INT8"), VNNI_NEEDS),
+    "w8a8-vnni-bf16": (torch.float4_e2m1fn_x2, (*VNNI_FLAGS, "-DACT_INT8", "-DROWS_BF16"), VNNI_NEEDS),
 }
-QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
-VNNI_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz)
+W8A8_DTYPES = (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz, *W8A8_DTYPES)
+VNNI_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz, *W8A8_DTYPES)
 # The builds whose panels carry a dtype of their own (a tag no other build reads), by that dtype.
-TAGGED = {BUILDS[name][0]: name for name in ("int8-dot", "fp8-dot", "int8-vnni", "int8-vnni-bf16")}
+TAGGED = {BUILDS[name][0]: name for name in ("int8-dot", "fp8-dot", "int8-vnni", "int8-vnni-bf16", "w8a8-vnni", "w8a8-vnni-bf16")}
 SCALE_ROWS = 4  # an 8-bit panel's last rows: its 24 columns' float32 scales (96 bytes)
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: every one of
@@ -306,12 +312,15 @@ class SmallGemm:
         return out
 
 
-def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype) -> SmallGemm | None:
-    """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype. int8: the faster here of
+def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype, activations: str | None = None) -> SmallGemm | None:
+    """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype. W8A8 (activations "int8"):
+    `w8a8-vnni` (`-bf16` for a bf16 model), None where the CPU lacks AVX512_VNNI. int8: the faster here of
     VPDPBUSD over the rows as exact integers (`int8-vnni`, `int8-vnni-bf16`: AVX512_VNNI CPUs) and, for a bf16
     model, VDPBF16PS (`int8-dot`: AVX512_BF16), else the weights widened to float32, by a short measured
     product at first use (`DISAGG_INT8_KERNEL=vnni|dot|widen` names one); fp8: VDPBF16PS for a bf16 model where
     the CPU has it (its rows are bf16 already: the products stay exact), else widened to float32."""
+    if activations == "int8":
+        return build_kernel("w8a8-vnni-bf16" if rows_dtype == torch.bfloat16 else "w8a8-vnni") if values_dtype == torch.int8 else None
     if values_dtype == torch.int8:
         return _int8_kernel(rows_dtype == torch.bfloat16)
     if values_dtype == torch.float8_e4m3fn and rows_dtype == torch.bfloat16 and build_kernel("fp8-dot") is not None:

@@ -9,13 +9,14 @@ the 8-bit kernels against), and the 8-bit weights go to packed_linear by name.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .model import QuantizationSettings, quantize_model
+from .model import QuantizationSettings, quantize_inputs, quantize_model
 from .schemes import QuantizedWeight
 
 
@@ -34,16 +35,28 @@ def load_weights(path: str, dtype: torch.dtype, device: torch.device, settings: 
     prequantized = checkpoints.load_prequantized_model(path, dtype, device)
     if prequantized is not None:
         model, checkpoint = prequantized
-        if settings.method is not None and settings.method != checkpoint.method:
+        if settings.method is not None and settings.weight_method != checkpoint.method:
             raise ValueError(f"--quantization {settings.method}: the checkpoint is already quantized ({checkpoint.format}); "
                              f"serve it without --quantization, or with --quantization {checkpoint.method}")
-        return LoadedWeights(model, checkpoint.weights, describe(checkpoint.weights, f"pre-quantized checkpoint: {checkpoint.format}", model))
+        weights, how = checkpoint.weights, f"pre-quantized checkpoint: {checkpoint.format}"
+        if settings.activations:  # its int8 weights served W8A8: each linear's input rows quantized too
+            weights = {name: dataclasses.replace(weight, activations=settings.activations) for name, weight in weights.items()}
+            modules = dict(model.named_modules())
+            for name in weights:
+                quantize_inputs(modules[name])
+            how += f", {ACTIVATIONS_NOTE}"
+        return LoadedWeights(model, weights, describe(weights, how, model))
     model = load_full(path, dtype, device)
     quantized = quantize_model(model, settings)
     if not quantized:
         return LoadedWeights(model, {}, "")
-    how = f"{settings.method} {settings.granularity.replace('_', '-')} symmetric, quantized at load"
+    how = f"{settings.weight_method} {settings.granularity.replace('_', '-')} symmetric, quantized at load"
+    if settings.activations:
+        how += f", {ACTIVATIONS_NOTE}"
     return LoadedWeights(model, quantized, describe(quantized, how, model, settings.skip))
+
+
+ACTIVATIONS_NOTE = "their input rows int8 per row at run time (w8a8_int8)"
 
 
 def describe(quantized: dict[str, QuantizedWeight], how: str, model: nn.Module, skip: tuple[str, ...] = ()) -> str:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .schemes import GRANULARITIES, METHODS, QuantizedWeight, quantize
+from .schemes import GRANULARITIES, METHODS, QuantizedWeight, quantize, quantize_rows
+
+W8A8_INT8 = "w8a8_int8"  # SGLang's name: int8 weights per channel, each input row quantized to int8 per row at run time
+SETTINGS_METHODS = (*METHODS, W8A8_INT8)
 
 # As NxDI's modules_to_not_convert is commonly set: the LM head stays in full precision
 # (the embeddings are not linears and are never quantized).
@@ -16,15 +20,25 @@ DEFAULT_SKIP = ("lm_head",)
 
 @dataclass(frozen=True)
 class QuantizationSettings:
-    method: str | None = None  # None: full precision; "int8" or "fp8"
+    method: str | None = None  # None: full precision; "int8" or "fp8" (weight-only), or "w8a8_int8"
     granularity: str = "per_channel"
     skip: tuple[str, ...] = DEFAULT_SKIP  # a linear whose name contains one of these stays in full precision
 
     def __post_init__(self):
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method is not None and self.method not in SETTINGS_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(SETTINGS_METHODS)}, got {self.method!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"quantization granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+
+    @property
+    def weight_method(self) -> str | None:
+        """How the weights are quantized: "int8" or "fp8" (W8A8's weights are int8's)."""
+        return "int8" if self.method == W8A8_INT8 else self.method
+
+    @property
+    def activations(self) -> str | None:
+        """"int8" where each linear's input rows are quantized too (W8A8); None: weight-only."""
+        return "int8" if self.method == W8A8_INT8 else None
 
     def skips(self, name: str) -> bool:
         return any(part and part in name for part in self.skip)
@@ -47,10 +61,18 @@ def quantize_model(model: nn.Module, settings: QuantizationSettings) -> dict[str
     for name, linear in quantized_linears(model, settings):
         if id(linear.weight) in tied:
             continue
-        weight = quantize(linear.weight, settings.method, settings.granularity)
+        weight = dataclasses.replace(quantize(linear.weight, settings.weight_method, settings.granularity), activations=settings.activations)
         linear.weight.copy_(weight.dequantized(linear.weight.dtype))
+        if weight.activations == "int8":
+            quantize_inputs(linear)
         quantized[name] = weight
     return quantized
+
+
+def quantize_inputs(linear: nn.Linear) -> None:
+    """W8A8 in the model's own modules (a device or path without the W8A8 kernel, and the start-up checks'
+    reference): the linear's input rows quantized per row before its product (schemes.quantize_rows)."""
+    linear.register_forward_pre_hook(lambda module, args: (quantize_rows(args[0]).to(args[0].dtype), *args[1:]))
 
 
 def apply_prequantized(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:

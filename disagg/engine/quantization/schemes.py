@@ -37,6 +37,8 @@ class QuantizedWeight:
 
     values: torch.Tensor
     scale: torch.Tensor
+    # "int8": every row this weight multiplies is quantized first (W8A8, `quantize_rows`); None: weight-only.
+    activations: str | None = None
 
     @property
     def method(self) -> str:
@@ -85,3 +87,15 @@ def quantize(weight: torch.Tensor, method: str, granularity: str = "per_channel"
     tensor_scale = torch.clamp(original.abs().amax() / FP8_MAX, min=torch.finfo(original.dtype).tiny)
     values = torch.clamp(original / tensor_scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight(values, tensor_scale.float().reshape(1).expand(w.shape[0]).contiguous())
+
+
+def quantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """W8A8's activations (`--quantization w8a8_int8`, SGLang's w8a8_int8 scheme): each row [..., in]
+    quantized to int8 symmetric on the fly, scale = max|row| / 127 in float32, values = the row / scale
+    rounded half to even; returned dequantized in float32 (values * scale), what the W8A8 kernel's
+    integer products stand for. An all-zero row stays zero; a row holding an infinity or NaN becomes NaN."""
+    x = rows.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    finite = torch.isfinite(scale) & (scale > 0)
+    values = torch.clamp(torch.round(x / torch.where(finite, scale, torch.ones_like(scale))), -128, 127)
+    return torch.where(finite, values * scale, torch.where(scale == 0, torch.zeros_like(x), torch.full_like(x, float("nan"))))

@@ -1,0 +1,212 @@
+"""W8A8 (`--quantization w8a8_int8`, SGLang's scheme): int8 weights per channel, and each input row of
+every quantized linear quantized to int8 per row at run time (small_gemm.c's ACT_INT8 builds, one
+VPDPBUSD a product). The reference here is written out independently of the engine's code: a row's
+scale is max|row| / 127 in float32 and its values round(row / scale) (half to even), times the
+dequantized weight; the service's greedy tokens equal transformers generate() with that hook on
+every quantized linear."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+from conftest import TEST_MODELS, Reference, assert_nothing_held, start_cluster, tiny_model
+from test_quantization import BLOCK, CONTEXT, QUESTIONS, mean_nll
+
+from disagg.clients.grpc_client import AsyncClient, Client
+from disagg.engine.cpu_kernels import small_gemm
+from disagg.engine.cpu_kernels.packed_linear import PackedLinear
+from disagg.engine.quantization import QuantizationSettings, quantize, quantize_model
+from disagg.tools.tinymodel import paragraphs
+
+W8A8_BUILDS = [name for name in ("w8a8-vnni", "w8a8-vnni-bf16") if small_gemm.build_kernel(name) is not None]
+needs_w8a8 = pytest.mark.skipif(not W8A8_BUILDS, reason="no AVX512_VNNI CPU (or no C compiler): the W8A8 kernel does not run here")
+
+
+def rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """The reference's activations: each row per row symmetric int8, dequantized (float32)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.clamp(torch.round(x / safe), -128, 127) * scale
+
+
+# -- the kernel -----------------------------------------------------------------------------------------
+
+
+@needs_w8a8
+@pytest.mark.parametrize("build", W8A8_BUILDS)
+def test_the_w8a8_kernel_multiplies_the_quantized_rows_by_the_dequantized_weight(build):
+    kernel = small_gemm.build_kernel(build)
+    generator = torch.Generator().manual_seed(11)
+    for out_features, in_features in ((50, 300), (24, 8), (97, 576), (30, 1000)):  # a partial panel, one panel, several chunks of K
+        q = quantize(torch.randn(out_features, in_features, generator=generator), "int8")
+        panels = kernel.pack_quantized(q.values, q.scale)
+        assert panels.dtype == kernel.weight_dtype and panels.dtype in small_gemm.W8A8_DTYPES
+        bias = torch.randn(out_features, generator=generator)
+        for rows in (1, 2, 3, 4, 5, 9, 64):
+            x = torch.randn(rows, in_features, generator=generator) * torch.rand(rows, 1, generator=generator) * 10
+            x = x.bfloat16().float() if kernel.bf16_rows else x
+            expected = rows_int8(x).double() @ q.dequantized().double().T + bias.double()
+            got = kernel.product(x, panels, out_features, bias).double()
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), (out_features, in_features, rows)
+            # Not the full-precision rows' product: the rows were quantized.
+            assert not torch.allclose(got, x.double() @ q.dequantized().double().T + bias.double(), rtol=1e-5, atol=0)
+
+
+@needs_w8a8
+@pytest.mark.parametrize("build", W8A8_BUILDS)
+def test_a_w8a8_row_is_the_same_bits_alone_and_in_a_batch_and_zero_and_nan_rows_hold(build):
+    kernel = small_gemm.build_kernel(build)
+    generator = torch.Generator().manual_seed(12)
+    q = quantize(torch.randn(72, 600, generator=generator), "int8")
+    panels = kernel.pack_quantized(q.values, q.scale)
+    rows = torch.randn(11, 600, generator=generator).bfloat16().float()  # 11: blocks of 4, 4 and 3 rows
+    together = kernel.product(rows, panels, 72, None)
+    assert all(torch.equal(kernel.product(rows[i : i + 1], panels, 72, None)[0], together[i]) for i in range(11))
+    assert torch.equal(kernel.product(torch.zeros(1, 600), panels, 72, None), torch.zeros(1, 72))
+    for bad in (float("inf"), float("nan")):
+        row = torch.ones(1, 600)
+        row[0, 7] = bad
+        assert kernel.product(row, panels, 72, None).isnan().all()
+
+
+@needs_w8a8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_w8a8_linear_quantizes_the_rows_of_a_decode_step_a_prefill_and_a_long_prefill(dtype):
+    """The kernel's rows (a decode step's), a prefill's in blocks of 64, and a long one's (the product in torch over
+    the unpacked weight) all multiply the quantized rows by the dequantized weight."""
+    from disagg.engine.cpu_kernels.packed_linear import DERIVED_MIN_ROWS
+
+    generator = torch.Generator().manual_seed(13)
+    linear = torch.nn.Linear(96, 72, bias=True).to(dtype)
+    q = quantize(linear.weight, "int8")
+    packed = PackedLinear(linear, quantized=type(q)(q.values, q.scale, activations="int8"))
+    assert packed.panels.dtype in small_gemm.W8A8_DTYPES
+    for rows in (1, 7, 65, DERIVED_MIN_ROWS):
+        x = torch.randn(rows, 96, generator=generator).to(dtype)
+        expected = torch.nn.functional.linear(rows_int8(x), q.dequantized(), linear.bias.float())
+        got = packed(x).float()
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max(), (rows, dtype)
+
+
+def test_w8a8_is_refused_at_start_up_where_its_kernel_does_not_run(monkeypatch):
+    """A CPU without AVX512_VNNI (an AVX2-only EPYC) gets one clear line, not full precision's products."""
+    from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+    monkeypatch.setattr(small_gemm, "quantized_kernel", lambda *args, **kwargs: None)
+    with pytest.raises(ValueError, match="--quantization w8a8_int8: its kernel needs a CPU with AVX512_VNNI"):
+        TorchBackend(TorchBackendConfig(model=tiny_model("llama"), dtype="float32", quantization="w8a8_int8"))
+
+
+def test_w8a8_is_refused_on_neuron():
+    from disagg.engine.backends.neuron.config import NeuronOptions
+
+    with pytest.raises(ValueError, match="quantization w8a8_int8 .* on Neuron use int8 or fp8"):
+        NeuronOptions(model=tiny_model("llama"), quantization="w8a8_int8")
+
+
+# -- quality ---------------------------------------------------------------------------------------------
+
+
+def with_int8_rows(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference's W8A8: the linears quantize_model made 8-bit (all but the LM head) quantize their input rows."""
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and "lm_head" not in name:
+            module.register_forward_pre_hook(lambda m, args: (rows_int8(args[0]).to(args[0].dtype),))
+    return model
+
+
+def test_held_out_nll_of_w8a8_within_2_percent():
+    """Measured (tiny Llama trained on the local text, its held-out paragraphs): W8A8 over int8 weight-only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model("llama-held-out")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    held_out = paragraphs()[:: TEST_MODELS["llama-held-out"].held_out_every]
+    plain = mean_nll(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), held_out, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert quantize_model(model, QuantizationSettings("int8"))
+    weight_only = mean_nll(model, held_out, tokenizer)
+    w8a8 = mean_nll(with_int8_rows(model), held_out, tokenizer)
+    assert w8a8 != weight_only  # the rows were quantized
+    assert w8a8 <= plain * 1.02, f"w8a8: {w8a8:.4f} against {plain:.4f} unquantized (int8 weight-only {weight_only:.4f})"
+
+
+def test_the_engines_w8a8_model_is_the_reference():
+    """quantize_model with w8a8_int8 leaves a model whose logits are the independent reference's (the hooks the
+    start-up checks and devices without the kernel serve)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("llama")
+    ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    weights = quantize_model(ours, QuantizationSettings("w8a8_int8"))
+    assert weights and all(w.activations == "int8" and w.values.dtype == torch.int8 for w in weights.values())
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert quantize_model(reference, QuantizationSettings("int8"))
+    ids = torch.tensor([list(range(5, 40))])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, with_int8_rows(reference)(ids).logits)
+
+
+# -- the whole service -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def w8a8_reference(architecture: str) -> Reference:
+    ref = Reference(tiny_model(architecture))
+    assert quantize_model(ref.model, QuantizationSettings("int8"))
+    with_int8_rows(ref.model)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def w8a8_cluster(cluster_logs):
+    if not W8A8_BUILDS:
+        pytest.skip("no AVX512_VNNI CPU: the W8A8 kernel does not run here")
+    cluster = start_cluster(cluster_logs / "quantized-w8a8", "llama", batch_size=8, worker_args=["--quantization", "w8a8_int8", "--block-size", str(BLOCK)])
+    yield cluster
+    cluster.stop()
+
+
+def test_w8a8_greedy_tokens_equal_generate_with_int8_rows(w8a8_cluster):
+    """A mixed batch of different lengths, and prompts that share whole blocks (prefix hits), served side by side."""
+    ref = w8a8_reference("llama")
+    texts = paragraphs()
+    cases = [(" ".join(texts[i].split()[: 3 + (i * 7) % 30]), 6 + (i * 5) % 20) for i in range(8)]
+    with Client(w8a8_cluster.router_address, timeout=60) as client:
+        assert client.complete(CONTEXT + QUESTIONS[0], max_new_tokens=12).token_ids == ref.greedy(CONTEXT + QUESTIONS[0], 12)
+    cases += [(CONTEXT + question, 12) for question in QUESTIONS[1:]]
+
+    async def run():
+        async with AsyncClient(w8a8_cluster.router_address, timeout=120) as client:
+            return await asyncio.gather(*(client.complete(prompt, max_new_tokens=n) for prompt, n in cases))
+
+    results = asyncio.run(run())
+    for (prompt, n), result in zip(cases, results):
+        assert result.token_ids == ref.greedy(prompt, n), prompt
+    # The rows were quantized: the service's log-probabilities are the W8A8 reference's, not the weight-only model's.
+    prompt = CONTEXT + QUESTIONS[1]
+    with Client(w8a8_cluster.router_address, timeout=60) as client:
+        served = client.complete(prompt, max_new_tokens=8, logprobs=True)
+    w8a8_logprobs, weight_only_logprobs = (chosen_logprobs(model, ref.ids(prompt), served.token_ids) for model in (ref.model, weight_only("llama")))
+    got = torch.tensor([entry.logprob for entry in served.logprobs])
+    assert (got - w8a8_logprobs).abs().max() < 1e-3 < (got - weight_only_logprobs).abs().max()
+    assert_nothing_held(w8a8_cluster)
+
+
+def weight_only(architecture: str) -> torch.nn.Module:
+    model = Reference(tiny_model(architecture)).model
+    assert quantize_model(model, QuantizationSettings("int8"))
+    return model
+
+
+def chosen_logprobs(model: torch.nn.Module, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+    """log p(token) of each generated token, by the model over the prompt and the tokens before it."""
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(token_ids)[:, None])[:, 0]
