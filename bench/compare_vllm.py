@@ -100,6 +100,8 @@ def run_disagg(model: str, args, out: dict, checkpoint) -> None:
     # The defaults `disagg serve` starts with (1 prefill + 1 decode worker, its batch size, dtype and
     # decode workers' niceness). batch_size 0: the slots sized from the KV budget, as `disagg serve` does.
     quantization = ["--quantization", args.disagg_quantization] if args.disagg_quantization else []
+    if args.disagg_quantization_skip is not None:
+        quantization += ["--quantization-skip", args.disagg_quantization_skip]
     spec = ClusterSpec(model=model, dtype=args.disagg_dtype, batch_size=0, log_dir=args.log_dir + "/disagg", nice=decode_nice(), worker_args=quantization)
 
     async def run(address: str) -> None:
@@ -112,6 +114,7 @@ def run_disagg(model: str, args, out: dict, checkpoint) -> None:
         startup = time.perf_counter() - started
         print(f"  healthy after {startup:.1f} s", flush=True)
         dtype = args.disagg_dtype + (f", --quantization {args.disagg_quantization}" if args.disagg_quantization else "")
+        dtype += f", --quantization-skip '{args.disagg_quantization_skip}'" if args.disagg_quantization_skip is not None else ""
         out.update(name="disagg serve", dtype=dtype, startup_seconds=startup, batch_size=spec.batch_size)
         asyncio.run(run(cluster.router_address))
 
@@ -326,6 +329,8 @@ def main() -> int:
     parser.add_argument("--llamacpp-type", choices=["f32", "bf16", "q8_0"], default=None,
                         help="llama.cpp's GGUF (default: bf16 on a native-bf16 CPU, else f32; q8_0: its 8-bit weights, against --disagg-quantization)")
     parser.add_argument("--disagg-quantization", choices=["int8", "fp8", "w8a8_int8"], default=None, help="ours: --quantization (default: none)")
+    parser.add_argument("--disagg-quantization-skip", default=None,
+                        help="ours: --quantization-skip ('' quantizes the LM head too, as llama.cpp's q8_0 GGUF does; default: serve's lm_head)")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
     parser.add_argument("--shape", default="smollm-135m", choices=sorted(BENCH_SHAPES), help="the model's shape (seeded weights)")
     add_run_flags(parser, quiet_timeout=180.0, log_dir="/tmp/disagg-compare-vllm-logs")

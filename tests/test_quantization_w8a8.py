@@ -210,3 +210,27 @@ def chosen_logprobs(model: torch.nn.Module, prompt_ids: list[int], token_ids: li
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+
+
+def test_a_compressed_tensors_w8a8_checkpoint_is_served_w8a8_when_asked(tmp_path):
+    """llm-compressor's W8A8 (dynamic per-token int8 activations) checkpoint: weight-only by default, and with
+    --quantization w8a8_int8 its stored int8 weights with the rows quantized, as vLLM and SGLang serve it."""
+    pytest.importorskip("compressed_tensors")
+    from test_quantized_checkpoints import IDS, compressed_checkpoint, reference_logits
+
+    from disagg.engine.quantization.loading import load_weights
+
+    directory = compressed_checkpoint(tmp_path / "w8a8", "int8-channel-w8a8")
+    loaded = load_weights(directory, torch.float32, torch.device("cpu"), QuantizationSettings("w8a8_int8"), load_full=None)
+    assert loaded.quantized and all(w.activations == "int8" for w in loaded.quantized.values())
+    assert "w8a8_int8" in loaded.note and "compressed-tensors" in loaded.note
+    weight_only = reference_logits(directory, list(loaded.quantized))  # the file's numbers, rows in full precision
+    from transformers import AutoModelForCausalLM
+
+    reference = with_int8_rows(AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval())
+    reference.load_state_dict({name: value for name, value in loaded.model.state_dict().items()})
+    with torch.no_grad():
+        got = loaded.model(IDS).logits
+        assert torch.equal(got, reference(IDS).logits) and not torch.equal(got, weight_only)
+    with pytest.raises(ValueError, match="already quantized"):
+        load_weights(directory, torch.float32, torch.device("cpu"), QuantizationSettings("fp8"), load_full=None)
