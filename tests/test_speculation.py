@@ -114,7 +114,7 @@ BLOCK = 8
 
 
 MODELS = [("llama", None, None), ("qwen2", None, None), ("mistral-sw", None, None), ("gemma2-sw", None, None), ("llama", "int8", None),
-          ("qwen2", "fp8", None), ("llama", None, "int8"), ("mistral-sw", "int8", "fp8")]
+          ("qwen2", "fp8", None), ("llama", None, "int8"), ("mistral-sw", "int8", "fp8"), ("llama", "w8a8_int8", "int8")]
 
 
 def model_id(architecture: str, quantization: str | None, kv_cache_dtype: str | None) -> str:
@@ -147,6 +147,8 @@ def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(archit
 
     if quantization and small_gemm.kernel(torch.int8) is None:
         pytest.skip("no AVX2 CPU or C compiler: the 8-bit kernels are not built here")
+    if quantization == "w8a8_int8" and small_gemm.quantized_kernel(torch.int8, torch.float32, "int8") is None:
+        pytest.skip("no AVX512_VNNI CPU: the W8A8 kernel does not run here")
     if quantization:
         from test_quantization import dequantized_reference
 
