@@ -84,7 +84,8 @@ class NeuronOptions:
         if self.quantization is None:
             return
         if self.quantization == "w8a8_int8":  # mapped here: NxDI's weight quantization (quantized=True), rows in the model's dtype
-            raise ValueError("quantization w8a8_int8 (int8 activations) is served by the CPU kernels only; on Neuron use int8 or fp8 (NxDI's weight quantization)")
+            raise ValueError("quantization w8a8_int8 (int8 activations) is served by the CPU kernels only; "
+                             "on Neuron use int8 or fp8 (NxDI's weight quantization)")
         if self.quantization not in QUANTIZATION_DTYPES:
             raise ValueError(f"quantization must be one of {sorted(QUANTIZATION_DTYPES)} or None, got {self.quantization!r}")
         if self.quantization_type not in QUANTIZATION_TYPES:
