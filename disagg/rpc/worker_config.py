@@ -36,7 +36,7 @@ class WorkerConfig:
     prepack: bool | None = None  # torch backend: linear weights laid out for few-row products; None: on CPU
     native_step: bool | None = None  # torch backend: decode steps and short prefills in one C call (native_step); None: where it serves the model
     share_weights: bool = True  # torch backend, prepacked: the box's workers map one packed weights file (disagg/engine/shared_weights.py)
-    quantization: str | None = None  # weights in 8 bits, quantized at load: int8 or fp8 (disagg/engine/quantization); None: as the checkpoint holds them
+    quantization: str | None = None  # 8-bit weights quantized at load: int8, fp8 or w8a8_int8 (engine/quantization); None: as the checkpoint holds them
     quantization_type: str = "per_channel"  # per_channel or per_tensor symmetric, as NxDI's quantization_type
     quantization_skip: tuple[str, ...] = ("lm_head",)  # linears whose name contains one of these stay in full precision (NxDI's modules_to_not_convert)
     kv_cache_dtype: str | None = None  # the KV cache in 8 bits: int8 or fp8, a scale per block and head (quantization/kv_cache.py); None: in dtype
