@@ -219,6 +219,58 @@ def test_8_bit_panels_take_at_most_0_55x_of_bf16s_bytes():
         assert packed.panels.numel() * packed.panels.element_size() <= 0.55 * linear.weight.numel() * 2
 
 
+def tied_checkpoint(directory) -> str:
+    """The tiny Llama with its LM head tied to the embedding (as SmolLM-135M's and Llama-3.2-1B's are): the
+    config says so and the file holds no lm_head.weight."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model("llama")
+    shutil.copytree(source, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return str(directory)
+
+
+@needs_kernel
+def test_a_tied_lm_head_is_quantized_as_a_copy_of_its_own_where_the_skip_list_lets_it(tmp_path):
+    """--quantization-skip '' on a tied checkpoint: the LM head gets 8-bit panels of its own (as llama.cpp's q8_0
+    quantizes it), the embedding keeps the full-precision weight its lookups read, and the served logits are the
+    reference's (the embedding as stored, the head's weight dequantized). With the default skip it stays tied."""
+    from transformers import AutoModelForCausalLM
+
+    from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from disagg.engine.memory import CheckpointFacts, Quantized
+
+    path = tied_checkpoint(tmp_path / "tied")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert "lm_head" not in quantize_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), QuantizationSettings("int8"))
+    weights = quantize_model(model, QuantizationSettings("int8", skip=()))
+    assert torch.equal(model.lm_head.weight, weights["lm_head"].dequantized()) and not torch.equal(model.lm_head.weight, embedding)
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    model.tie_weights()  # transformers' own re-tying leaves it untied: the config says it is
+    assert model.lm_head.weight is not model.get_input_embeddings().weight
+    backend = TorchBackend(TorchBackendConfig(model=path, dtype="float32", quantization="int8", quantization_skip=(), share_weights=False))
+    head = backend.model.get_output_embeddings()
+    assert isinstance(head, PackedLinear) and head.panels.dtype in small_gemm.QUANTIZED_DTYPES
+    assert torch.equal(backend.model.get_input_embeddings().weight, embedding)
+    prompt = [5, 17, 200, 33, 9]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
+    got = backend.prefill_logits(prompt, lambda *kv: None)[0].float()
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    facts = CheckpointFacts.read(path)  # the estimate: the head's panels in one byte a value, not four
+    saved = facts.weight_bytes(4, True, Quantized(head=False)) - facts.weight_bytes(4, True, Quantized(head=True))
+    assert facts.tied_head_values and saved == 3 * facts.tied_head_values
+
+
 # -- quality: negative log-likelihood on held-out text ------------------------------------------------
 
 

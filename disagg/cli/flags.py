@@ -77,7 +77,8 @@ def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
                             "per_channel_symmetric / per_tensor_symmetric (default: per_channel)")
     group.add_argument("--quantization-skip", type=name_list, default="lm_head",
                        help="comma-separated names: linear layers whose name contains one stay in full precision, as NxDI's "
-                            "modules_to_not_convert (default: lm_head; '' quantizes every linear)")
+                            "modules_to_not_convert (default: lm_head; '' quantizes every linear, a tied LM head as 8-bit panels of its "
+                            "own beside the full-precision embedding)")
     group.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                        help="the KV cache in 8 bits, as vLLM's --kv-cache-dtype: int8 or fp8 (e4m3) codes with a float32 scale per KV "
                             "block and head, computed by the prefill and carried with the KV to the decode worker (the same --kv-cache-gib "

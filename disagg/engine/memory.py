@@ -194,12 +194,13 @@ class CheckpointFacts:
 
     def weight_bytes(self, itemsize: int, packed: bool, quantization: Quantized | None = None) -> int:
         """packed: the CPU's PackedLinear keeps one layout of every linear weight, a tied LM head's included.
-        quantization: the linears in one byte a value (a tied or skipped LM head stays full precision);
+        quantization: the linears in one byte a value (a skipped LM head stays full precision; a tied one
+        quantized has 8-bit panels of its own, the embedding staying full precision);
         only where packed do the 8-bit panels replace the full-precision weights."""
         full = (self.linear_values + self.other_values + (self.tied_head_values if packed else 0)) * itemsize
         if quantization is None or not packed:
             return full
-        eight_bit = self.linear_values - (0 if quantization.head else self.head_values)
+        eight_bit = self.linear_values - (0 if quantization.head else self.head_values) + (self.tied_head_values if quantization.head else 0)
         return full - eight_bit * (itemsize - 1)
 
 

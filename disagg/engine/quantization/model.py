@@ -51,22 +51,33 @@ def quantized_linears(model: nn.Module, settings: QuantizationSettings) -> list[
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, settings: QuantizationSettings) -> dict[str, QuantizedWeight]:
-    """Quantizes every linear settings name (a tied weight is never quantized: its other user,
-    an embedding, stays full precision) and sets each weight to its dequantized values, in
-    the model's dtype; returns the 8-bit weights by linear name."""
+    """Quantizes every linear settings name and sets each weight to its dequantized values, in
+    the model's dtype; returns the 8-bit weights by linear name. A linear whose weight another
+    module shares (an LM head tied to the embedding, quantized where --quantization-skip lets it
+    be, as llama.cpp's q8_0 does) is untied first: it gets a weight of its own, and the
+    embedding keeps the full-precision one its lookups read."""
     if settings.method is None:
         return {}
     tied = {id(p) for name, module in model.named_modules() if not isinstance(module, nn.Linear) for p in module.parameters(recurse=False)}
     quantized: dict[str, QuantizedWeight] = {}
     for name, linear in quantized_linears(model, settings):
-        if id(linear.weight) in tied:
-            continue
         weight = dataclasses.replace(quantize(linear.weight, settings.weight_method, settings.granularity), activations=settings.activations)
+        if id(linear.weight) in tied:
+            untie(model, linear)
         linear.weight.copy_(weight.dequantized(linear.weight.dtype))
         if weight.activations == "int8":
             quantize_inputs(linear)
         quantized[name] = weight
     return quantized
+
+
+def untie(model: nn.Module, linear: nn.Linear) -> None:
+    """Gives the linear a weight of its own (a copy), and says so in the config, so that transformers'
+    tie_weights() never makes it the embedding's again."""
+    linear.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
 
 
 def quantize_inputs(linear: nn.Linear) -> None:
