@@ -147,16 +147,20 @@ static inline __m512i row_bits(const float *row, long K, long k) {
 #endif
     return bits;
 }
+/* The row's largest magnitude, as its bits (row_bits'; a NaN's are above every finite value's and infinity's). */
+static inline unsigned row_top_bits(const float *row, long K) {
+    __m512i top_bits = _mm512_setzero_si512();
+    for (long k = 0; k < K; k += 16)
+        top_bits = _mm512_max_epu32(top_bits, _mm512_and_si512(row_bits(row, K, k), _mm512_set1_epi32(0x7fffffff)));
+    return (unsigned)_mm512_reduce_max_epu32(top_bits);
+}
 #ifdef ACT_INT8
 static void prepare_input(const float *x, long M, long K, input_t *out) {
     long kp = INPUT_K(K), stride = INPUT_STRIDE(K);
     for (long m = 0; m < M; m++) {
         const float *row = x + m * K;
         input_t *o = out + m * stride;
-        __m512i top_bits = _mm512_setzero_si512();
-        for (long k = 0; k < K; k += 16)
-            top_bits = _mm512_max_epu32(top_bits, _mm512_and_si512(row_bits(row, K, k), _mm512_set1_epi32(0x7fffffff)));
-        unsigned top = (unsigned)_mm512_reduce_max_epu32(top_bits);
+        unsigned top = row_top_bits(row, K);
         union { unsigned u; float f; } largest = {top};
         /* an infinity or NaN: the row's products are NaN; an all-zero row: zero digits, scale 0 */
         float scale = top >= 0x7f800000u ? __builtin_nanf("") : largest.f / 127.0f;
@@ -185,13 +189,7 @@ static void prepare_input(const float *x, long M, long K, input_t *out) {
     for (long m = 0; m < M; m++) {
         const float *row = x + m * K;
         input_t *o = out + m * stride;
-        /* the largest magnitude, from the bits (a NaN's are above every finite value's and infinity's) */
-        __m512i top_bits = _mm512_setzero_si512();
-        for (long k = 0; k < K; k += 16) {
-            __m512i bits = row_bits(row, K, k);
-            top_bits = _mm512_max_epu32(top_bits, _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)));
-        }
-        unsigned top = (unsigned)_mm512_reduce_max_epu32(top_bits);
+        unsigned top = row_top_bits(row, K);
         /* largest < 2^(e - 126), e its biased exponent: |value| / 2^shift < 2^22, three digits hold it (a row
          * below 2^-104 keeps shift -126, a normal float's least: fewer of its bits, none of them lost above 2^-127) */
         int shift = (int)(top >> 23) - 148 > -126 ? (int)(top >> 23) - 148 : -126;

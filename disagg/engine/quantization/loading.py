@@ -9,14 +9,13 @@ the 8-bit kernels against), and the 8-bit weights go to packed_linear by name.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .model import QuantizationSettings, quantize_inputs, quantize_model
+from .model import QuantizationSettings, quantize_model, with_activations
 from .schemes import QuantizedWeight
 
 
@@ -38,13 +37,8 @@ def load_weights(path: str, dtype: torch.dtype, device: torch.device, settings: 
         if settings.method is not None and settings.weight_method != checkpoint.method:
             raise ValueError(f"--quantization {settings.method}: the checkpoint is already quantized ({checkpoint.format}); "
                              f"serve it without --quantization, or with --quantization {checkpoint.method}")
-        weights, how = checkpoint.weights, f"pre-quantized checkpoint: {checkpoint.format}"
-        if settings.activations:  # its int8 weights served W8A8: each linear's input rows quantized too
-            weights = {name: dataclasses.replace(weight, activations=settings.activations) for name, weight in weights.items()}
-            modules = dict(model.named_modules())
-            for name in weights:
-                quantize_inputs(modules[name])
-            how += f", {ACTIVATIONS_NOTE}"
+        weights = with_activations(model, checkpoint.weights, settings.activations)  # W8A8 where asked: its rows quantized too
+        how = f"pre-quantized checkpoint: {checkpoint.format}" + (f", {ACTIVATIONS_NOTE}" if settings.activations else "")
         return LoadedWeights(model, weights, describe(weights, how, model))
     model = load_full(path, dtype, device)
     quantized = quantize_model(model, settings)

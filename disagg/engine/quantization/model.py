@@ -61,14 +61,23 @@ def quantize_model(model: nn.Module, settings: QuantizationSettings) -> dict[str
     tied = {id(p) for name, module in model.named_modules() if not isinstance(module, nn.Linear) for p in module.parameters(recurse=False)}
     quantized: dict[str, QuantizedWeight] = {}
     for name, linear in quantized_linears(model, settings):
-        weight = dataclasses.replace(quantize(linear.weight, settings.weight_method, settings.granularity), activations=settings.activations)
+        weight = quantize(linear.weight, settings.weight_method, settings.granularity)
         if id(linear.weight) in tied:
             untie(model, linear)
         linear.weight.copy_(weight.dequantized(linear.weight.dtype))
-        if weight.activations == "int8":
-            quantize_inputs(linear)
         quantized[name] = weight
-    return quantized
+    return with_activations(model, quantized, settings.activations)
+
+
+def with_activations(model: nn.Module, weights: dict[str, QuantizedWeight], activations: str | None) -> dict[str, QuantizedWeight]:
+    """The weights marked with how their input rows are quantized (W8A8: "int8"; None: weight-only), and,
+    for W8A8, the model's own linears quantizing their rows too (`quantize_inputs`)."""
+    if activations is None:
+        return weights
+    modules = dict(model.named_modules())
+    for name in weights:
+        quantize_inputs(modules[name])
+    return {name: dataclasses.replace(weight, activations=activations) for name, weight in weights.items()}
 
 
 def untie(model: nn.Module, linear: nn.Linear) -> None:
