@@ -157,6 +157,7 @@ def step_inputs(batch: int, context: int, vocab: int, device: torch.device, scat
         positions=torch.full((batch,), context - 1),
         input_ids=torch.randint(0, vocab, (batch,), device=device),
         params=torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]] * batch),  # greedy
+        greedy=True,  # as the decode loop marks a step of greedy rows
         seeds=torch.zeros(batch, dtype=torch.long),
         steps=torch.zeros(batch, dtype=torch.long),
         kv_len=context,

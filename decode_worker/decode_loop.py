@@ -444,6 +444,7 @@ class DecodeLoop:
             contiguous_from=slots[0] if len(slots) == len(rows) and slots[-1] - slots[0] == len(slots) - 1 else None,
             penalized=any(s.sampling.penalized for s in rows),
             top_logprobs=max(s.sampling.logprobs for s in rows),
+            greedy=all(s.sampling.is_greedy for s in rows),
             guess_index=torch.tensor([j for count in counts for j in range(count)]) if len(ids) > len(rows) else None,
         )
         for s in rows:

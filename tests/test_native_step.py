@@ -127,7 +127,10 @@ def test_a_native_step_that_changes_the_logits_is_not_used(monkeypatch):
     assert backend.native is None
 
 
-@pytest.mark.parametrize("field,value", [("slots", [0, 9]), ("positions", [3, 40]), ("input_ids", [0, 10**6]), ("input_ids", [-1, 0])])
+@pytest.mark.parametrize("field,value", [
+    ("slots", [0, 9]), ("slots", [[0, 1], [2, 9]]), ("slots", [-1, 0]), ("positions", [3, 40]), ("positions", [-1, 3]), ("positions", [3]),
+    ("input_ids", [0, 10**6]), ("input_ids", [-1, 0]), ("input_ids", [1, 2, 3]),
+])
 def test_out_of_range_rows_are_refused_before_the_c_side_reads_them(field, value):
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
     backend.allocate_slots(4)
@@ -135,6 +138,41 @@ def test_out_of_range_rows_are_refused_before_the_c_side_reads_them(field, value
     rows[field] = torch.tensor(value)
     with pytest.raises(ValueError, match="native step"):
         backend.native.decode_logits(rows["slots"], rows["positions"], rows["input_ids"], 8)
+
+
+def test_the_rotary_angles_read_from_the_table_of_every_position_give_the_bits_of_the_module_s_own_call():
+    """A step reads its rows' rotary angles by position from a table the model's rotary module computed for
+    every position up to the largest seen (grown as positions pass its end), not from a call of the module
+    for the step's positions: the logits and the lines written are the same bits either way."""
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(6)
+    native = backend.native
+    assert native.angles is not None
+    for inputs in (step_inputs([0, 3, 5], [300, 3, 17], [5, 6, 7]), step_inputs([1, 4], [450, 12], [8, 9])):  # 301 positions, then 451
+        random_cache(backend)
+        saved = [t.clone() for t in (*backend.cache.keys, *backend.cache.values)]
+        with torch.inference_mode():
+            by_table = native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+            table_cache = [t.clone() for t in (*backend.cache.keys, *backend.cache.values)]
+            assert native.angles.cos.shape[0] >= inputs.kv_len
+            for tensor, old in zip((*backend.cache.keys, *backend.cache.values), saved):
+                tensor.copy_(old)
+            angles, native.angles = native.angles, None  # the module called for the step's positions
+            try:
+                by_call = native.decode_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+            finally:
+                native.angles = angles
+        assert torch.equal(by_table, by_call)
+        assert all(torch.equal(a, b) for a, b in zip(table_cache, (*backend.cache.keys, *backend.cache.values)))
+
+
+def test_rotary_angles_that_depend_on_the_sequence_s_length_are_computed_for_each_step():
+    """transformers' dynamic and longrope rotary types rescale their frequencies as a sequence grows: no table."""
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    rotary = backend.model.model.rotary_emb
+    for rope_type, tabled in (("default", True), ("dynamic", False), ("longrope", False)):
+        rotary.rope_type = rope_type
+        assert (native_step.angles_table(rotary, backend.model.model.embed_tokens.weight) is not None) is tabled
 
 
 def both_prefills(backend, prompt: list[int]):
@@ -567,14 +605,21 @@ def test_native_steps_over_an_8_bit_cache_write_the_eager_steps_codes_and_scales
     assert exact >= (3 * 3 * 2 * heads // 2 if dtype == "float32" else 0)  # most first-layer lines are the same bits
 
 
-@pytest.mark.parametrize("name, kv_cache_dtype", [("llama", None), ("mistral-sw", None), ("llama", "int8")])  # mistral-sw: a 16-token window
-def test_a_step_s_attention_shared_with_the_helper_gives_the_bits_of_one_core(name, kv_cache_dtype):
+ROWS = {4: ([0, 2, 3, 5], [30, 3, 17, 44], [5, 6, 7, 8]), 3: ([0, 3, 5], [30, 17, 44], [5, 7, 8]), 1: ([3], [40], [7])}
+
+
+# mistral-sw: a 16-token window; 1 and 3 rows: a KV head of a row a unit (the tiny models have 2 KV heads)
+@pytest.mark.parametrize("name, kv_cache_dtype, rows", [
+    ("llama", None, 4), ("mistral-sw", None, 4), ("llama", "int8", 4), ("llama", None, 1), ("mistral-sw", None, 3), ("llama", "int8", 1),
+])
+def test_a_step_s_attention_shared_with_the_helper_gives_the_bits_of_one_core(name, kv_cache_dtype, rows):
     """A step of 4 rows or more (reading enough K and V) shares its rows' attention with the products'
-    helper (native_step.c, split_attention), each row computed whole by whichever core claims it: the
-    logits and the cache it leaves are the bits of the same step on the calling core alone. The caller
-    claims one unit a job, so the helper computes the other rows."""
+    helper (native_step.c, split_attention), each row computed whole by whichever core claims it; a step
+    of fewer rows shares it a KV head of a row a unit (attend_heads_job). Either way the logits and the
+    cache it leaves are the bits of the same step on the calling core alone. The caller claims one unit
+    a job, so the helper computes the others."""
     backend = load_backend("torch", model=tiny_model(name), dtype="float32", kv_cache_dtype=kv_cache_dtype)
-    inputs = step_inputs([0, 2, 3, 5], [30, 3, 17, 44], [5, 6, 7, 8])
+    inputs = step_inputs(*ROWS[rows])
     if kv_cache_dtype:
         backend.allocate_slots(6, num_blocks=30, block_size=16)
         for slot in inputs.slots.tolist():
@@ -586,7 +631,7 @@ def test_a_step_s_attention_shared_with_the_helper_gives_the_bits_of_one_core(na
         random_cache(backend)
         tables, model = inputs.slots, backend.native.model
     kernel, saved = backend.native.kernel, cache_state(backend) if kv_cache_dtype else [t.clone() for t in (*backend.cache.keys, *backend.cache.values)]
-    model.split_attention_bytes = 0  # the tiny model's rows read a few KB: shared from any size here
+    model.split_attention_bytes = model.split_heads_bytes = 0  # the tiny model's rows read a few KB: shared from any size here
 
     def step(shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         tensors = (*backend.cache.keys, *backend.cache.values, *((*backend.cache.key_scales, *backend.cache.value_scales) if kv_cache_dtype else ()))

@@ -136,6 +136,7 @@ def sample(
     in_prompt: torch.Tensor | None = None,
     top_logprobs: int = -1,
     bitmask: torch.Tensor | None = None,
+    greedy: bool = False,
 ) -> SampleOutput:
     """Token ids [batch] from logits [batch, vocab].
 
@@ -144,12 +145,16 @@ def sample(
     counts/in_prompt: the rows' token counts (given when a row has a penalty).
     top_logprobs: -1 when no row wants logprobs, else the most alternatives any row wants.
     bitmask: [batch, ceil(vocab / 32)] int32, the tokens each row may produce (None: all).
+    greedy: every row is greedy, as the caller knows (params are then not read: after a CPU step
+    each torch call costs microseconds, its dispatch pushed out of the caches by the weights).
     """
     if bitmask is not None:
         logits = apply_bitmask(logits, bitmask)
     if counts is not None:
         logits = apply_penalties(logits.float(), params, counts, in_prompt)
     greedy_ids = logits.argmax(dim=-1)
+    if greedy and top_logprobs < 0:
+        return SampleOutput(greedy_ids)
     top_k, top_p, temperature, min_p = params[:, TOP_K], params[:, TOP_P], params[:, TEMPERATURE], params[:, MIN_P]
     greedy = (temperature <= 0) | (top_k == 1)
     all_greedy = bool(greedy.all())

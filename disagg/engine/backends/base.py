@@ -87,6 +87,7 @@ class StepInputs:
     min_position: int | None = None  # min(positions), known on the host (sliding windows read from it)
     penalized: bool = False  # some row has a penalty: the slots' token counts are read
     top_logprobs: int = -1  # -1: no row wants logprobs; else the most alternatives a row wants
+    greedy: bool = False  # every row is greedy (known on the host): the sampler takes the argmax without reading params
     # Some row has a constraint: called after the logits, it returns their [n, ceil(vocab / 32)] int32 bitmask for the sampler.
     token_bitmask: Callable[[], torch.Tensor] | None = None
     # Speculative decoding (disagg/engine/speculation): [n] int64, each row's place among its sequence's rows (0: the

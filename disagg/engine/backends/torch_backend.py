@@ -644,7 +644,7 @@ class TorchBackend(Backend):
     def _tables(self, inputs: StepInputs) -> torch.Tensor:
         """[n, w]: the rows' block tables, as many blocks as cover the step's KV length."""
         width = -(-inputs.kv_len // self.cache.block_size)
-        return self.row_tables.index_select(0, inputs.slots.to(self.device))[:, :width]
+        return self.row_tables[:, :width].index_select(0, inputs.slots.to(self.device))  # contiguous: the native step reads it as it is
 
     def _eager_logits(self, inputs: StepInputs, read_in_place: bool | None = None) -> torch.Tensor:
         min_position = inputs.min_position if inputs.min_position is not None else int(inputs.positions.min())
@@ -677,7 +677,7 @@ class TorchBackend(Backend):
             counts = counts + guesses_before(inputs.input_ids.to(self.device), inputs.guess_index.to(self.device), counts.shape[1]).to(counts.dtype)
         params = inputs.params.to(self.device)
         bitmask = inputs.token_bitmask() if inputs.token_bitmask is not None else None
-        out = sample(logits, params, inputs.seeds, inputs.steps, self.config.global_topk, counts, in_prompt, inputs.top_logprobs, bitmask)
+        out = sample(logits, params, inputs.seeds, inputs.steps, self.config.global_topk, counts, in_prompt, inputs.top_logprobs, bitmask, inputs.greedy)
         undo = self.native is not None and self.native.undo is not None  # a verify step over an 8-bit cache
         kept = None  # every row; else the rows whose tokens their sequences keep
         if inputs.guess_index is not None and (inputs.penalized or undo):

@@ -153,6 +153,7 @@ class _Model(ctypes.Structure):
         ("blocked_attention", ctypes.c_void_p), ("blocked_packed_size", ctypes.c_void_p), ("blocked_min_rows", ctypes.c_long),
         ("blocked_work_per_thread", ctypes.c_long), ("blocked_threads", ctypes.c_int), ("blocked_calls", ctypes.c_long),
         ("split_rows", ctypes.c_void_p), ("split_attention_bytes", ctypes.c_long), ("split_attention_calls", ctypes.c_long),
+        ("split_heads_bytes", ctypes.c_long),
     ]
 
 
@@ -161,6 +162,9 @@ class _Model(ctypes.Structure):
 # ms, docs/benchmarks.md), the tests' tiny models a few KB, where handing rows over costs what reading them
 # does (as small products: small_gemm.SPLIT_MIN_BYTES).
 SPLIT_ATTENTION_MIN_BYTES = 256 << 10
+# A step of fewer rows shares its attention a KV head of a row a unit (a model of several KV heads) where its rows
+# read at least this much K and V a layer: SmolLM-135M's shape reads 96 KB at one row of 128 positions.
+SPLIT_HEADS_MIN_BYTES = 32 << 10
 
 
 @functools.cache
@@ -178,9 +182,11 @@ def _library(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> ctypes.
     library.native_step_workspace.argtypes, library.native_step_workspace.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long], ctypes.c_long
     pointer, long = ctypes.c_void_p, ctypes.c_long
     library.native_step.argtypes = [
-        pointer, pointer, long, pointer, pointer, long, pointer, pointer, pointer, ctypes.c_int, _LAYER_DONE, long, pointer, pointer,
+        pointer, pointer, long, pointer, pointer, long, pointer, pointer, pointer, ctypes.c_int, ctypes.c_int, _LAYER_DONE, long, pointer, pointer,
     ]
     library.native_step.restype = ctypes.c_int
+    library.native_rows_check.argtypes = [long, pointer, long, pointer, long, long, long, pointer, long]
+    library.native_rows_check.restype = long
     return library
 
 
@@ -213,6 +219,40 @@ def append_line(codes: torch.Tensor, scale: torch.Tensor, offset: int, line: tor
         raise ValueError(f"append_line: offset {offset} outside a block of {codes.shape[0]}")
     line = line.to(torch.float32).contiguous()
     _library(dtype, codes.dtype).native_append_line(codes.data_ptr(), scale.data_ptr(), codes.shape[0], codes.shape[1], offset, line.data_ptr())
+
+
+# transformers' rotary types whose angles depend on the sequence's length (its dynamic_rope_update): computed each call.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+class _Angles:
+    """Each position's rotary angles, cos and sin [positions, head_dim] float32, from the model's rotary
+    module over every position up to the largest asked for (grown by doubling): a step reads its rows'
+    by position (native_step's angles_by_position) rather than calling the module, a dozen torch calls
+    that cost ~0.3 ms a step once the step's weights have pushed torch's dispatch out of the caches.
+    The module multiplies each position by each frequency once (its product has one term) and takes
+    cos and sin elementwise, so a position's angles do not depend on which positions a call holds."""
+
+    def __init__(self, rotary, embed: torch.Tensor):
+        self.rotary, self.probe = rotary, embed[:1].float()
+        self.cos = self.sin = torch.empty(0)
+
+    def covering(self, positions_below: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions_below > self.cos.shape[0]:
+            count = max(positions_below, 2 * self.cos.shape[0], 256)
+            cos, sin = self.rotary(self.probe, torch.arange(count)[None])
+            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        return self.cos, self.sin
+
+
+def angles_table(rotary, embed: torch.Tensor) -> _Angles | None:
+    """The table a step reads its rotary angles from, or None where they depend on the sequence's length (computed each call)."""
+    return None if getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE else _Angles(rotary, embed)
+
+
+def _longs(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64, itself where it is already (no torch call: each costs microseconds once the step has run)."""
+    return t if t.dtype == torch.long and t.is_contiguous() else t.to(torch.long).contiguous()
 
 
 def unserved(model, plans: list[LayerPlan]) -> str | None:
@@ -317,6 +357,8 @@ class NativeModel:
         self.dtype = inner.embed_tokens.weight.dtype
         self.library, self.rotary, self.kernel = _library(self.dtype), inner.rotary_emb, small_gemm.kernel(self.dtype)
         self.embed = inner.embed_tokens.weight.detach().contiguous()
+        self.angles = angles_table(self.rotary, self.embed)
+        self.work = torch.empty(0)  # the decode steps' workspace, grown as a step needs (a prefill's is its own)
         first_attention = inner.layers[0].self_attn
         self.head_dim = first_attention.head_dim
         q_heads = first_attention.q_proj.out_features // self.head_dim
@@ -352,9 +394,12 @@ class NativeModel:
             *pointers, layers,
         )
         self._blocked_prompts(q_heads, plans)
-        # A step of several rows shares its rows' attention with the products' helper (native_step.c, split_attention).
-        self.model.split_rows = ctypes.cast(self.kernel._split_rows, ctypes.c_void_p).value
+        # A step shares its attention (native_step.c, split_attention) with the helper thread its layers' products wake:
+        # an 8-bit model's build's, not the model dtype's, whose helper would take the same core from it.
+        layers_kernel = small_gemm.kernel(inner.layers[0].mlp.down_proj.panels.dtype)
+        self.model.split_rows = ctypes.cast(layers_kernel._split_rows, ctypes.c_void_p).value
         self.model.split_attention_bytes = SPLIT_ATTENTION_MIN_BYTES
+        self.model.split_heads_bytes = SPLIT_HEADS_MIN_BYTES
         self.slot_cache: _KvCache | None = None
         self.code_dtype: torch.dtype | None = None  # the attached cache's 8-bit codes, or None: in the model's dtype
         self.undo: UndoLog | None = None  # the last verify step's over an 8-bit cache, until roll_back
@@ -403,15 +448,15 @@ class NativeModel:
         hidden: where given, gets the rows' final hidden states [n, hidden] (float32, after the final norm).
         guesses: [n] bool, a verify step's guess rows (a sequence's rows consecutive, in order): over an
         8-bit cache their appends are logged, to be undone by roll_back where not kept."""
-        tables, positions, input_ids = (t.to(torch.long).contiguous() for t in (tables, positions, input_ids))
+        tables, positions, input_ids = (_longs(t) for t in (tables, positions, input_ids))
         table_width = tables.shape[1] if tables.dim() == 2 else 1
-        self._check_rows(tables, positions, input_ids, self.slot_shape[0], min(kv_len, table_width * self.slot_shape[2]))
+        positions_below = self._check_rows(tables, positions, input_ids, self.slot_shape[0], min(kv_len, table_width * self.slot_shape[2]))
         logged = guesses is not None and self.code_dtype is not None and bool(guesses.any())
         self.undo = self._undo_log(tables, positions, guesses) if logged else None
         log_struct = self.undo.struct() if logged else None  # alive for the call: the C side points at it
         self.slot_cache.undo = ctypes.addressof(log_struct) if logged else None
         try:
-            return self._run(self.slot_cache, tables, positions, input_ids, int(positions.max()) + 1, 0, None, self.step_library, self.step_model, hidden)
+            return self._run(self.slot_cache, tables, positions, input_ids, positions_below, 0, None, self.step_library, self.step_model, hidden)
         finally:
             self.slot_cache.undo = None
 
@@ -480,14 +525,28 @@ class NativeModel:
             raise failure[0]
         return logits
 
-    def _check_rows(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, num_slots: int, kv_len: int) -> None:
-        # The C side reads raw pointers: a slot, position or token id out of range would read past the buffers, not fail.
-        n = slots.shape[0]  # slots: [n] one block each, or [n, blocks] block tables
-        ranges = torch.stack([slots.min(), slots.max(), positions.min(), positions.max(), input_ids.min(), input_ids.max()]).tolist() if n else []
-        if not n or positions.shape != (n,) or input_ids.shape != (n,) or not (
-            0 <= ranges[0] <= ranges[1] < num_slots and 0 <= ranges[2] <= ranges[3] < kv_len and 0 <= ranges[4] <= ranges[5] < self.embed.shape[0]
-        ):
-            raise ValueError(f"native step: slots {tuple(slots.shape)}, positions {tuple(positions.shape)}, ids {tuple(input_ids.shape)}, kv_len {kv_len}")
+    def _check_rows(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, blocks: int, positions_below: int) -> int:
+        """The rows' largest position + 1; ValueError where a row is out of range (native_rows_check), or the
+        tensors are not the step's shapes: the C side reads raw pointers, and would read past the buffers."""
+        n = tables.shape[0]  # tables: [n] one block each (slots), or [n, blocks] block tables, int64
+        width, stride = (tables.shape[1], tables.stride(0)) if tables.dim() == 2 else (1, 1)
+        shaped = positions.shape == (n,) and input_ids.shape == (n,) and (tables.dim() == 1 or tables.stride(1) == 1)
+        top = self.library.native_rows_check(
+            n, input_ids.data_ptr(), self.embed.shape[0], tables.data_ptr(), stride, width, blocks, positions.data_ptr(), positions_below,
+        ) if shaped and all(t.dtype == torch.long and t.is_contiguous() for t in (positions, input_ids)) and tables.dtype == torch.long else -1
+        if top < 0:
+            raise ValueError(f"native step: slots {tuple(tables.shape)}, positions {tuple(positions.shape)}, ids {tuple(input_ids.shape)}, "
+                             f"positions below {positions_below}, blocks {blocks}, vocabulary {self.embed.shape[0]}")
+        return top
+
+    def _workspace(self, floats: int, reused: bool) -> torch.Tensor:
+        """A step's workspace: a decode step's the one kept for them (nothing outlives the call), grown as needed;
+        otherwise (a prefill, or a step whose hidden states are views of it) its own."""
+        if not reused:
+            return torch.empty(floats, dtype=torch.float32)
+        if self.work.numel() < floats:
+            self.work = torch.empty(floats, dtype=torch.float32)
+        return self.work
 
     def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done, library=None, model=None,
              hidden: list | None = None) -> torch.Tensor:
@@ -497,14 +556,17 @@ class NativeModel:
         library, model = library or self.library, model or self.model
         n = slots.shape[0]
         table_stride = slots.stride(0) if slots.dim() == 2 else 1
-        cos, sin = self.rotary(self.embed[:1].float(), positions[None])  # [1, n, head_dim] each, float32
-        cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+        if self.angles is not None:  # a table of every position's angles, read by position
+            cos, sin = self.angles.covering(kv_len)
+        else:
+            cos, sin = self.rotary(self.embed[:1].float(), positions[None])  # [1, n, head_dim] each, float32
+            cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
         logits = torch.empty(n - logit_from, self.vocab, dtype=torch.float32)
-        work = torch.empty(library.native_step_workspace(ctypes.byref(model), n, kv_len), dtype=torch.float32)
+        work = self._workspace(library.native_step_workspace(ctypes.byref(model), n, kv_len), layer_done is None and hidden is None)
         model.blocked_threads = max(1, torch.get_num_threads())  # a blocked prompt's attention runs on torch's threads
         library.native_step(
             ctypes.byref(model), ctypes.byref(cache), n, input_ids.data_ptr(), slots.data_ptr(), table_stride,
-            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), int(self.angles is not None),
             int(self.kernel.splits_here()), layer_done or _LAYER_DONE(), logit_from, logits.data_ptr(), work.data_ptr(),
         )
         if hidden is not None:
