@@ -383,7 +383,7 @@ def two_core_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 # While a batch is measured, two cores' read bandwidth is sampled this often (in rounds of the variants):
 # on a shared host it moves by up to 1.8x from one minute to the next, so a roofline from one sample taken
 # before the steps can be far from the bandwidth the steps had.
-BANDWIDTH_EVERY = 10
+BANDWIDTH_EVERY = 3
 
 
 def measure_batch(args, backends: dict[str, TorchBackend], batch: int, vocab: int, device: torch.device) -> tuple[dict[str, float], float | None]:
@@ -397,6 +397,8 @@ def measure_batch(args, backends: dict[str, TorchBackend], batch: int, vocab: in
     for round_ in range(args.repeats):
         if splits_rows(args, device) and round_ % BANDWIDTH_EVERY == 0:
             samples.append(two_core_bandwidth(device, 1 << 29))
+            for backend in backends.values():  # untimed: torch's second thread still spins after the sum, on the helper's core
+                time_step(backend, inputs, device)
         for name, backend in backends.items():
             times[name].append(time_step(
                 backend, inputs, device, one_core=name.endswith("-1core"), shared_rows=1 if name == "prepacked-single-shared" else 64

@@ -1,5 +1,7 @@
 """Prepacked linear weights (the CPU default): the same products as nn.Linear, in and out of a graph."""
 
+import ctypes
+import mmap
 import os
 import signal
 import threading
@@ -8,6 +10,7 @@ import time
 import pytest
 import torch
 from conftest import reference, tiny_model
+from polling import wait_for
 from test_backend import PROMPTS, run_batch
 
 from disagg.engine.backends import load_backend
@@ -421,6 +424,31 @@ def test_a_forked_child_splits_rows_with_a_helper_of_its_own(splittable):
             pytest.fail("the forked child hung on its split product")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+@needs_kernel
+@two_cpus
+def test_a_helper_asked_to_warm_weights_that_are_gone_prefetches_them_harmlessly(splittable):
+    # native_step.c asks the waiting helper to warm the next product's weights; a request may outlive them.
+    kernel, panels, x = splittable
+
+    def split():
+        kernel.split_here(True)
+        return kernel.product(x, panels, 160, None)
+
+    want = in_new_thread(split)  # the helper is started, and waits for the next job
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = 1 << 20
+    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert address not in (None, ctypes.c_void_p(-1).value)
+    done = kernel.warmings_done()
+    kernel.warm(1, 576, address, 240)  # a one-row product of 240 outputs over 576 inputs there: its last panels, inside the region
+    assert libc.munmap(address, size) == 0  # the helper prefetches addresses with nothing behind them
+    # A helper that slept since the last job warms after the next one: products wake it until it has.
+    wait_for(lambda: kernel.warmings_done() > done or (in_new_thread(split), False)[1], within=60, what="the helper's warming")
+    assert torch.equal(in_new_thread(split), want)
 
 
 @needs_kernel

@@ -157,6 +157,7 @@ void native_append_line(kv_t *codes, float *scale, long block_size, long d, long
 
 typedef void (*product_fn)(const float *x, long M, long K, const void *panels, long N, const float *bias, float *y);
 typedef int (*split_product_fn)(const float *x, long M, long K, const void *panels, long N, const float *bias, float *y);
+typedef void (*warm_fn)(long M, long K, const void *panels, long N);
 typedef void (*row_fn)(const void *blob, long first, long n, float *out);
 typedef int (*split_rows_fn)(row_fn fn, const void *blob, long blob_bytes, long rows, long row_floats, float *y);
 #ifdef KV_SCALED /* slot_attention.c's 8-bit build: slot_attention_scaled, with the layer's scales */
@@ -183,6 +184,7 @@ struct weights {
      * beside a full-precision LM head); NULL: the model's product and split_product. */
     product_fn product;
     split_product_fn split_product;
+    warm_fn warm; /* small_gemm_warm of the same build */
 };
 
 struct layer {
@@ -289,7 +291,15 @@ struct model {
     /* A step of fewer rows shares it a KV head of a row a unit (attend_heads_job), when its rows read at least
      * this many bytes of K and V a layer and the model has several KV heads. */
     long split_heads_bytes;
+    warm_fn warm; /* small_gemm_warm of the model's build (NULL: no warming) */
 };
+
+/* Asks the helper that will share the product of `rows` rows over w to warm its first weights while it waits (small_gemm_warm). */
+static void warm(const struct model *m, int may_share, long rows, long k, const struct weights *w) {
+    warm_fn fn = w->warm ? w->warm : m->warm;
+    if (may_share && w->shared && fn)
+        fn(rows, k, w->panels, w->n);
+}
 
 static void product(const struct model *m, int may_share, const float *x, long rows, long k, const struct weights *w, float *y) {
     for (long r = 0; r < rows; r += BLOCK_ROWS) {
@@ -611,6 +621,7 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
         float *key_scales = cache->key_scales ? cache->key_scales[l] : 0, *value_scales = cache->value_scales ? cache->value_scales[l] : 0;
         rms_norm(x, rows, hidden, L->attn_norm, m->eps, h);
         product(m, may_share, h, rows, hidden, &L->qkv, wide);
+        warm(m, may_share, rows, q_dim, &L->o); /* while the rows are rotated and attend (the helper takes a share of that first) */
         for (long r = 0; r < rows; r++) {
             rotate(wide + r * L->qkv.n + L->q_col, m->q_heads, d, cos + ANGLES(r), sin + ANGLES(r), q + r * q_dim);
             if (!in_turn)
@@ -638,12 +649,18 @@ int native_step(const struct model *m, const struct kv_cache *cache, long rows, 
                 attend_rows(&job, q, tables, positions, 0, rows, attended, scores);
         }
         product(m, may_share, attended, rows, q_dim, &L->o, mixed);
+        warm(m, may_share, rows, hidden, &L->gate_up);
         add_into(x, mixed, rows * hidden);
         rms_norm(x, rows, hidden, L->mlp_norm, m->eps, h);
         product(m, may_share, h, rows, hidden, &L->gate_up, wide);
+        warm(m, may_share, rows, m->intermediate, &L->down);
         for (long r = 0; r < rows; r++)
             silu_times(wide + r * L->gate_up.n + L->gate_col, wide + r * L->gate_up.n + L->up_col, m->intermediate, act + r * m->intermediate);
         product(m, may_share, act, rows, m->intermediate, &L->down, mixed);
+        if (l + 1 < m->layers)
+            warm(m, may_share, rows, hidden, &m->layer[l + 1].qkv);
+        else
+            warm(m, may_share, rows - logit_from, hidden, &m->lm_head);
         add_into(x, mixed, rows * hidden);
     }
     long kept = rows - logit_from;

@@ -96,7 +96,7 @@ def prefill_max_rows(dtype: torch.dtype, threads: int, blocked: bool = False) ->
 
 class _Weights(ctypes.Structure):
     _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_long), ("shared", ctypes.c_int),
-                ("product", ctypes.c_void_p), ("split_product", ctypes.c_void_p)]
+                ("product", ctypes.c_void_p), ("split_product", ctypes.c_void_p), ("warm", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -153,7 +153,7 @@ class _Model(ctypes.Structure):
         ("blocked_attention", ctypes.c_void_p), ("blocked_packed_size", ctypes.c_void_p), ("blocked_min_rows", ctypes.c_long),
         ("blocked_work_per_thread", ctypes.c_long), ("blocked_threads", ctypes.c_int), ("blocked_calls", ctypes.c_long),
         ("split_rows", ctypes.c_void_p), ("split_attention_bytes", ctypes.c_long), ("split_attention_calls", ctypes.c_long),
-        ("split_heads_bytes", ctypes.c_long),
+        ("split_heads_bytes", ctypes.c_long), ("warm", ctypes.c_void_p),
     ]
 
 
@@ -311,10 +311,10 @@ def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int, keep: list
         bias = bias.float().contiguous()
         keep.append(bias)
     shared = int(small_gemm.worth_sharing(panels))
-    functions = (None, None)
+    functions = (None, None, None)
     if panels.dtype in small_gemm.QUANTIZED_DTYPES:  # the 8-bit build's products (the model's are its own dtype's)
         kernel = small_gemm.kernel(panels.dtype)
-        functions = tuple(ctypes.cast(function, ctypes.c_void_p).value for function in (kernel._call, kernel._split))
+        functions = tuple(ctypes.cast(function, ctypes.c_void_p).value for function in (kernel._call, kernel._split, kernel._warm))
     return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, shared, *functions)
 
 
@@ -400,6 +400,7 @@ class NativeModel:
         self.model.split_rows = ctypes.cast(layers_kernel._split_rows, ctypes.c_void_p).value
         self.model.split_attention_bytes = SPLIT_ATTENTION_MIN_BYTES
         self.model.split_heads_bytes = SPLIT_HEADS_MIN_BYTES
+        self.model.warm = ctypes.cast(self.kernel._warm, ctypes.c_void_p).value  # the helper warms the next product's weights
         self.slot_cache: _KvCache | None = None
         self.code_dtype: torch.dtype | None = None  # the attached cache's 8-bit codes, or None: in the model's dtype
         self.undo: UndoLog | None = None  # the last verify step's over an 8-bit cache, until roll_back

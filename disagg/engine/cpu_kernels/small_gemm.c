@@ -959,6 +959,42 @@ static long claim(unsigned long long ticket, int from_back, long most, long *n) 
     }
 }
 
+/* Warming. Between a decode step's products its caller works alone for microseconds (norms, rotations, its
+ * share of the attention, each product's prepared input) while the helper waits: there the helper asks for
+ * the weights it will claim first in the product the caller names next (small_gemm_warm), so they are in its
+ * caches when that product comes. It prefetches (which never faults: a request that outlived its weights
+ * costs nothing but reads), a few lines at a time, and stops as soon as a job is published. Measured on Zen 4,
+ * SmolLM-135M's one-row step with and without, alternately in one process: 1-2% faster in bf16, int8 and int8
+ * with an int8 head alike (up to 768 KB a product warmed measured no faster: the helper's waits are short). */
+#define WARM_MAX_BYTES (256L << 10)
+#define WARM_LINES 16 /* prefetched between two looks at the ticket */
+static _Atomic(const char *) warm_from, warm_to; /* what small_gemm_warm asked for last */
+static atomic_ulong warm_requests;
+static atomic_long warmings_done; /* requests warmed to their end (tests) */
+
+/* The helper's progress through the warming asked for (its own). */
+struct warming {
+    unsigned long request;
+    const char *at, *to;
+};
+
+/* Prefetches the next few lines of the warming asked for last; 0 when none is left. */
+static int warm_some(struct warming *w) {
+    unsigned long request = atomic_load_explicit(&warm_requests, memory_order_acquire);
+    if (request != w->request) {
+        w->request = request;
+        w->at = atomic_load_explicit(&warm_from, memory_order_relaxed);
+        w->to = atomic_load_explicit(&warm_to, memory_order_relaxed);
+    }
+    if (w->at >= w->to)
+        return 0;
+    for (int i = 0; i < WARM_LINES && w->at < w->to; i++, w->at += 64)
+        _mm_prefetch(w->at, _MM_HINT_T0);
+    if (w->at >= w->to)
+        atomic_fetch_add_explicit(&warmings_done, 1, memory_order_relaxed);
+    return 1;
+}
+
 /* Moves the helper to the CPUs its caller was last given, if they changed. */
 static void follow_caller_cpus(long *applied) {
     pthread_mutex_lock(&cpus_lock);
@@ -975,9 +1011,12 @@ static void *helper(void *number) {
     atomic_store(&helper_priority, pthread_setschedparam(pthread_self(), SCHED_IDLE, &lowest) == 0 ? 1 : -1);
     unsigned long long seen = 0; /* the ticket of the last job looked at */
     long applied_cpus = 0, spin_ns = SPIN_NS;
+    struct warming warming = {0, 0, 0};
     for (;;) {
         long waited_from = now_ns(), spin_until = waited_from + spin_ns;
         for (long spins = 1; current_ticket() == seen; spins++) {
+            if (warm_some(&warming))
+                continue;
             _mm_pause();
             if (spins % SPIN_CHECK != 0)
                 continue;
@@ -1195,6 +1234,24 @@ int small_gemm_split(const float *x, long M, long K, const weight_t *panels, lon
 int small_gemm_split_rows(row_fn fn, const void *blob, long blob_bytes, long rows, long row_floats, float *y) {
     return split_job((const float *)blob, rows, 0, 0, row_floats, 0, y, fn, blob_bytes);
 }
+
+/* Asks the helper, while it waits, to warm the weights it will claim first when the product of M rows over these
+ * panels is shared (see warm_some): the units its first claim takes from the back (claim: a share of all of
+ * them), at most WARM_MAX_BYTES from their start. Single rows and pairs only, whose products read weights. */
+void small_gemm_warm(long M, long K, const weight_t *panels, long N) {
+    long unit = split_unit(M, K, N), panel_count = (N + NR - 1) / NR, count = (panel_count + unit - 1) / unit;
+    if (M > 2 || count < 2 || helper_state != 1)
+        return;
+    long first_claim = count / (2 * (1 + helper_count)), panel_elements = (INPUT_K(K) + SCALE_ROWS) * NR;
+    first_claim = first_claim < 1 ? 1 : first_claim;
+    const char *from = (const char *)(panels + (count - first_claim) * unit * panel_elements), *to = (const char *)(panels + panel_count * panel_elements);
+    atomic_store_explicit(&warm_from, from, memory_order_relaxed);
+    atomic_store_explicit(&warm_to, to - from > WARM_MAX_BYTES ? from + WARM_MAX_BYTES : to, memory_order_relaxed);
+    atomic_fetch_add_explicit(&warm_requests, 1, memory_order_release);
+}
+
+/* Tests: how many warming requests the helper has prefetched to their end. */
+long small_gemm_warmings_done(void) { return atomic_load(&warmings_done); }
 
 /* Whether the helper thread runs at the lowest priority (SCHED_IDLE), as it asks to; 0 before it starts (for tests). */
 int small_gemm_helper_idle(void) { return atomic_load(&helper_priority) == 1; }

@@ -162,6 +162,11 @@ class SmallGemm:
         self._split.argtypes, self._split.restype = arguments, ctypes.c_int
         # A job of rows shared as a product's panels are (native_step.c's attention): its C entry, for the native step's struct.
         self._split_rows = library.small_gemm_split_rows
+        # The helper's warming of the next product's weights while it waits (native_step.c): its C entry, for the same struct.
+        self._warm = library.small_gemm_warm
+        self._warm.argtypes, self._warm.restype = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long], None
+        self._warmings_done = library.small_gemm_warmings_done
+        self._warmings_done.argtypes, self._warmings_done.restype = [], ctypes.c_long
         self._helper_jobs = library.small_gemm_helper_jobs
         self._helper_jobs.argtypes, self._helper_jobs.restype = [], ctypes.c_long
         self._helper_cpus = library.small_gemm_helper_cpus
@@ -198,6 +203,14 @@ class SmallGemm:
     def await_helper_claim(self, on: bool) -> None:
         """Tests: the caller of a split product starts only once the helper has claimed a panel."""
         self._await_helper_claim(int(on))
+
+    def warm(self, rows: int, in_features: int, address: int, out_features: int) -> None:
+        """Asks the helper to warm what it would claim first of a product over the panels at address (tests; native_step.c calls the C side)."""
+        self._warm(rows, in_features, address, out_features)
+
+    def warmings_done(self) -> int:
+        """How many warming requests the helper has prefetched to their end (tests)."""
+        return self._warmings_done()
 
     def late_panels(self) -> int:
         """How many panels the helper computed after its caller had computed them itself."""
