@@ -42,7 +42,11 @@ def read_process_memory(pid: int | str = "self") -> ProcessMemory:
 
 # How old a sampled reading may be. Why sampled: reading smaps_rollup walks every page the process maps
 # (50 ms for 4 GiB resident here), too long for a worker's event loop, which answers the router's GetLoad every second.
-SAMPLE_SECONDS = 2.0
+# Why not more often: each reading holds a core for that long at normal priority, taking it from the products'
+# helper (SCHED_IDLE) of a decode step running beside it. A decode worker of SmolLM-135M's shape with its default
+# KV budget (3.7 GB resident) took 37 ms a reading when idle; py-spy at one stream of load counted ~70 ms, 3.5% of a
+# core at one reading every 2 s.
+SAMPLE_SECONDS = 10.0
 _sample: list = []  # [the latest reading], once the sampling thread runs
 _sample_lock = threading.Lock()
 
