@@ -233,21 +233,21 @@ class _Angles:
     The module multiplies each position by each frequency once (its product has one term) and takes
     cos and sin elementwise, so a position's angles do not depend on which positions a call holds."""
 
-    def __init__(self, rotary, embed: torch.Tensor):
-        self.rotary, self.probe = rotary, embed[:1].float()
+    def __init__(self, rotary, embed: torch.Tensor, max_positions: int):
+        self.rotary, self.probe, self.max_positions = rotary, embed[:1].float(), max_positions
         self.cos = self.sin = torch.empty(0)
 
     def covering(self, positions_below: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions_below > self.cos.shape[0]:
-            count = max(positions_below, 2 * self.cos.shape[0], 256)
+        if positions_below > self.cos.shape[0]:  # doubled, but not past the model's positions: 2 x 4 bytes a dimension each
+            count = max(positions_below, min(max(2 * self.cos.shape[0], 256), self.max_positions))
             cos, sin = self.rotary(self.probe, torch.arange(count)[None])
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         return self.cos, self.sin
 
 
-def angles_table(rotary, embed: torch.Tensor) -> _Angles | None:
+def angles_table(rotary, embed: torch.Tensor, max_positions: int) -> _Angles | None:
     """The table a step reads its rotary angles from, or None where they depend on the sequence's length (computed each call)."""
-    return None if getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE else _Angles(rotary, embed)
+    return None if getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE else _Angles(rotary, embed, max_positions)
 
 
 def _longs(t: torch.Tensor) -> torch.Tensor:
@@ -357,7 +357,7 @@ class NativeModel:
         self.dtype = inner.embed_tokens.weight.dtype
         self.library, self.rotary, self.kernel = _library(self.dtype), inner.rotary_emb, small_gemm.kernel(self.dtype)
         self.embed = inner.embed_tokens.weight.detach().contiguous()
-        self.angles = angles_table(self.rotary, self.embed)
+        self.angles = angles_table(self.rotary, self.embed, getattr(config, "max_position_embeddings", None) or 1 << 20)
         self.work = torch.empty(0)  # the decode steps' workspace, grown as a step needs (a prefill's is its own)
         first_attention = inner.layers[0].self_attn
         self.head_dim = first_attention.head_dim
