@@ -1,6 +1,7 @@
 """Prepacked linear weights (the CPU default): the same products as nn.Linear, in and out of a graph."""
 
 import ctypes
+import functools
 import mmap
 import os
 import signal
@@ -398,15 +399,19 @@ def test_the_helper_runs_on_the_cpus_of_the_thread_it_works_for(splittable):
     assert kernel.helper_cpus() == everywhere
 
 
+def shared_product(kernel, panels, x):
+    """The splittable fixture's product, shared with the helper (on this thread)."""
+    kernel.split_here(True)
+    return kernel.product(x, panels, 160, None)
+
+
 @needs_kernel
 @two_cpus
 def test_a_forked_child_splits_rows_with_a_helper_of_its_own(splittable):
     # fork copies only the calling thread: a child waiting on its parent's helper would hang.
     kernel, panels, x = splittable
 
-    def split():
-        kernel.split_here(True)
-        return kernel.product(x, panels, 160, None)
+    split = functools.partial(shared_product, kernel, panels, x)
 
     want = in_new_thread(split)  # the parent's helper is running now
     assert kernel.helper_jobs() > 0
@@ -432,9 +437,7 @@ def test_a_helper_asked_to_warm_weights_that_are_gone_prefetches_them_harmlessly
     # native_step.c asks the waiting helper to warm the next product's weights; a request may outlive them.
     kernel, panels, x = splittable
 
-    def split():
-        kernel.split_here(True)
-        return kernel.product(x, panels, 160, None)
+    split = functools.partial(shared_product, kernel, panels, x)
 
     want = in_new_thread(split)  # the helper is started, and waits for the next job
     libc = ctypes.CDLL(None, use_errno=True)
