@@ -236,6 +236,8 @@ def test_the_bf16_weight_kernels_compute_their_exact_products(out_features, in_f
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     for rows in [1, 2, 3, 4, 5]:
         assert torch.equal(kernel.product(x[:rows], panels, out_features, bias_values), got[:rows]), rows
+    for row in range(13):  # 13 rows: the dot build reads its panels in pairs, a row alone one at a time
+        assert torch.equal(kernel.product(x[row : row + 1], panels, out_features, bias_values)[0], got[row]), row
     with pytest.raises(ValueError, match="do not fit"):  # float32 panels are another build's
         kernel.product(x, small_gemm.kernel().pack(weight.float()), out_features, bias_values)
     with pytest.raises(ValueError, match="do not fit"):  # the bias is added to float32 sums
@@ -358,6 +360,39 @@ def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_feat
                 assert kernel.helper_jobs() - before == (0 if out_features <= 24 else 1), rows
             want = torch.nn.functional.linear(x, weight, bias)
             assert (split - want).abs().max() <= 1e-5 * want.abs().max(), rows
+    finally:
+        kernel.limit_caller_panels(0)
+
+
+@needs_kernel
+@two_cpus
+@pytest.mark.parametrize("caller_panels", [1, 0], ids=["helper-takes-the-rest", "as-the-threads-run"])
+def test_the_bf16_dot_build_s_paired_panels_give_a_row_its_bits_alone_and_on_two_cores(caller_panels, monkeypatch):
+    """From 9 rows the bf16-dot build reads two panels at a time (dot_pair_block), and its helper
+    claims pairs: 200 outputs are 9 panels (4 pairs, one alone), K of 300 two chunks."""
+    kernel = small_gemm.build_kernel("bf16-dot")
+    if kernel is None:
+        pytest.skip("bf16-dot does not run on this CPU")
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(small_gemm, "SPLIT_MAX_ROWS", 64)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, 300).to(torch.bfloat16), torch.randn(200)
+    panels = kernel.pack(weight)
+
+    def product(x, split: bool):
+        kernel.split_here(split)
+        return kernel.product(x, panels, 200, bias)
+
+    kernel.limit_caller_panels(caller_panels)
+    try:
+        for rows in (9, 17, 64):
+            x = torch.randn(rows, 300)
+            alone = in_new_thread(lambda: product(x, False))
+            assert torch.equal(in_new_thread(lambda: product(x, True)), alone), rows
+            for row in (0, rows // 2, rows - 1):  # one row alone: single panels
+                assert torch.equal(in_new_thread(lambda: product(x[row : row + 1], False))[0], alone[row]), (rows, row)
+            want = torch.nn.functional.linear(x.to(torch.bfloat16).double(), weight.double(), bias.double()).float()
+            assert (alone - want).abs().max() <= 1e-5 * want.abs().max(), rows
     finally:
         kernel.limit_caller_panels(0)
 

@@ -481,6 +481,62 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
         store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail_columns(tail_sums[r]), 2), y + r * ldy, bias, ncols, first);
     }
 }
+#if !defined(WEIGHT_INT8) && !defined(WEIGHT_FP8)
+/* bf16 weights, a product of PAIR_DOT_ROWS rows or more: two panels (48 columns) a block of up to
+ * PAIR_DOT_ROWS rows, each broadcast of a row's pairs feeding both panels' chains. Why: on a Zen 4
+ * EPYC a broadcast costs the FP pipes a slot as a VDPBF16PS does, so dot_block's three broadcasts
+ * for three VDPBF16PS a row and quad held it to 73% of the core's VDPBF16PS peak with the weights
+ * in L1 (at 4, 6 or 8 rows alike); three broadcasts for six reached 99-100% (at 3 and 4 rows; 2
+ * rows, 73%). 4 rows' 24 sums, the 6 weight vectors and the 3 broadcasts fill the 32 registers.
+ * Each column's chains are dot_block's, in its order, so a row's result is the same bits paired
+ * or not, in any block (and the embedded-broadcast form, VDPBF16PS with {1to16}, measured slower:
+ * 99 against 170 GFLOP/s). */
+#define PAIRED_DOT 1
+#define PAIR_DOT_ROWS 4
+#ifndef PAIR_MIN_ROWS
+#define PAIR_MIN_ROWS 9
+#endif
+#ifndef PAIR_AHEAD_K
+#define PAIR_AHEAD_K 128
+#endif
+static inline __attribute__((always_inline)) void dot_pair_block(int rows, const input_t *x, long ldx, const weight_t *chunk, const weight_t *other,
+                                                                 long kn, long ahead, long other_ahead, float *y, long ldy, const float *bias, int ncols,
+                                                                 int first) {
+    __m512 first_sums[PAIR_DOT_ROWS], second_sums[PAIR_DOT_ROWS], tail_sums[PAIR_DOT_ROWS];
+    __m512 first_next[PAIR_DOT_ROWS], second_next[PAIR_DOT_ROWS], tail_next[PAIR_DOT_ROWS]; /* the other panel's */
+    for (int r = 0; r < PAIR_DOT_ROWS; r++)
+        first_sums[r] = second_sums[r] = tail_sums[r] = first_next[r] = second_next[r] = tail_next[r] = _mm512_setzero_ps();
+    for (long k = 0; k < kn; k += 4) {
+        const weight_t *w = chunk + k * NR, *v = other + k * NR;
+        long far = k + PAIR_AHEAD_K < kn ? PAIR_AHEAD_K * NR : ahead + (PAIR_AHEAD_K - kn) * NR; /* from w (and v) */
+        long other_far = k + PAIR_AHEAD_K < kn ? PAIR_AHEAD_K * NR : other_ahead + (PAIR_AHEAD_K - kn) * NR;
+        _mm_prefetch((const char *)(w + far), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + far + 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + far + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + other_far), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + other_far + 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + other_far + 64), _MM_HINT_T0);
+        __m512bh first_pair = dot_weights32(w), second_pair = dot_weights32(w + 32), both_tails = dot_weights32(w + 64);
+        __m512bh first_other = dot_weights32(v), second_other = dot_weights32(v + 32), tails_other = dot_weights32(v + 64);
+        for (int r = 0; r < rows; r++) {
+            const float *pairs = (const float *)(x + r * ldx + k);
+            __m512bh x0 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(pairs)), x1 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(pairs + 1));
+            __m512bh both = (__m512bh)_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)pairs)));
+            first_sums[r] = _mm512_dpbf16_ps(first_sums[r], x0, first_pair);
+            second_sums[r] = _mm512_dpbf16_ps(second_sums[r], x1, second_pair);
+            tail_sums[r] = _mm512_dpbf16_ps(tail_sums[r], both, both_tails);
+            first_next[r] = _mm512_dpbf16_ps(first_next[r], x0, first_other);
+            second_next[r] = _mm512_dpbf16_ps(second_next[r], x1, second_other);
+            tail_next[r] = _mm512_dpbf16_ps(tail_next[r], both, tails_other);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m512 head = _mm512_add_ps(first_sums[r], second_sums[r]), next = _mm512_add_ps(first_next[r], second_next[r]);
+        store_row(LOW_HALF(head), HIGH_HALF(head), tail_columns(tail_sums[r]), y + r * ldy, bias, NR, first);
+        store_row(LOW_HALF(next), HIGH_HALF(next), tail_columns(tail_next[r]), y + r * ldy + NR, bias ? bias + NR : 0, ncols - NR, first);
+    }
+}
+#endif
 #if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
 /* The chunk's 8-bit weights widened to bf16 once, for a product of three blocks of rows or more: each
  * block then reads the bf16 pairs from L1 rather than widening them again (at 32 rows, four times),
@@ -630,6 +686,9 @@ static inline __attribute__((always_inline)) void wide_block(int rows, int pair,
     }
 }
 #define UNIT 2 /* panels per claim of a split product: a pair */
+#elif defined(PAIRED_DOT)
+#define UNIT 1
+#define PAIRED_UNIT 2 /* a product of PAIR_MIN_ROWS rows or more: dot_pair_block's pairs */
 #else
 #define UNIT 1
 #endif
@@ -646,12 +705,43 @@ static inline __attribute__((always_inline)) void wide_block(int rows, int pair,
 static long split_unit(long M, long K, long N) {
     long panel_bytes = NR * (K + SCALE_ROWS) * (long)sizeof(weight_t), panels = (N + NR - 1) / NR;
     long unit = M > 2 ? UNIT : (CLAIM_BYTES + panel_bytes - 1) / panel_bytes;
+#ifdef PAIRED_DOT
+    if (M >= PAIR_MIN_ROWS)
+        unit = PAIRED_UNIT;
+#endif
     if (unit > MAX_UNIT)
         unit = MAX_UNIT;
     if (unit > panels / 8)
         unit = panels / 8;
     return unit < UNIT ? UNIT : unit;
 }
+
+#ifdef PAIRED_DOT
+/* Two panels from `panel` on (the first's columns at y; cols: the columns left from it, more than NR)
+ * over every chunk of k, the rows in blocks of PAIR_DOT_ROWS: as panel_range's single panels, paired. */
+static void pair_range(const input_t *x, long ldx, long M, long kp, const weight_t *panel, long cols, const float *bias, float *y, long N) {
+    int ncols = cols < 2 * NR ? (int)cols : 2 * NR;
+    for (long k0 = 0; k0 < kp; k0 += KC) {
+        long kn = kp - k0 < KC ? kp - k0 : KC;
+        const weight_t *chunk = panel + k0 * NR, *other = chunk + kp * NR;
+        /* Each panel's next chunk is asked for while this one is read; after the last, the next pair's first chunks
+         * (the first panel's end is the second's start, read now: one ahead in the weight's order is not enough). */
+        const weight_t *next = k0 + KC < kp ? chunk + KC * NR : panel + 2 * kp * NR;
+        long ahead = next - chunk, other_ahead = next + kp * NR - other;
+        for (long m = 0; m < M; m += PAIR_DOT_ROWS) {
+            const input_t *xm = x + m * ldx + k0;
+            float *ym = y + m * N;
+#define PAIR_CALL(r) dot_pair_block(r, xm, ldx, chunk, other, kn, ahead, other_ahead, ym, N, bias, ncols, k0 == 0)
+            switch (M - m >= PAIR_DOT_ROWS ? PAIR_DOT_ROWS : M - m) {
+            case 4: PAIR_CALL(4); break;
+            case 3: PAIR_CALL(3); break;
+            case 2: PAIR_CALL(2); break;
+            default: PAIR_CALL(1); break;
+            }
+        }
+    }
+}
+#endif
 
 /* Panels [first, last) of the product (see small_gemm); x prepared (prepare_input). */
 static void panel_range(const input_t *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, long first, long last) {
@@ -686,6 +776,13 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
     }
 #else
     for (long p = first; p < last; p++) {
+#ifdef PAIRED_DOT
+        if (M >= PAIR_MIN_ROWS && p + 1 < last) { /* panels p and p + 1 together (dot_pair_block) */
+            pair_range(x, ldx, M, kp, panels + p * kp * NR, N - p * NR, bias ? bias + p * NR : 0, y + p * NR, N);
+            p++;
+            continue;
+        }
+#endif
         int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
         const float *b = bias ? bias + p * NR : 0;
         const weight_t *panel = panels + p * (kp + SCALE_ROWS) * NR;
