@@ -520,7 +520,7 @@ def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_li
     from decode_worker.__main__ import main
 
     for flags, message in [
-        (["--speculative-method", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens must be 1..16, got 17"),
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "65"], "--num-speculative-tokens must be 1..64, got 65"),
         (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-method"),
         (["--speculative-method", "draft"], "--speculative-method draft needs --draft-model"),
         (["--speculative-method", "ngram", "--draft-model", "d"], "--draft-model is for --speculative-method draft or eagle, not ngram"),

@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft", "eagle")
-MAX_SPECULATIVE_TOKENS = 16
+# As llama.cpp's n-gram drafts (up to 48 tokens by default): a row reciting its prompt keeps them all, and on
+# bench/speculation.py's target a step of 33 rows took 9.7 ms where one of 17 took 6.3 (docs/benchmarks.md).
+MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_SPECULATIVE_TOKENS = 4
 
 
