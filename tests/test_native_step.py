@@ -217,12 +217,12 @@ def test_long_prefills_go_through_transformers_modules_counting_only_the_rows_pa
     assert len(called) == 2
 
 
-def test_bf16_prefills_past_64_rows_take_onednn_when_torch_has_more_than_one_thread():
+def test_bf16_prefills_past_256_rows_take_onednn_when_torch_has_more_than_one_thread():
     assert native_step.prefill_max_rows(torch.bfloat16, 1) == native_step.prefill_max_rows(torch.float32, 2) == native_step.PREFILL_MAX_ROWS
-    assert native_step.prefill_max_rows(torch.bfloat16, 2) == native_step.PREFILL_MAX_ROWS_BF16_THREADED == 64
+    assert native_step.prefill_max_rows(torch.bfloat16, 2) == native_step.PREFILL_MAX_ROWS_BF16_THREADED == 256
     # On one thread, a prompt whose attention is prefill_attention.c's blocked one runs natively to 1,024 rows.
     assert native_step.prefill_max_rows(torch.bfloat16, 1, blocked=True) == native_step.PREFILL_MAX_ROWS_BLOCKED == 1024
-    assert native_step.prefill_max_rows(torch.bfloat16, 2, blocked=True) == 64
+    assert native_step.prefill_max_rows(torch.bfloat16, 2, blocked=True) == 256
 
 
 def test_an_exception_in_the_layer_callback_stops_the_native_prefill_and_is_raised():

@@ -73,7 +73,7 @@ MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 # prefill_attention.c) on one torch thread 1.30x at 256, 1.05x at 512, 0.86x at 1,024; on two
 # 1.63x at 64, 0.86x at 128, 0.56x at 512.
 PREFILL_MAX_ROWS = 512
-PREFILL_MAX_ROWS_BF16_THREADED = 64
+PREFILL_MAX_ROWS_BF16_THREADED = 256  # two torch threads: see below
 # A bf16 prompt whose attention is prefill_attention.c's blocked one (NativeModel.blocks_prompts) rather
 # than row by row, on one torch thread: native / modules on a Zen 5 EPYC (SmolLM-135M's shape,
 # `bench/prefill_step.py --dtype bfloat16`) 1.24x at 512 rows, 1.11x at 1,024, 1.02x at 2,048. On two
@@ -82,7 +82,10 @@ PREFILL_MAX_ROWS_BF16_THREADED = 64
 # core is the few-row kernel's helper, at the lowest priority, and the decode worker takes it: in
 # `bench/long_prompts.py` (4 streams, a 900-token prompt every 3 s), native to 1,024 rows gave the
 # prompts' TTFT 786-799 ms and the streams' ITL p99 69-77 ms, against 652-661 and 46-49 ms with
-# oneDNN's two threads past 64 rows (two runs each, alternately). So two threads keep the 64.
+# oneDNN's two threads past 64 rows (two runs each, alternately). So two threads keep the 64 for long
+# prompts; short ones, whose prefill holds the cores a few tens of milliseconds, go natively to 256 rows
+# (PREFILL_MAX_ROWS_BF16_THREADED): on a Zen 4 EPYC, alone, 1.79x at 128 rows and 1.74x at 256 (SmolLM-135M's
+# shape, `bench/prefill_step.py --dtype bfloat16 --threads 2`, after the bf16 kernel's paired panels).
 PREFILL_MAX_ROWS_BLOCKED = 1024
 
 
