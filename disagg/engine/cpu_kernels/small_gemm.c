@@ -481,8 +481,7 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
         store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail_columns(tail_sums[r]), 2), y + r * ldy, bias, ncols, first);
     }
 }
-#if !defined(WEIGHT_INT8) && !defined(WEIGHT_FP8)
-/* bf16 weights, a product of PAIR_DOT_ROWS rows or more: two panels (48 columns) a block of up to
+/* bf16 weights, a product of PAIR_MIN_ROWS rows or more: two panels (48 columns) a block of up to
  * PAIR_DOT_ROWS rows, each broadcast of a row's pairs feeding both panels' chains. Why: on a Zen 4
  * EPYC a broadcast costs the FP pipes a slot as a VDPBF16PS does, so dot_block's three broadcasts
  * for three VDPBF16PS a row and quad held it to 73% of the core's VDPBF16PS peak with the weights
@@ -490,34 +489,47 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
  * rows, 73%). 4 rows' 24 sums, the 6 weight vectors and the 3 broadcasts fill the 32 registers.
  * Each column's chains are dot_block's, in its order, so a row's result is the same bits paired
  * or not, in any block (and the embedded-broadcast form, VDPBF16PS with {1to16}, measured slower:
- * 99 against 170 GFLOP/s). */
+ * 99 against 170 GFLOP/s). The 8-bit dot builds pair their panels where they widen each chunk once
+ * (widen_chunk, from three blocks of DOT_ROWS rows): the blocks read both panels' widened chunks. */
 #define PAIRED_DOT 1
 #define PAIR_DOT_ROWS 4
 #ifndef PAIR_MIN_ROWS
+#if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
+#define PAIR_MIN_ROWS (2 * DOT_ROWS + 1)
+#else
 #define PAIR_MIN_ROWS 9
+#endif
 #endif
 #ifndef PAIR_AHEAD_K
 #define PAIR_AHEAD_K 128
 #endif
 static inline __attribute__((always_inline)) void dot_pair_block(int rows, const input_t *x, long ldx, const weight_t *chunk, const weight_t *other,
                                                                  long kn, long ahead, long other_ahead, float *y, long ldy, const float *bias, int ncols,
-                                                                 int first) {
+                                                                 int first, const __m512bh *widened, const __m512bh *widened_other,
+                                                                 const float *scales_of_first, const float *other_scales) {
+    (void)scales_of_first, (void)other_scales;
     __m512 first_sums[PAIR_DOT_ROWS], second_sums[PAIR_DOT_ROWS], tail_sums[PAIR_DOT_ROWS];
     __m512 first_next[PAIR_DOT_ROWS], second_next[PAIR_DOT_ROWS], tail_next[PAIR_DOT_ROWS]; /* the other panel's */
     for (int r = 0; r < PAIR_DOT_ROWS; r++)
         first_sums[r] = second_sums[r] = tail_sums[r] = first_next[r] = second_next[r] = tail_next[r] = _mm512_setzero_ps();
     for (long k = 0; k < kn; k += 4) {
-        const weight_t *w = chunk + k * NR, *v = other + k * NR;
-        long far = k + PAIR_AHEAD_K < kn ? PAIR_AHEAD_K * NR : ahead + (PAIR_AHEAD_K - kn) * NR; /* from w (and v) */
-        long other_far = k + PAIR_AHEAD_K < kn ? PAIR_AHEAD_K * NR : other_ahead + (PAIR_AHEAD_K - kn) * NR;
-        _mm_prefetch((const char *)(w + far), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + far + 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + far + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(v + other_far), _MM_HINT_T0);
-        _mm_prefetch((const char *)(v + other_far + 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(v + other_far + 64), _MM_HINT_T0);
-        __m512bh first_pair = dot_weights32(w), second_pair = dot_weights32(w + 32), both_tails = dot_weights32(w + 64);
-        __m512bh first_other = dot_weights32(v), second_other = dot_weights32(v + 32), tails_other = dot_weights32(v + 64);
+        __m512bh first_pair, second_pair, both_tails, first_other, second_other, tails_other;
+        if (widened) { /* both chunks widened once for all the product's rows (widen_chunk) */
+            first_pair = widened[3 * (k / 4)], second_pair = widened[3 * (k / 4) + 1], both_tails = widened[3 * (k / 4) + 2];
+            first_other = widened_other[3 * (k / 4)], second_other = widened_other[3 * (k / 4) + 1], tails_other = widened_other[3 * (k / 4) + 2];
+        } else {
+            const weight_t *w = chunk + k * NR, *v = other + k * NR;
+            long far = k + PAIR_AHEAD_K < kn ? PAIR_AHEAD_K * NR : ahead + (PAIR_AHEAD_K - kn) * NR; /* from w (and v) */
+            long other_far = k + PAIR_AHEAD_K < kn ? PAIR_AHEAD_K * NR : other_ahead + (PAIR_AHEAD_K - kn) * NR;
+            _mm_prefetch((const char *)(w + far), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + far + 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + far + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v + other_far), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v + other_far + 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v + other_far + 64), _MM_HINT_T0);
+            first_pair = dot_weights32(w), second_pair = dot_weights32(w + 32), both_tails = dot_weights32(w + 64);
+            first_other = dot_weights32(v), second_other = dot_weights32(v + 32), tails_other = dot_weights32(v + 64);
+        }
         for (int r = 0; r < rows; r++) {
             const float *pairs = (const float *)(x + r * ldx + k);
             __m512bh x0 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(pairs)), x1 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(pairs + 1));
@@ -532,11 +544,19 @@ static inline __attribute__((always_inline)) void dot_pair_block(int rows, const
     }
     for (int r = 0; r < rows; r++) {
         __m512 head = _mm512_add_ps(first_sums[r], second_sums[r]), next = _mm512_add_ps(first_next[r], second_next[r]);
-        store_row(LOW_HALF(head), HIGH_HALF(head), tail_columns(tail_sums[r]), y + r * ldy, bias, NR, first);
-        store_row(LOW_HALF(next), HIGH_HALF(next), tail_columns(tail_next[r]), y + r * ldy + NR, bias ? bias + NR : 0, ncols - NR, first);
+        {
+            const float *scales = scales_of_first; /* SCALED's (an 8-bit build's) */
+            (void)scales;
+            store_row(SCALED(LOW_HALF(head), 0), SCALED(HIGH_HALF(head), 1), SCALED(tail_columns(tail_sums[r]), 2), y + r * ldy, bias, NR, first);
+        }
+        {
+            const float *scales = other_scales;
+            (void)scales;
+            store_row(SCALED(LOW_HALF(next), 0), SCALED(HIGH_HALF(next), 1), SCALED(tail_columns(tail_next[r]), 2), y + r * ldy + NR, bias ? bias + NR : 0,
+                      ncols - NR, first);
+        }
     }
 }
-#endif
 #if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
 /* The chunk's 8-bit weights widened to bf16 once, for a product of three blocks of rows or more: each
  * block then reads the bf16 pairs from L1 rather than widening them again (at 32 rows, four times),
@@ -545,8 +565,9 @@ static inline __attribute__((always_inline)) void dot_pair_block(int rows, const
  * own. There, SmolLM-135M's int8 products at 24 / 32 / 64 rows took 0.96x / 0.92x / 0.90x the time
  * (bench/kernel_ab.py, before and after in one process); at 16 rows, two blocks, widening once was 7% slower. */
 #define WIDEN_ONCE 1
-static const __m512bh *widen_chunk(const weight_t *chunk, long kn, long ahead) {
-    static __thread __m512bh widened[KC / 4 * 3];
+static const __m512bh *widen_chunk(const weight_t *chunk, long kn, long ahead, int buffer) {
+    static __thread __m512bh buffers[2][KC / 4 * 3]; /* the second: a pair's other panel (pair_range) */
+    __m512bh *widened = buffers[buffer];
     for (long k = 0; k < kn; k += 4) {
         const weight_t *w = chunk + k * NR;
         _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
@@ -721,17 +742,25 @@ static long split_unit(long M, long K, long N) {
  * over every chunk of k, the rows in blocks of PAIR_DOT_ROWS: as panel_range's single panels, paired. */
 static void pair_range(const input_t *x, long ldx, long M, long kp, const weight_t *panel, long cols, const float *bias, float *y, long N) {
     int ncols = cols < 2 * NR ? (int)cols : 2 * NR;
+    long stride = (kp + SCALE_ROWS) * NR; /* from one panel to the next */
+    const float *scales = (const float *)(panel + kp * NR), *other_scales = (const float *)(panel + stride + kp * NR); /* 8-bit builds' */
     for (long k0 = 0; k0 < kp; k0 += KC) {
         long kn = kp - k0 < KC ? kp - k0 : KC;
-        const weight_t *chunk = panel + k0 * NR, *other = chunk + kp * NR;
+        const weight_t *chunk = panel + k0 * NR, *other = chunk + stride;
         /* Each panel's next chunk is asked for while this one is read; after the last, the next pair's first chunks
          * (the first panel's end is the second's start, read now: one ahead in the weight's order is not enough). */
-        const weight_t *next = k0 + KC < kp ? chunk + KC * NR : panel + 2 * kp * NR;
-        long ahead = next - chunk, other_ahead = next + kp * NR - other;
+        const weight_t *next = k0 + KC < kp ? chunk + KC * NR : panel + 2 * stride;
+        long ahead = next - chunk, other_ahead = next + stride - other;
+        const __m512bh *widened = 0, *widened_other = 0;
+#ifdef WIDEN_ONCE
+        widened = widen_chunk(chunk, kn, ahead, 0), widened_other = widen_chunk(other, kn, other_ahead, 1);
+#endif
         for (long m = 0; m < M; m += PAIR_DOT_ROWS) {
             const input_t *xm = x + m * ldx + k0;
             float *ym = y + m * N;
-#define PAIR_CALL(r) dot_pair_block(r, xm, ldx, chunk, other, kn, ahead, other_ahead, ym, N, bias, ncols, k0 == 0)
+#define PAIR_CALL(r)                                                                                                        \
+    dot_pair_block(r, xm, ldx, chunk, other, kn, ahead, other_ahead, ym, N, bias, ncols, k0 == 0, widened, widened_other, scales, \
+                   other_scales)
             switch (M - m >= PAIR_DOT_ROWS ? PAIR_DOT_ROWS : M - m) {
             case 4: PAIR_CALL(4); break;
             case 3: PAIR_CALL(3); break;
@@ -778,7 +807,7 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
     for (long p = first; p < last; p++) {
 #ifdef PAIRED_DOT
         if (M >= PAIR_MIN_ROWS && p + 1 < last) { /* panels p and p + 1 together (dot_pair_block) */
-            pair_range(x, ldx, M, kp, panels + p * kp * NR, N - p * NR, bias ? bias + p * NR : 0, y + p * NR, N);
+            pair_range(x, ldx, M, kp, panels + p * (kp + SCALE_ROWS) * NR, N - p * NR, bias ? bias + p * NR : 0, y + p * NR, N);
             p++;
             continue;
         }
@@ -793,7 +822,7 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
             const weight_t *chunk = panel + k0 * NR;
             long ahead = kn * NR > AHEAD_BYTES / (long)sizeof(weight_t) ? kn * NR : AHEAD_BYTES / (long)sizeof(weight_t); /* a chunk at least */
 #ifdef WIDEN_ONCE
-            const __m512bh *widened = M > 2 * BLOCK_ROWS ? widen_chunk(chunk, kn, ahead) : 0;
+            const __m512bh *widened = M > 2 * BLOCK_ROWS ? widen_chunk(chunk, kn, ahead, 0) : 0;
 #endif
             for (long m = 0; m < M; m += BLOCK_ROWS) {
                 const input_t *xm = x + m * ldx + k0;
