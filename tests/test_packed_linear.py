@@ -121,8 +121,8 @@ def test_the_few_row_kernel_equals_nn_linear(out_features, in_features, bias):
 FLOAT32_BUILDS = ["float32", "float32-avx512"]
 
 
-def float32_build(name: str) -> small_gemm.SmallGemm:
-    """One float32 build by name, or the test skipped with the reason it cannot run here."""
+def build_or_skip(name: str) -> small_gemm.SmallGemm:
+    """One kernel build by name, or the test skipped with the reason it cannot run here."""
     kernel = small_gemm.build_kernel(name)
     if kernel is None:
         needs = [feature for feature in small_gemm.BUILDS[name][2] if feature not in small_gemm.cpu_flags()]
@@ -138,7 +138,7 @@ def test_each_float32_build_equals_torch_s_product_and_the_avx2_build_s_bits(out
     """Each float32 build, forced by name, for 1 to 64 rows: 97 outputs are 5 panels (two pairs for the
     avx512 build's blocks of 16 rows or more, then a last narrow panel alone), 50 are 3 (a pair and a
     half-empty one); K of 600 spans three chunks. Every build sums each column in the same order: the same bits."""
-    kernel, avx2 = float32_build(build), small_gemm.build_kernel("float32")
+    kernel, avx2 = build_or_skip(build), small_gemm.build_kernel("float32")
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features)
     bias_values = torch.randn(out_features) if bias else None
@@ -156,7 +156,7 @@ def test_each_float32_build_equals_torch_s_product_and_the_avx2_build_s_bits(out
 def f32_kernel(request, monkeypatch):
     """kernel(torch.float32) as DISAGG_F32_KERNEL names it (skipped where that build cannot run)."""
     name = {"avx2": "float32", "avx512": "float32-avx512"}[request.param]
-    float32_build(name)
+    build_or_skip(name)
     monkeypatch.setenv("DISAGG_F32_KERNEL", request.param)
     small_gemm._kernel.cache_clear()
     yield name
@@ -333,15 +333,16 @@ def splittable(monkeypatch, helper_computes):
 @two_cpus
 @pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (49, 7), (24, 256)])
 @pytest.mark.parametrize("caller_panels", [1, 0], ids=["helper-takes-the-rest", "as-the-threads-run"])
-@pytest.mark.parametrize("build", FLOAT32_BUILDS)
+@pytest.mark.parametrize("build", [*FLOAT32_BUILDS, "bf16-dot"])
 def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, caller_panels, build, monkeypatch):
     # 24 outputs are one panel: nothing to share, the caller computes it alone. The avx512 build's
-    # helper claims pairs of panels (its 17 and 64 rows read them two at a time).
+    # helper claims pairs of panels (its 17 and 64 rows read them two at a time), as bf16-dot's does
+    # from 9 rows (dot_pair_block); a row alone reads single panels.
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # these weights are smaller than a real model's
     monkeypatch.setattr(small_gemm, "SPLIT_MAX_ROWS", 64)  # the C side shares any number of rows
     torch.manual_seed(0)
-    kernel = float32_build(build)
-    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    kernel = build_or_skip(build)
+    weight, bias = torch.randn(out_features, in_features).to(kernel.weight_dtype), torch.randn(out_features)
     panels = kernel.pack(weight)
 
     def product(x, split: bool):
@@ -358,41 +359,11 @@ def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_feat
             assert torch.equal(split, alone), rows
             if caller_panels or out_features <= 24:  # else whether the helper got a share is the scheduler's
                 assert kernel.helper_jobs() - before == (0 if out_features <= 24 else 1), rows
-            want = torch.nn.functional.linear(x, weight, bias)
-            assert (split - want).abs().max() <= 1e-5 * want.abs().max(), rows
-    finally:
-        kernel.limit_caller_panels(0)
-
-
-@needs_kernel
-@two_cpus
-@pytest.mark.parametrize("caller_panels", [1, 0], ids=["helper-takes-the-rest", "as-the-threads-run"])
-def test_the_bf16_dot_build_s_paired_panels_give_a_row_its_bits_alone_and_on_two_cores(caller_panels, monkeypatch):
-    """From 9 rows the bf16-dot build reads two panels at a time (dot_pair_block), and its helper
-    claims pairs: 200 outputs are 9 panels (4 pairs, one alone), K of 300 two chunks."""
-    kernel = small_gemm.build_kernel("bf16-dot")
-    if kernel is None:
-        pytest.skip("bf16-dot does not run on this CPU")
-    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setattr(small_gemm, "SPLIT_MAX_ROWS", 64)
-    torch.manual_seed(0)
-    weight, bias = torch.randn(200, 300).to(torch.bfloat16), torch.randn(200)
-    panels = kernel.pack(weight)
-
-    def product(x, split: bool):
-        kernel.split_here(split)
-        return kernel.product(x, panels, 200, bias)
-
-    kernel.limit_caller_panels(caller_panels)
-    try:
-        for rows in (9, 17, 64):
-            x = torch.randn(rows, 300)
-            alone = in_new_thread(lambda: product(x, False))
-            assert torch.equal(in_new_thread(lambda: product(x, True)), alone), rows
-            for row in (0, rows // 2, rows - 1):  # one row alone: single panels
+            for row in (0, rows // 2, rows - 1):
                 assert torch.equal(in_new_thread(lambda: product(x[row : row + 1], False))[0], alone[row]), (rows, row)
-            want = torch.nn.functional.linear(x.to(torch.bfloat16).double(), weight.double(), bias.double()).float()
-            assert (alone - want).abs().max() <= 1e-5 * want.abs().max(), rows
+            rounded = x.to(torch.bfloat16) if build == "bf16-dot" else x  # the dot build's rows are rounded to bf16
+            want = torch.nn.functional.linear(rounded.double(), weight.double(), bias.double())
+            assert (split.double() - want).abs().max() <= 1e-5 * want.abs().max(), rows
     finally:
         kernel.limit_caller_panels(0)
 

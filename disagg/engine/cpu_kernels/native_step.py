@@ -82,10 +82,10 @@ PREFILL_MAX_ROWS_BF16_THREADED = 256  # two torch threads: see below
 # core is the few-row kernel's helper, at the lowest priority, and the decode worker takes it: in
 # `bench/long_prompts.py` (4 streams, a 900-token prompt every 3 s), native to 1,024 rows gave the
 # prompts' TTFT 786-799 ms and the streams' ITL p99 69-77 ms, against 652-661 and 46-49 ms with
-# oneDNN's two threads past 64 rows (two runs each, alternately). So two threads keep the 64 for long
-# prompts; short ones, whose prefill holds the cores a few tens of milliseconds, go natively to 256 rows
-# (PREFILL_MAX_ROWS_BF16_THREADED): on a Zen 4 EPYC, alone, 1.79x at 128 rows and 1.74x at 256 (SmolLM-135M's
-# shape, `bench/prefill_step.py --dtype bfloat16 --threads 2`, after the bf16 kernel's paired panels).
+# oneDNN's two threads past 64 rows (two runs each, alternately). So on two threads long prompts go to
+# oneDNN, and short ones, whose prefill holds the cores a few tens of milliseconds, natively up to
+# PREFILL_MAX_ROWS_BF16_THREADED (256; it was 64): on a Zen 4 EPYC, alone, 1.79x at 128 rows and 1.74x at 256
+# (SmolLM-135M's shape, `bench/prefill_step.py --dtype bfloat16 --threads 2`, after the bf16 kernel's paired panels).
 PREFILL_MAX_ROWS_BLOCKED = 1024
 
 

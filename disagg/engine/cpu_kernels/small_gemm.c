@@ -493,21 +493,16 @@ static inline __attribute__((always_inline)) void dot_block(int rows, const inpu
  * (widen_chunk, from three blocks of DOT_ROWS rows): the blocks read both panels' widened chunks. */
 #define PAIRED_DOT 1
 #define PAIR_DOT_ROWS 4
-#ifndef PAIR_MIN_ROWS
 #if defined(WEIGHT_INT8) || defined(WEIGHT_FP8)
 #define PAIR_MIN_ROWS (2 * DOT_ROWS + 1)
 #else
-#define PAIR_MIN_ROWS 9
+#define PAIR_MIN_ROWS 9 /* below, a product is bound by reading the weights, and two streams at once measured slower */
 #endif
-#endif
-#ifndef PAIR_AHEAD_K
-#define PAIR_AHEAD_K 128
-#endif
+#define PAIR_AHEAD_K 128 /* each panel prefetched this far ahead: a whole chunk for both overflowed L1 and measured slower */
 static inline __attribute__((always_inline)) void dot_pair_block(int rows, const input_t *x, long ldx, const weight_t *chunk, const weight_t *other,
                                                                  long kn, long ahead, long other_ahead, float *y, long ldy, const float *bias, int ncols,
                                                                  int first, const __m512bh *widened, const __m512bh *widened_other,
                                                                  const float *scales_of_first, const float *other_scales) {
-    (void)scales_of_first, (void)other_scales;
     __m512 first_sums[PAIR_DOT_ROWS], second_sums[PAIR_DOT_ROWS], tail_sums[PAIR_DOT_ROWS];
     __m512 first_next[PAIR_DOT_ROWS], second_next[PAIR_DOT_ROWS], tail_next[PAIR_DOT_ROWS]; /* the other panel's */
     for (int r = 0; r < PAIR_DOT_ROWS; r++)
