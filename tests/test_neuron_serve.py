@@ -296,6 +296,10 @@ def test_a_stuck_compile_fails_the_start_and_a_killed_one_is_compiled_again(tmp_
         starting.start()
         try:
             statuses = wait_for_compiling(cluster, ["decode-0", "prefill-0"], starting)
+            # Compiling is published before model.pt is written: stopped or killed sooner, a worker leaves none.
+            while len([p for p in (tmp_path / "compiled").glob("*.partial") if (p / "model.pt").exists()]) < 2:
+                assert starting.is_alive(), "the cluster's start ended before both workers wrote model.pt"
+                time.sleep(0.05)
             os.kill(statuses["decode-0"].pid, signal.SIGSTOP)  # alive, but no longer making progress
             starting.join()
         finally:
