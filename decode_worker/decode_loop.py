@@ -39,6 +39,12 @@ the step's tokens it keeps follow its newest token, so a step with guesses is
 processed before the next is built (async mode pauses while rows guess; a row whose
 guesses keep missing rests, and the loop runs ahead again).
 
+A backend that speculates inside its step (Backend.tokens_per_step > 1: NxDI's fused speculation on
+Neuron) returns each row's kept tokens, then -1: the loop proposes nothing and builds no guess rows,
+and processes every step before it builds the next, since each row's next position depends on how
+many tokens it kept. Every sequence is started on the backend before its first step
+(Backend.starts_every_sequence: the draft's K/V of its context).
+
 Nothing here runs on the gRPC event loop: the loop has its own thread and the
 model runs on a single device thread.
 """
@@ -148,9 +154,11 @@ class DecodeLoop:
         speculation: SpeculationConfig | None = None,
         proposer=None,
     ):
-        self.speculation = speculation
+        # A backend that guesses inside its step (tokens_per_step > 1) gets no guess rows: its speculation is its own.
+        self.fused = backend.tokens_per_step > 1
+        self.speculation = None if self.fused else speculation
         # Guesses: the draft model's or EAGLE head's (speculation/draft.py, eagle.py; given by the worker) or prompt lookup's.
-        self.proposer = proposer if proposer is not None or speculation is None else NgramProposer()
+        self.proposer = proposer if proposer is not None or self.speculation is None else NgramProposer()
         self._after_step = getattr(self.proposer, "after_step", None)
         self._payoff = StepPayoff() if speculation is not None else None  # whether guessing pays, per batch size
         self._last_taken_in: float | None = None  # when the loop last took in a step's output (None after idle)
@@ -231,8 +239,10 @@ class DecodeLoop:
             self._drain_inbox(block=in_flight is None and not self._active and not self._stopping)
             if self._stopping:
                 break
-            if in_flight is not None and self._guessing_next(in_flight):
-                self._process(in_flight)  # guesses follow each row's newest token: the host must see it first
+            if in_flight is not None and (self.fused or self._guessing_next(in_flight)):
+                # Guesses follow each row's newest token, and a fused step's rows go on from the tokens they kept:
+                # the host must see them first.
+                self._process(in_flight)
                 in_flight = None
                 self._retire()
             rows = self._schedulable()
@@ -351,7 +361,7 @@ class DecodeLoop:
             # lands after every step of its previous owner, before this sequence's first.
             placed = self._device.submit(self.backend.set_block_table, seq.slot, list(seq.table))
             placed.add_done_callback(lambda done: self._start_done(seq, done))
-        if seq.sampling.penalized:
+        if seq.sampling.penalized or self.backend.starts_every_sequence:
             # Queued on the device thread: after every step that still held the slot's
             # previous owner, before the first step of this one.
             started = self._device.submit(self.backend.start_sequence, seq.slot, *seq.token_history())
@@ -541,6 +551,13 @@ class DecodeLoop:
             self._finish(seq)
         return TokenEvent(seq.key, taken, reason, taken_logprobs if taken_logprobs else None)
 
+    def _fused_kept(self, row: list[int]) -> tuple[list[int], list[None]]:
+        """A fused step's row: its tokens up to the first -1 (NxDI's padding), counted as its step's guesses (all
+        positions but the input's) and the kept ones less the target's own. No logprobs (the backend refuses them)."""
+        kept = row[: row.index(-1)] if -1 in row else row
+        self._count_guesses(len(row) - 1, len(kept) - 1)
+        return kept, [None] * len(kept)
+
     def _count_guesses(self, proposed: int, accepted: int) -> None:
         self.stats.proposed_tokens += proposed
         self.stats.accepted_tokens += accepted
@@ -571,6 +588,9 @@ class DecodeLoop:
             seq.in_flight -= 1
             if seq.done:
                 self.stats.dropped_tokens += 1
+                continue
+            if self.fused:
+                events.append(self._emit(seq, *self._fused_kept(tokens[first])))
                 continue
             produced = tokens[first : first + 1 + len(guesses)]
             kept = seq.speculation.kept(guesses, produced) if guesses else produced

@@ -126,7 +126,7 @@ def parse_kv_chunk(raw: bytes) -> tuple[wpb.KvChunk, memoryview | None] | Unpars
 
 
 def backend_options(config) -> dict:
-    neuron = {**config.neuron, "async_mode": config.async_mode, **config.quantization_options()}
+    neuron = {**config.neuron, "async_mode": config.async_mode, **config.quantization_options(), **config.neuron_speculation_options()}
     torch_options = dict(
         compile=config.compile_choice(), prepack=config.prepack, native_step=config.native_step, share_weights=config.share_weights,
         batch_buckets=config.batch_buckets, token_buckets=config.token_buckets, **config.quantization_options(),
@@ -166,7 +166,10 @@ GIL_SWITCH_SECONDS = 0.001
 def draft_proposer(config: DecodeWorkerConfig, backend):
     """--speculative-method draft: the draft model, checked against the model's tokenizer, loaded by the
     same backend with a KV slot per decode slot (disagg/engine/speculation/draft.py); eagle: the EAGLE
-    head over the model's own hidden states (eagle.py); else None."""
+    head over the model's own hidden states (eagle.py); else None, as where the backend runs the draft inside its
+    own step (tokens_per_step > 1: NxDI's fused speculation)."""
+    if backend.tokens_per_step > 1:
+        return None
     if config.speculative_method == "eagle":
         from disagg.engine.speculation.eagle import EagleProposer, load_eagle_head
 

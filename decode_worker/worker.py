@@ -402,7 +402,7 @@ class DecodeWorker:
         speculation = row_speculation(self.decode_loop.speculation, reservation.slot, stream.context_ids, first_token)
         return Sequence(
             stream.key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step,
-            stream.context_ids if stream.sampling.penalized else (), table=tuple(reservation.table) if self.blocks is not None else (),
+            stream.context_ids if stream.sampling.penalized or self.backend.starts_every_sequence else (), table=tuple(reservation.table) if self.blocks is not None else (),
             matcher=stream.matcher, speculation=speculation,
         )
 
@@ -531,6 +531,7 @@ def open_nixl_sink(backend: Backend, write_kv=None, nixl_backend: str = "UCX"):
 def refuse_unless_scores_guesses(backend, whose: str) -> None:
     """Speculation needs steps that take a sequence's guesses as rows of their own (Backend.scores_guesses):
     refused with one line where the backend's step would not (the compiled step, chosen by default on CUDA; over an
-    8-bit KV cache, any but the native step)."""
-    if not backend.scores_guesses:
+    8-bit KV cache, any but the native step). A backend that speculates inside its own step (tokens_per_step > 1,
+    NxDI's fused speculation) needs no guess rows."""
+    if not backend.scores_guesses and backend.tokens_per_step == 1:
         raise SystemExit(f"decode_worker: --speculative-method: {whose} {type(backend).__name__} step does not score guesses: {backend.guesses_refusal}")

@@ -200,12 +200,22 @@ def test_speculation_nxdi_cannot_run_as_asked_is_refused_in_one_line(bad, why):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("method,draft,why", [("draft", "/d", "several tokens a row"), ("ngram", None, "NxDI has no prompt lookup")])
-def test_the_workers_refuse_speculation_on_neuron_until_the_decode_loop_takes_fused_steps(method, draft, why):
+@pytest.mark.parametrize("method,draft,why", [("ngram", None, "NxDI has no prompt lookup"), ("eagle", "/e", "NxDI.s EAGLE flow .* is not served yet; draft is")])
+def test_the_workers_refuse_what_the_neuron_backend_does_not_speculate_with(method, draft, why):
     from disagg.rpc.worker_config import WorkerConfig
 
-    with pytest.raises(ValueError, match=f"served by the torch backend only, not neuron: .*{why}"):
+    with pytest.raises(ValueError, match=f"--speculative-method {method} on the neuron backend: {why}") as error:
         WorkerConfig(model="/m", backend="neuron", speculative_method=method, draft_model=draft)
+    assert "\n" not in str(error.value)
+
+
+def test_the_workers_give_the_neuron_backend_the_same_fused_speculation_on_both_sides():
+    from disagg.rpc.worker_config import WorkerConfig
+
+    config = WorkerConfig(model="/m", backend="neuron", speculative_method="draft", draft_model="/d", num_speculative_tokens=3)
+    assert config.neuron_speculation_options() == {"speculation": "draft", "speculation_length": 4, "draft_model": "/d"}
+    assert WorkerConfig(model="/m", backend="neuron").neuron_speculation_options() == {}
+    assert WorkerConfig(model="/m", speculative_method="ngram").neuron_speculation_options() == {}  # the torch backend's own
 
 
 def test_a_fused_step_returns_each_rows_accepted_tokens_padded_as_nxdi_pads_them():
@@ -373,6 +383,57 @@ def test_compiles_once_then_loads_and_prefill_kv_matches_the_torch_backend(stand
         torch.testing.assert_close(v, tv, rtol=1e-4, atol=1e-5)
     again.write_kv([1], 0, KvKind.KEY, 0, torch_result.layers[0][0])
     assert again.layout.read_line(again._caches(0, KvKind.KEY), 1, len(ids)).equal(torch_result.layers[0][0])
+
+
+def draft_kv_line(backend, layer: int, line: int, length: int) -> torch.Tensor:
+    """The draft's K of one line, [kv_heads, length, head_dim], from the fused model's state (draft_model.), tp 1."""
+    state = backend.model.context_encoding_model.model.nxd_model.state[0]
+    return state[f"draft_model.kv_mgr.past_key_values.{2 * layer}"][line, :, :length]
+
+
+def test_fused_speculation_keeps_the_targets_tokens_and_the_draft_gets_its_kv_of_a_handed_off_prompt(standin, tmp_path):
+    """Prefill on the spare line, the target's KV written into slots as a hand-off writes it, start_sequence (the
+    draft's K/V of the context, recomputed into the slot's line), then fused steps of several rows: every row's kept
+    tokens are generate()'s, and the draft's K/V at the slot is what transformers computes from the context."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from disagg.engine.backends import StepInputs, load_backend
+    from disagg.engine.sampler import params_row
+
+    draft = tiny_model("llama-draft")
+    backend = load_backend("neuron", model=tiny_model("llama"), dtype="float32", max_seq_len=128, batch_size=3,
+                           neuron={"compiled_root": str(tmp_path), "speculation": "draft", "speculation_length": 5, "draft_model": draft})
+    assert (backend.tokens_per_step, backend.starts_every_sequence) == (5, True)
+    backend.allocate_slots(3)
+    prompts = ["The lighthouse keeper climbed", "Snow fell on the hills and the hills", "Our café"]
+    rows = {}
+    for slot, prompt in enumerate(prompts):
+        ids = reference("llama").ids(prompt)
+        result = backend.prefill(ids, Sampling())
+        for layer, (keys, values) in enumerate(result.layers):
+            backend.write_kv([slot], layer, KvKind.KEY, 0, keys)
+            backend.write_kv([slot], layer, KvKind.VALUE, 0, values)
+        backend.start_sequence(slot, ids, [result.first_token])
+        rows[slot] = (ids, [result.first_token])
+    cache = DynamicCache()
+    AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)(torch.tensor([rows[1][0]]), past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(draft_kv_line(backend, 0, 1, len(rows[1][0])), cache.layers[0].keys[0], rtol=1e-4, atol=1e-5)
+    wanted, steps, kept_lengths = 20, 0, []
+    while live := [slot for slot, (_, out) in rows.items() if len(out) < wanted]:
+        positions = torch.tensor([len(rows[s][0]) + len(rows[s][1]) - 1 for s in live])
+        n = len(live)
+        inputs = StepInputs(slots=torch.tensor(live), positions=positions, input_ids=torch.tensor([rows[s][1][-1] for s in live]),
+                            params=torch.tensor([params_row(Sampling())] * n, dtype=torch.float32), seeds=torch.zeros(n, dtype=torch.long),
+                            steps=torch.zeros(n, dtype=torch.long), kv_len=int(positions.max()) + 1, min_position=int(positions.min()), contiguous_from=None)
+        for slot, row in zip(live, backend.decode_step(inputs).token_ids.tolist()):
+            kept = row[: row.index(-1)] if -1 in row else row
+            assert len(row) == 5 and kept and all(t == -1 for t in row[len(kept):])
+            rows[slot][1].extend(kept)
+            kept_lengths.append(len(kept))
+        steps += 1
+    for slot, prompt in enumerate(prompts):
+        assert rows[slot][1][:wanted] == reference("llama").greedy(prompt, wanted, ignore_eos=True)
+    assert steps < wanted - 1 and max(kept_lengths) > 1  # the draft's guesses were kept: fewer steps than tokens
 
 
 def test_a_quantized_model_is_quantized_once_by_nxdi_then_compiled_and_served(standin, tmp_path):

@@ -70,16 +70,27 @@ class WorkerConfig:
                              f"--draft-model is for --speculative-method draft or eagle, not {self.speculative_method}")
         from disagg.engine.speculation import DEFAULT_SPECULATIVE_TOKENS, SpeculationConfig
 
-        if self.backend == "neuron":  # the mapping to NxDI's fused speculation is backends/neuron/config.speculation_options
-            why = "NxDI has no prompt lookup" if self.speculative_method == "ngram" else "NxDI's fused steps return several tokens a row, " \
-                "which the decode loop does not take yet"
-            raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not neuron: {why} "
-                             "(docs/neuron.md#speculation)")
+        if self.backend == "neuron":  # NxDI's fused speculation: neuron_speculation_options, backends/neuron/config.speculation_options
+            if self.speculative_method != "draft":
+                why = "NxDI has no prompt lookup" if self.speculative_method == "ngram" else \
+                    "NxDI's EAGLE flow (its draft over the target's hidden states) is not served yet; draft is"
+                raise ValueError(f"--speculative-method {self.speculative_method} on the neuron backend: {why} (docs/neuron.md#speculation)")
+            return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
         if self.backend != "torch":
             raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not {self.backend} (yet)")
         if self.compile:
             raise ValueError("--speculative-method with --compile is not served yet: the compiled step takes one row a sequence")
         return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+
+    def neuron_speculation_options(self) -> dict:
+        """The neuron backend's speculation fields (NeuronOptions: NxDI's fused speculation), the same on both workers:
+        the prefill worker's context encoding is the fused model's too."""
+        spec = self.speculation() if self.backend == "neuron" else None
+        if spec is None:
+            return {}
+        from disagg.engine.backends.neuron.config import speculation_options
+
+        return speculation_options(spec.method, spec.num_tokens, self.draft_model)
 
     def kv_cache_options(self, block_size: int) -> dict:
         """The torch backend's KV cache settings: an 8-bit cache's scales cover the worker's KV blocks."""

@@ -161,7 +161,19 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
-        """Sets a slot's token counts as it joins the batch (penalties read them)."""
+        """Sets a slot's token counts as it joins the batch (penalties read them), and whatever else the backend keeps
+        of a sequence beside its KV (starts_every_sequence)."""
+
+    @property
+    def starts_every_sequence(self) -> bool:
+        """Whether every sequence needs start_sequence before its first step, not only a penalized one."""
+        return False
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The most tokens a decode step returns a row. Above 1 (speculation inside the step): token_ids is
+        [rows, tokens_per_step], each row's kept tokens first, then -1."""
+        return 1
 
     @abc.abstractmethod
     def decode_step(self, inputs: StepInputs) -> SampleOutput:

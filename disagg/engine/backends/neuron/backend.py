@@ -195,6 +195,20 @@ class NeuronBackend(Backend):
             raise ValueError("prefix_kv: the neuron backend prefills whole prompts (NxDI's context encoding takes no cached prefix)")
         # NxDI samples with its own device RNG: seeds and first_step do not apply here.
         length, line = len(token_ids), prefill_line(self.options)
+        first = self._encode_context(token_ids, line, sampling)
+        layers = []
+        for layer in range(self.info.num_layers):
+            keys = self.layout.read_line(self._caches(layer, KvKind.KEY), line, length)
+            values = self.layout.read_line(self._caches(layer, KvKind.VALUE), line, length)
+            layers.append((keys, values))
+            if on_layer is not None:
+                on_layer(layer, keys, values)
+        return PrefillResult(first_token=first, layers=layers)
+
+    def _encode_context(self, token_ids: list[int], line: int, sampling: Sampling) -> int:
+        """NxDI's context encoding of token_ids into KV line `line` (with fused speculation the draft's line too);
+        the token it samples."""
+        length = len(token_ids)
         if length > self.options.context_limit:
             raise ValueError(f"a prompt of {length} tokens is over max_context_length {self.options.context_limit}")
         input_ids, attention_mask, position_ids = bucket_padded_prompt(token_ids, self.context_bucket(length), self.pad_token_id)
@@ -205,15 +219,7 @@ class NeuronBackend(Backend):
             seq_ids=torch.tensor([line], dtype=torch.int32),
             sampling_params=self._sampling_rows(params_tensor([sampling])),  # [1, 3] once mapped
         )
-        first = int(step_tokens(out)[0, 0])
-        layers = []
-        for layer in range(self.info.num_layers):
-            keys = self.layout.read_line(self._caches(layer, KvKind.KEY), line, length)
-            values = self.layout.read_line(self._caches(layer, KvKind.VALUE), line, length)
-            layers.append((keys, values))
-            if on_layer is not None:
-                on_layer(layer, keys, values)
-        return PrefillResult(first_token=first, layers=layers)
+        return int(step_tokens(out)[0, 0])
 
     def context_bucket(self, length: int) -> int:
         """The context-encoding bucket NxDI's ModelWrapper.get_target_bucket picks ("first_fit")."""
@@ -244,8 +250,21 @@ class NeuronBackend(Backend):
         # and returns token ids only: see docs/neuron.md.
         return sampling.features_used()
 
+    @property
+    def starts_every_sequence(self) -> bool:
+        return self.options.speculates
+
+    @device_errors()
     def start_sequence(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
-        """Nothing to keep: no penalty reaches this backend (unsupported refuses them)."""
+        """No penalty reaches this backend (unsupported refuses them). With fused speculation the draft needs its K/V
+        of the sequence, which the hand-off does not carry (it carries the target's layers, as ModelInfo describes
+        them): NxDI's fused context encoding recomputes it into the slot's own line, the draft's and the target's
+        together (the target's as the prefill worker computed it, by the same compiled graph), and, with EAGLE,
+        the target's last hidden state in NxDI's rolling buffer at the slot. Its token is dropped: the sequence
+        goes on from the prefill worker's. The context is the tokens behind the KV: the prompt, then those
+        generated before the newest (the first decode step's input)."""
+        if self.options.speculates:
+            self._encode_context([*prompt_ids, *generated_ids[:-1]], slot, Sampling())
 
     @device_errors()
     def decode_step(self, inputs: StepInputs) -> SampleOutput:

@@ -104,6 +104,7 @@ class NeuronConfig:
         self._pop_kv_cache(kwargs)
         self._pop_buckets(kwargs)
         self._pop_quantization(kwargs)
+        self._pop_speculation(kwargs)
         if release() >= SEQ_IDS_MASK_SINCE:
             self.apply_seq_ids_mask = kwargs.pop("apply_seq_ids_mask", False)
         for key in [k for k in kwargs if k in KNOWN_UNMODELLED]:
@@ -147,6 +148,21 @@ class NeuronConfig:
         self.quantization_scale_dtype = kwargs.pop("quantization_scale_dtype", "f32")
         self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)
         self.draft_model_modules_to_not_convert = kwargs.pop("draft_model_modules_to_not_convert", None)
+
+    def _pop_speculation(self, kwargs):
+        # NeuronConfig.__init__, "# Speculative decoding", and the KV cache tiling it implies: with fused
+        # speculation the positions are tiled by 128 whenever max_length is a multiple of 128 above it, unless
+        # disable_kv_cache_tiling (the flag pops before the rule).
+        self.speculation_length = kwargs.pop("speculation_length", 0)
+        self.spec_batch_size = kwargs.pop("spec_batch_size", self.batch_size)
+        self.enable_fused_speculation = kwargs.pop("enable_fused_speculation", False)
+        self.enable_eagle_speculation = kwargs.pop("enable_eagle_speculation", False)
+        self.is_eagle_draft = kwargs.pop("is_eagle_draft", False)
+        if self.enable_eagle_speculation:
+            self.enable_fused_speculation = True
+        self.disable_kv_cache_tiling = kwargs.pop("disable_kv_cache_tiling", False)
+        if not self.disable_kv_cache_tiling and self.enable_fused_speculation and self.max_length > 128 and self.max_length % 128 == 0:
+            self.kv_cache_tiling = True
 
     def is_mlp_quantized(self):
         return getattr(self, "quantized_mlp_kernel_enabled", False) or getattr(self, "activation_quantization_type", None)
@@ -193,6 +209,16 @@ class MoENeuronConfig(NeuronConfig):
         self.glu_type = kwargs.pop("glu_type", "glu")
         self.moe_mask_padded_tokens = kwargs.pop("moe_mask_padded_tokens", False)
         super().__init__(**kwargs)
+
+
+class FusedSpecNeuronConfig:
+    """FusedSpecNeuronConfig (models/config.py, 0.7.0 to 0.9.0): what NeuronFusedSpecModel builds its draft from."""
+
+    def __init__(self, worker_cls, draft_config=None, draft_model_path=None, draft_model_cls=None):
+        self.worker_cls = worker_cls
+        self.draft_model_cls = draft_model_cls
+        self.draft_config = draft_config
+        self.draft_model_path = draft_model_path
 
 
 class InferenceConfig:

@@ -9,17 +9,19 @@ import torch.nn.functional as F
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
+FUSED_SPECULATION_MODEL_TAG = "fused_speculation_model"
 
 
-def get_target_bucket(buckets: list[int], attention_mask: torch.Tensor, tag: str) -> int:
-    """ModelWrapper.get_target_bucket -> _get_seq_bucket, strategy first_fit, no speculation and
-    allow_input_truncation off: the first bucket strictly longer than the attention mask, or
-    the last bucket when the mask is exactly that long; anything else raises, per call."""
+def get_target_bucket(buckets: list[int], attention_mask: torch.Tensor, tag: str, speculation_length: int = 0) -> int:
+    """ModelWrapper.get_target_bucket -> _get_seq_bucket, strategy first_fit, allow_input_truncation off: the
+    first bucket strictly longer than the attention mask's length plus speculation_length (the fused speculation
+    model's; 0 for the others), or the last bucket when that sum is exactly its length; anything else raises."""
     input_len = attention_mask.shape[1]
+    required = input_len + speculation_length
     for bucket in buckets:
-        if input_len < bucket:
+        if required < bucket:
             return bucket
-    if input_len == buckets[-1]:
+    if required == buckets[-1]:
         return buckets[-1]
     raise ValueError(f"Input len {input_len} exceeds largest bucket ({buckets[-1]}) for {tag}")
 

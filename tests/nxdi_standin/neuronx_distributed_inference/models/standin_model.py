@@ -8,6 +8,12 @@ written independently of disagg's layout module, so the tests compare two
 implementations. Each strictness rule names the NxDI function it stands for; the
 rules read at 0.9.0 hold at 0.7.0 and 0.8.0 too unless a docstring says otherwise.
 
+Fused speculation (enable_fused_speculation, NeuronFusedSpecModel in models/model_base.py): both
+graphs hold the draft's and the target's KV, under draft_model. and target_model. in the state; a
+context encoding fills both models' lines and returns _cte_postprocessor's outputs; a token-generation
+step runs the greedy draft speculation_length times, the target over the input and the first
+speculation_length - 1 draft tokens, and returns _tkg_postprocessor's (accepted tokens padded with -1).
+
 Weight quantization: save_quantized_state_dict writes where NxDI writes and in its format
 (safetensors in a directory, 8-bit weights with their scales); a quantized compile reads it
 where NxDI does (shard_weights). The stand-in still computes with the checkpoint's own
@@ -24,11 +30,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..device import device_view
-from ..modules.autobucketing import generate_buckets_for_cte, generate_buckets_for_tkg
+from ..modules.autobucketing import generate_buckets_for_cte, generate_buckets_for_fused_spec, generate_buckets_for_tkg
 from ..modules.generation.sampling import Sampler, infer_sampling_params, validate_sampling_params
 from .config import InferenceConfig
 from .model_wrapper import (
     CONTEXT_ENCODING_MODEL_TAG,
+    FUSED_SPECULATION_MODEL_TAG,
     TOKEN_GENERATION_MODEL_TAG,
     ModelWrapper,
     get_target_bucket,
@@ -45,6 +52,7 @@ QUANTIZE_LOG = "standin_quantized.txt"  # stand-in only: one line per save_quant
 DEFAULT_COMPILE_WORK_DIR = "/tmp/nxd_model/"  # application_base.get_builder's default; tests point it elsewhere
 KV_CACHE_PAD_FOR_SEQ_IDS_MASKING = 128  # modules/kvcache/kv_cache_manager.py, 0.7.0 to 0.9.0
 TRACING_MARK = "tracing-"
+ACCEPTANCE_PADDING_TOKEN = -1  # NeuronFusedSpecModel.acceptance_padding_token
 PADDED_ROW_KV_SCALE = 4.0  # what a padded row writes: garbage, loud enough to change any token it reaches
 fail_next_trace = False  # tests set it: a compile interrupted while tracing
 fail_next_shard = False  # tests set it: a compile interrupted while sharding the weights, model.pt already written
@@ -107,8 +115,31 @@ class _NxdModel:
         self.state = state
 
 
+class StandInDecoder:
+    """The model class's _model_cls (NeuronLlamaModel and the like, a NeuronBaseModel): what FusedSpecNeuronConfig's
+    worker_cls names and NeuronFusedSpecModel builds the draft and the target from. The stand-in computes with
+    transformers, so it is only a name here."""
+
+
+class KvLines:
+    """One model's KV in the per-rank state: its layers' K and V under prefix ("" for a plain model; draft_model.
+    and target_model. in a fused speculation model), laid out as KVCacheManager lays them."""
+
+    def __init__(self, hf, prefix: str, tp: int):
+        cfg = hf.config
+        self.hf, self.prefix, self.tp = hf, prefix, tp
+        self.layers = cfg.num_hidden_layers
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.per_rank = self.kv_heads // tp if self.kv_heads % tp == 0 else 1
+
+    def key(self, index: int) -> str:
+        return f"{self.prefix}kv_mgr.past_key_values.{index}"
+
+
 class StandInCausalLM:
     config_cls = InferenceConfig
+    _model_cls = StandInDecoder
     uses_sliding_window = False  # NeuronBaseModel.sliding_window is None unless the model's setup_attr_for_model sets it
 
     @classmethod
@@ -122,6 +153,9 @@ class StandInCausalLM:
         self._check_config()
         self.context_encoding_model = ModelWrapper(submodel_config(config, nc.ctx_batch_size, generate_buckets_for_cte(nc)), CONTEXT_ENCODING_MODEL_TAG)
         self.token_generation_model = ModelWrapper(submodel_config(config, nc.tkg_batch_size, generate_buckets_for_tkg(nc)), TOKEN_GENERATION_MODEL_TAG)
+        self.fused = bool(getattr(nc, "enable_fused_speculation", False))
+        if self.fused:  # NeuronBaseForCausalLM.enable_fused_spec: the fused model's graph, its own buckets
+            self.fused_spec_model = ModelWrapper(submodel_config(config, nc.tkg_batch_size, generate_buckets_for_fused_spec(config)), FUSED_SPECULATION_MODEL_TAG)
 
     def _check_config(self):
         pass
@@ -270,18 +304,23 @@ class StandInCausalLM:
         self.tp = nc.tp_degree
         self.dtype = getattr(torch, str(nc.torch_dtype).removeprefix("torch."))
         self.hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
-        cfg = self.hf.config
-        self.layers = cfg.num_hidden_layers
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.per_rank = self.kv_heads // self.tp if self.kv_heads % self.tp == 0 else 1
+        self.target = KvLines(self.hf, "target_model." if self.fused else "", self.tp)
+        self.parts = [self.target]
+        if self.fused:  # NeuronFusedSpecModel: draft_model and target_model, the draft's weights from draft_model_path
+            self.draft_hf = AutoModelForCausalLM.from_pretrained(self.config.fused_spec_config.draft_model_path, dtype=self.dtype).eval()
+            self.draft = KvLines(self.draft_hf, "draft_model.", self.tp)
+            self.parts.append(self.draft)
+        self.layers, self.kv_heads, self.head_dim, self.per_rank = self.target.layers, self.target.kv_heads, self.target.head_dim, self.target.per_rank
         self.window = getattr(self.config, "sliding_window", None) if self.uses_sliding_window else None
         self.sampler = Sampler(nc.on_device_sampling_config, torch.Generator().manual_seed(0))
         self._garbage = torch.Generator().manual_seed(1)
-        self._plain = [{f"kv_mgr.past_key_values.{i}": torch.zeros(self._kv_shape(i % 2 == 0), dtype=self._kv_dtype()) for i in range(2 * self.layers)}
+        self._plain = [{part.key(i): torch.zeros(self._kv_shape(part, i % 2 == 0), dtype=self._kv_dtype()) for part in self.parts for i in range(2 * part.layers)}
                        for _ in range(self.tp)]
         traced = type("Traced", (), {"nxd_model": _NxdModel([{k: device_view(v) for k, v in rank.items()} for rank in self._plain])})()
         self.context_encoding_model.model = self.token_generation_model.model = traced  # application_base.load
+        if self.fused:
+            self.fused_spec_model.model = traced
+            self.fused_buckets = self.fused_spec_model.neuron_config.buckets
         self.prior_seq_ids = None  # causal_lm_async_execution's state
         self._pending = None  # a launched hidden step: runs before the next call's work
         self._prior_tokens = None
@@ -300,15 +339,15 @@ class StandInCausalLM:
         length = self.window or self.neuron_config.max_length
         return length + (KV_CACHE_PAD_FOR_SEQ_IDS_MASKING if self.seq_ids_masked else 0)
 
-    def _kv_shape(self, is_key):
+    def _kv_shape(self, part: KvLines, is_key):
         nc = self.neuron_config
         lines = nc.kv_cache_batch_size + nc.kv_cache_padding_size
         length = self.cache_length()
         if nc.kv_cache_tiling:
-            return (lines, self.per_rank, 128, length // 128, self.head_dim)
+            return (lines, part.per_rank, 128, length // 128, part.head_dim)
         if is_key and nc.k_cache_transposed:
-            return (lines, self.per_rank, self.head_dim, length)
-        return (lines, self.per_rank, length, self.head_dim)
+            return (lines, part.per_rank, part.head_dim, length)
+        return (lines, part.per_rank, length, part.head_dim)
 
     def _kv_dtype(self):
         nc = self.neuron_config
@@ -317,26 +356,28 @@ class StandInCausalLM:
         return getattr(torch, str(nc.attention_dtype).removeprefix("torch.")) if nc.attention_dtype else self.dtype
 
     # -- the slot's K/V in the model's own head order ----------------------------
-    def _cache(self, layer, is_key, rank):
-        return self._plain[rank][f"kv_mgr.past_key_values.{2 * layer + (0 if is_key else 1)}"]
+    def _cache(self, layer, is_key, rank, part: KvLines | None = None):
+        return self._plain[rank][(part or self.target).key(2 * layer + (0 if is_key else 1))]
 
     def _check_plain_layout(self):
         nc = self.neuron_config
         if nc.kv_cache_tiling or nc.kv_cache_quant or nc.kv_quant_config or nc.attention_dp_degree > 1 or nc.k_cache_transposed:
             raise NotImplementedError("the stand-in computes only NxDI's default KV layout")
 
-    def _gather(self, layer, is_key, slot, positions):
-        out = torch.zeros(self.kv_heads, len(positions), self.head_dim, dtype=self.dtype)
+    def _gather(self, layer, is_key, slot, positions, part: KvLines | None = None):
+        part = part or self.target
+        out = torch.zeros(part.kv_heads, len(positions), part.head_dim, dtype=self.dtype)
         for rank in range(self.tp):
-            for j in range(self.per_rank):
-                out[head_of(rank, j, self.kv_heads, self.tp)] = self._cache(layer, is_key, rank)[slot, j, positions]
+            for j in range(part.per_rank):
+                out[head_of(rank, j, part.kv_heads, self.tp)] = self._cache(layer, is_key, rank, part)[slot, j, positions]
         return out
 
-    def _scatter(self, layer, is_key, slot, positions, lines):
+    def _scatter(self, layer, is_key, slot, positions, lines, part: KvLines | None = None):
         # lines: [kv_heads, len(positions), head_dim], written to every rank holding each head
+        part = part or self.target
         for rank in range(self.tp):
-            for j in range(self.per_rank):
-                self._cache(layer, is_key, rank)[slot, j, positions] = lines[head_of(rank, j, self.kv_heads, self.tp)]
+            for j in range(part.per_rank):
+                self._cache(layer, is_key, rank, part)[slot, j, positions] = lines[head_of(rank, j, part.kv_heads, self.tp)]
 
     def _check_seq_ids(self, seq):
         # ModelWrapper._forward_with_pad pads seq_ids with range(max_batch_size): an id
@@ -356,6 +397,10 @@ class StandInCausalLM:
         params = infer_sampling_params(sampling_params)
         if attention_mask is None:
             attention_mask = infer_attention_mask(position_ids)
+        result = type("Output", (), {})()
+        if self.fused:  # _construct_output: a fused model's outputs are fused_outputs, no tokens
+            result.fused_outputs = self._fused_forward(input_ids, attention_mask, position_ids, seq, params)
+            return result
         if int(position_ids.min()) == 0:  # NeuronBaseForCausalLM._is_prefill
             tokens = self._context_encoding(input_ids, attention_mask, position_ids, seq, params)
             self.prior_seq_ids, self._prior_tokens = None, None
@@ -363,11 +408,13 @@ class StandInCausalLM:
             tokens = self._async_token_generation(input_ids, attention_mask, position_ids, seq_ids, params)
         else:
             tokens = self._token_generation(input_ids, attention_mask, position_ids, seq, params)
-        result = type("Output", (), {})()
         result.tokens = tokens.to(torch.int32)[:, None]
         return result
 
     def _context_encoding(self, input_ids, attention_mask, position_ids, seq, params):
+        return self.sampler(self._encode_context(self.target, input_ids, attention_mask, position_ids, seq), params)
+
+    def _encode_context(self, part: KvLines, input_ids, attention_mask, position_ids, seq) -> torch.Tensor:
         """The context-encoding model: the prompt padded to its bucket (ModelWrapper.pad_inputs),
         the whole padded prompt written into line seq_ids[0] (KVCacheManager.update_cache,
         update_cache_const_indices), and the token sampled from the hidden state at
@@ -377,14 +424,103 @@ class StandInCausalLM:
         bucket = get_target_bucket(self.cte_buckets, attention_mask, CONTEXT_ENCODING_MODEL_TAG)
         ids, _, positions = pad_context_inputs(input_ids.long(), attention_mask, position_ids.long(), bucket, self.context_encoding_model.config.pad_token_id)
         cache = DynamicCache()
-        out = self.hf(ids, position_ids=positions, past_key_values=cache, use_cache=True)  # right padding: causal mask only
+        out = part.hf(ids, position_ids=positions, past_key_values=cache, use_cache=True)  # right padding: causal mask only
         index = int(torch.max(positions, dim=1, keepdim=True).indices[0, 0])
         written = self._context_positions_written(int(positions.max()), bucket)
-        for layer in range(self.layers):
+        for layer in range(part.layers):
             keys, values = cache.layers[layer].keys[0], cache.layers[layer].values[0]
-            self._scatter(layer, True, seq[0], list(range(len(written))), keys[:, written])
-            self._scatter(layer, False, seq[0], list(range(len(written))), values[:, written])
-        return self.sampler(out.logits[:, index], params)
+            self._scatter(layer, True, seq[0], list(range(len(written))), keys[:, written], part)
+            self._scatter(layer, False, seq[0], list(range(len(written))), values[:, written], part)
+        return out.logits[:, index]
+
+    # -- fused speculation (NeuronFusedSpecModel) -------------------------------------------
+    def _fused_forward(self, input_ids, attention_mask, position_ids, seq, params) -> list[torch.Tensor]:
+        if self.window or self.neuron_config.async_mode or self.neuron_config.kv_cache_tiling:
+            raise NotImplementedError("the stand-in runs fused speculation without a window, NxDI's async mode or KV tiling")
+        if int(position_ids.min()) == 0:  # _is_prefill: the context-encoding graph (a NeuronFusedSpecModel too)
+            return self._fused_context_encoding(input_ids, attention_mask, position_ids, seq, params)
+        return self._fused_token_generation(input_ids, attention_mask, position_ids, seq, params)
+
+    def _fused_context_encoding(self, input_ids, attention_mask, position_ids, seq, params) -> list[torch.Tensor]:
+        """_context_encoding_forward: the target's and then the draft's context encoding into line seq_ids[0], each
+        sampling its token (the draft's is dropped); then _cte_postprocessor: [the target's token followed by
+        speculation_length - 1 paddings, next input ids, next attention mask over seq_len, next position ids]."""
+        k = self.neuron_config.speculation_length
+        token = self.sampler(self._encode_context(self.target, input_ids, attention_mask, position_ids, seq), params)
+        self._encode_context(self.draft, input_ids, attention_mask, position_ids, seq)
+        padded = torch.cat([token.reshape(1, 1), torch.full((1, k - 1), ACCEPTANCE_PADDING_TOKEN)], dim=1).to(torch.int32)
+        next_positions = attention_mask.sum(dim=1, keepdim=True).to(torch.int32)
+        next_mask = (torch.arange(self.neuron_config.seq_len)[None, :] <= next_positions - 1).to(position_ids.dtype)
+        return [padded, padded[:, :1], next_mask, next_positions]
+
+    def _fused_token_generation(self, input_ids, attention_mask, position_ids, seq, params) -> list[torch.Tensor]:
+        """_token_gen_forward, then _tkg_postprocessor, over the padded batch (padded_batch):
+
+        1. the draft runs speculation_length times, greedy (NeuronFusedSpecModel forces do_sample off for it), each
+           run one token a row at the row's position plus i, writing its KV there; after each run its attention mask
+           gains the column of every row's position of that run (index_fill_ over dim 1 with all rows' positions, so
+           a row also attends those columns of its own line where another row is at them);
+        2. the target scores the input token and the first speculation_length - 1 draft tokens at the row's positions
+           on, attending its mask's positions and the new tokens causally, writing its KV at each, sampling each
+           position with the row's parameters;
+        3. a row keeps the target's tokens up to the first draft token that differs from the target's (contiguous
+           matches, plus one), the rest padded with -1; next position ids = position ids + kept."""
+        nc = self.neuron_config
+        k = nc.speculation_length
+        bucket = get_target_bucket(self.fused_buckets, attention_mask, FUSED_SPECULATION_MODEL_TAG, k)
+        mask = pad_token_generation_mask(attention_mask, bucket)
+        batch = padded_batch(seq, nc.max_batch_size, self.seq_ids_masked)
+        start = {line: int(position_ids[row, 0]) for line, (row, _, _) in enumerate(batch)}
+        candidates = {line: [int(input_ids[row, 0])] for line, (row, _, _) in enumerate(batch)}
+        draft_mask = mask.clone()
+        for i in range(k):
+            for line, (row, seq_id, real) in enumerate(batch):
+                position = start[line] + i
+                if real:
+                    logits = self._run_tokens(self.draft, line, candidates[line][-1:], position, draft_mask[row])
+                    candidates[line].append(int(logits[-1].argmax()))
+                else:
+                    self._write_padded_row(line, seq_id, position, self.draft)
+            filled = sorted({start[line] + i for line in start if start[line] + i < bucket})
+            draft_mask[:, filled] = 1
+        logits = {}
+        for line, (row, seq_id, real) in enumerate(batch):
+            if real:
+                logits[line] = self._run_tokens(self.target, line, candidates[line][:k], start[line], mask[row])
+            else:
+                for j in range(k):
+                    self._write_padded_row(line, seq_id, start[line] + j, self.target)
+        rows = len(seq)
+        target_tokens = self.sampler(torch.cat([logits[line] for line in seq]), params.repeat_interleave(k, dim=0)).reshape(rows, k)
+        draft_tokens = torch.tensor([candidates[line][1:] for line in seq])
+        return self._tkg_postprocess(draft_tokens, target_tokens, position_ids, bucket)
+
+    @staticmethod
+    def _tkg_postprocess(draft_tokens, target_tokens, position_ids, bucket: int) -> list[torch.Tensor]:
+        """_tkg_postprocessor (no EAGLE): [accepted tokens, next input ids, next attention mask, next position ids]."""
+        rows, k = target_tokens.shape
+        matches = ((draft_tokens[:, :-1] != target_tokens[:, :-1]).cumsum(dim=-1) < 1).sum(dim=-1, keepdim=True) + 1
+        accepted = torch.where(torch.arange(k)[None, :] < matches, target_tokens, ACCEPTANCE_PADDING_TOKEN).to(torch.int32)
+        next_positions = (position_ids + matches).to(torch.int32)
+        next_mask = (torch.arange(bucket)[None, :] <= next_positions - 1).to(position_ids.dtype)
+        last = ((accepted != ACCEPTANCE_PADDING_TOKEN).sum(dim=1) + k - 1) % k
+        return [accepted, accepted[torch.arange(rows), last].reshape(rows, 1), next_mask, next_positions]
+
+    def _run_tokens(self, part: KvLines, line: int, tokens: list[int], position: int, mask_row: torch.Tensor) -> torch.Tensor:
+        """A row's tokens at position on: the cached positions its mask marks, then the tokens causally (a
+        multi-token token-generation step: compute_for_token_gen over the active tokens); each token's KV written
+        at its position. [len(tokens), vocab] logits."""
+        attended = mask_row.nonzero().flatten().tolist()
+        cache = DynamicCache()
+        for layer in range(part.layers):
+            cache.update(self._gather(layer, True, line, attended, part)[None], self._gather(layer, False, line, attended, part)[None], layer)
+        count = len(tokens)
+        out = part.hf(torch.tensor([tokens]), position_ids=torch.arange(position, position + count)[None], past_key_values=cache, use_cache=True)
+        where = [self._write_position(position + j, line) for j in range(count)]
+        for layer in range(part.layers):
+            self._scatter(layer, True, line, where, cache.layers[layer].keys[0, :, -count:], part)
+            self._scatter(layer, False, line, where, cache.layers[layer].values[0, :, -count:], part)
+        return out.logits[0]
 
     def _context_positions_written(self, last_position: int, bucket: int) -> list[int]:
         """Which of the padded prompt's positions land in cache slots 0, 1, ...: all of them, or with
@@ -440,15 +576,16 @@ class StandInCausalLM:
             self._scatter(layer, False, line, where, cache.layers[layer].values[0, :, -1:])
         return out.logits[0, -1]
 
-    def _write_padded_row(self, line: int, seq_id: int, position: int) -> None:
+    def _write_padded_row(self, line: int, seq_id: int, position: int, part: KvLines | None = None) -> None:
         """A padded row computes the caller's first row over this line and writes the result
         like any row (torch.scatter over the whole batch): where _write_position says."""
+        part = part or self.target
         where = [self._write_position(position, seq_id)]
-        shape = (self.kv_heads, 1, self.head_dim)
-        for layer in range(self.layers):
+        shape = (part.kv_heads, 1, part.head_dim)
+        for layer in range(part.layers):
             for is_key in (True, False):
                 garbage = PADDED_ROW_KV_SCALE * torch.randn(shape, generator=self._garbage)
-                self._scatter(layer, is_key, line, where, garbage.to(self.dtype))
+                self._scatter(layer, is_key, line, where, garbage.to(self.dtype), part)
 
     def _async_token_generation(self, input_ids, attention_mask, position_ids, seq_ids, params):
         """async_execution.causal_lm_async_execution: while seq_ids stay the same, each call

@@ -32,3 +32,8 @@ def generate_buckets_for_tkg(neuron_config) -> list[int]:
     if neuron_config.token_generation_buckets is not None:
         return neuron_config.token_generation_buckets
     return generate_buckets(128, neuron_config.max_length)
+
+
+def generate_buckets_for_fused_spec(inference_config) -> list[int]:
+    """generate_buckets_for_fused_spec (no prefix caching): as the token-generation model's."""
+    return generate_buckets_for_tkg(inference_config.neuron_config)
