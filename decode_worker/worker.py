@@ -402,7 +402,8 @@ class DecodeWorker:
         speculation = row_speculation(self.decode_loop.speculation, reservation.slot, stream.context_ids, first_token)
         return Sequence(
             stream.key, reservation.slot, reservation.prompt_len, first_token, stream.sampling, stream.stopping, stream.first_step,
-            stream.context_ids if stream.sampling.penalized or self.backend.starts_every_sequence else (), table=tuple(reservation.table) if self.blocks is not None else (),
+            stream.context_ids if stream.sampling.penalized or self.backend.starts_every_sequence else (),
+            table=tuple(reservation.table) if self.blocks is not None else (),
             matcher=stream.matcher, speculation=speculation,
         )
 

@@ -200,7 +200,8 @@ def test_speculation_nxdi_cannot_run_as_asked_is_refused_in_one_line(bad, why):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("method,draft,why", [("ngram", None, "NxDI has no prompt lookup"), ("eagle", "/e", "NxDI.s EAGLE flow .* is not served yet; draft is")])
+@pytest.mark.parametrize("method,draft,why", [("ngram", None, "NxDI has no prompt lookup"),
+                                              ("eagle", "/e", "NxDI.s EAGLE flow .* is not served yet; draft is")])
 def test_the_workers_refuse_what_the_neuron_backend_does_not_speculate_with(method, draft, why):
     from disagg.rpc.worker_config import WorkerConfig
 
@@ -406,18 +407,21 @@ def test_fused_speculation_keeps_the_targets_tokens_and_the_draft_gets_its_kv_of
     assert (backend.tokens_per_step, backend.starts_every_sequence) == (5, True)
     backend.allocate_slots(3)
     prompts = ["The lighthouse keeper climbed", "Snow fell on the hills and the hills", "Our café"]
+    done = {2: reference("llama").greedy(prompts[2], 4, ignore_eos=True)}  # slot 2: a request migrated after 4 tokens
     rows = {}
     for slot, prompt in enumerate(prompts):
-        ids = reference("llama").ids(prompt)
-        result = backend.prefill(ids, Sampling())
+        ids, before = reference("llama").ids(prompt), done.get(slot, [])
+        result = backend.prefill(ids + before, Sampling())  # the router prefills the prompt and the tokens streamed
         for layer, (keys, values) in enumerate(result.layers):
             backend.write_kv([slot], layer, KvKind.KEY, 0, keys)
             backend.write_kv([slot], layer, KvKind.VALUE, 0, values)
-        backend.start_sequence(slot, ids, [result.first_token])
-        rows[slot] = (ids, [result.first_token])
-    cache = DynamicCache()
-    AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)(torch.tensor([rows[1][0]]), past_key_values=cache, use_cache=True)
-    torch.testing.assert_close(draft_kv_line(backend, 0, 1, len(rows[1][0])), cache.layers[0].keys[0], rtol=1e-4, atol=1e-5)
+        backend.start_sequence(slot, ids, [*before, result.first_token])  # as the decode loop's token_history gives them
+        rows[slot] = (ids + before, [result.first_token])
+    draft_model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
+    for slot in (1, 2):  # a prompt's, and a migrated request's context (its prompt and the tokens before the newest)
+        cache = DynamicCache()
+        draft_model(torch.tensor([rows[slot][0]]), past_key_values=cache, use_cache=True)
+        torch.testing.assert_close(draft_kv_line(backend, 0, slot, len(rows[slot][0])), cache.layers[0].keys[0], rtol=1e-4, atol=1e-5)
     wanted, steps, kept_lengths = 20, 0, []
     while live := [slot for slot, (_, out) in rows.items() if len(out) < wanted]:
         positions = torch.tensor([len(rows[s][0]) + len(rows[s][1]) - 1 for s in live])
@@ -432,7 +436,8 @@ def test_fused_speculation_keeps_the_targets_tokens_and_the_draft_gets_its_kv_of
             kept_lengths.append(len(kept))
         steps += 1
     for slot, prompt in enumerate(prompts):
-        assert rows[slot][1][:wanted] == reference("llama").greedy(prompt, wanted, ignore_eos=True)
+        skip = len(done.get(slot, []))
+        assert rows[slot][1][:wanted] == reference("llama").greedy(prompt, skip + wanted, ignore_eos=True)[skip:]
     assert steps < wanted - 1 and max(kept_lengths) > 1  # the draft's guesses were kept: fewer steps than tokens
 
 
@@ -482,6 +487,65 @@ def neuron_cluster(cluster_logs, tmp_path_factory):
         os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
     yield cluster
     cluster.stop()
+
+
+def decode_metric(cluster, name: str) -> float:
+    """A sum over the cluster's decode workers' samples of one metric."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for process in cluster.processes:
+        if process.name.startswith("decode"):
+            text = urllib.request.urlopen(f"http://{process.metrics_address}/metrics", timeout=5).read().decode()
+            total += sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+    return total
+
+
+@pytest.fixture(scope="module")
+def neuron_speculating_cluster(cluster_logs, tmp_path_factory):
+    """--speculative-method draft on --backend neuron: NxDI's fused speculation on both workers (the stand-in's)."""
+    if not NXDI_TRANSFORMERS:
+        pytest.skip(NEEDS_NXDI_TRANSFORMERS)
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, previous) if p)
+    compiled = tmp_path_factory.mktemp("neuron-compiled-speculating")
+    speculation = ["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft"), "--num-speculative-tokens", "4"]
+    try:
+        cluster = start_cluster(cluster_logs, "llama", batch_size=4, transport="grpc",
+                                worker_args=["--backend", "neuron", "--max-seq-len", "256", "--neuron-compiled-path", str(compiled), *speculation],
+                                prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "1"])
+    finally:
+        os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
+    yield cluster
+    cluster.stop()
+
+
+def test_fused_speculation_through_the_service_gives_generates_tokens_in_a_batch(neuron_speculating_cluster):
+    """Requests at once, of other prompt lengths and limits (a limit falls inside a fused step's tokens): each stream
+    is generate()'s, token for token; the steps kept draft tokens; nothing is held afterwards."""
+    import asyncio
+
+    from conftest import assert_nothing_held
+
+    from disagg.clients.grpc_client import AsyncClient
+
+    cluster = neuron_speculating_cluster
+    cases = [("The lighthouse keeper climbed", 23), ("Snow fell on the hills and the hills were white", 17),
+             ("Our café", 30), ("The baker opens his shop before the sun", 9), ("Rain", 2)]
+
+    async def together():
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            return await asyncio.gather(*(client.complete(prompt, max_new_tokens=n, ignore_eos=True) for prompt, n in cases))
+
+    results = asyncio.run(together())
+    for (prompt, n), result in zip(cases, results):
+        assert result.token_ids == reference("llama").greedy(prompt, n, ignore_eos=True), prompt
+    with Client(cluster.router_address, timeout=120) as client:  # and alone, with EOS
+        assert client.complete(cases[0][0], max_new_tokens=12).token_ids == reference("llama").greedy(cases[0][0], 12)
+    assert decode_metric(cluster, "disagg_decode_spec_accepted_tokens_total") > 0
+    assert_nothing_held(cluster)
 
 
 def test_the_grpc_path_with_backend_neuron_gives_transformers_tokens(neuron_cluster):

@@ -155,7 +155,8 @@ class StandInCausalLM:
         self.token_generation_model = ModelWrapper(submodel_config(config, nc.tkg_batch_size, generate_buckets_for_tkg(nc)), TOKEN_GENERATION_MODEL_TAG)
         self.fused = bool(getattr(nc, "enable_fused_speculation", False))
         if self.fused:  # NeuronBaseForCausalLM.enable_fused_spec: the fused model's graph, its own buckets
-            self.fused_spec_model = ModelWrapper(submodel_config(config, nc.tkg_batch_size, generate_buckets_for_fused_spec(config)), FUSED_SPECULATION_MODEL_TAG)
+            fused_config = submodel_config(config, nc.tkg_batch_size, generate_buckets_for_fused_spec(config))
+            self.fused_spec_model = ModelWrapper(fused_config, FUSED_SPECULATION_MODEL_TAG)
 
     def _check_config(self):
         pass
@@ -314,7 +315,8 @@ class StandInCausalLM:
         self.window = getattr(self.config, "sliding_window", None) if self.uses_sliding_window else None
         self.sampler = Sampler(nc.on_device_sampling_config, torch.Generator().manual_seed(0))
         self._garbage = torch.Generator().manual_seed(1)
-        self._plain = [{part.key(i): torch.zeros(self._kv_shape(part, i % 2 == 0), dtype=self._kv_dtype()) for part in self.parts for i in range(2 * part.layers)}
+        self._plain = [{part.key(i): torch.zeros(self._kv_shape(part, i % 2 == 0), dtype=self._kv_dtype())
+                        for part in self.parts for i in range(2 * part.layers)}
                        for _ in range(self.tp)]
         traced = type("Traced", (), {"nxd_model": _NxdModel([{k: device_view(v) for k, v in rank.items()} for rank in self._plain])})()
         self.context_encoding_model.model = self.token_generation_model.model = traced  # application_base.load
