@@ -16,7 +16,10 @@ prints each check's result, then a summary; exit status 1 if any failed:
  5. greedy tokens equal to transformers' generate() on the same checkpoint (CPU);
  6. two processes asking for one new configuration at once compile it once;
  7. a compile killed after NxDI wrote model.pt is compiled again on the next start;
- 8. decode step time with NxDI's own async_mode off (ours) and on.
+ 8. decode step time with NxDI's own async_mode off (ours) and on;
+ 9. with --draft-model: NxDI's fused speculation through our decode loop (a fused step's
+    tokens a row; the draft's K/V of each prompt recomputed into its slot) gives the
+    greedy tokens of check 5; its guesses kept and its step time.
 Needs the Neuron packages (docs/neuron.md). Checks 6 and 7 compile three more times
 (--skip-compiles leaves them out).
 """
@@ -110,8 +113,9 @@ def prefill_touches_only_its_line(backend, ids: list[int]) -> bool:
     return line > 0 and all(torch.equal(torch.cat([b[:line], b[line + 1:]]), torch.cat([a[:line], a[line + 1:]])) for b, a in zip(before, after))
 
 
-def generate(backend, ids: list[int], new_tokens: int) -> tuple[list[int], float, list[float]]:
-    """Prefill then decode on one backend through our decode loop: tokens, TTFT, step times."""
+def generate(backend, ids: list[int], new_tokens: int):
+    """Prefill then decode on one backend through our decode loop: tokens, TTFT, the loop's stats (step times,
+    guesses proposed and kept)."""
     start = time.perf_counter()
     result = backend.prefill(ids, Sampling())
     ttft = time.perf_counter() - start
@@ -119,10 +123,11 @@ def generate(backend, ids: list[int], new_tokens: int) -> tuple[list[int], float
     tokens, done = [result.first_token], threading.Event()
     decode_loop = DecodeLoop(backend, lambda events: [tokens.extend(e.token_ids) for e in events], lambda keys: done.set())
     decode_loop.start()
-    decode_loop.admit(Sequence("v", 0, len(ids), result.first_token, Sampling(), Stopping(new_tokens, frozenset())))
+    # The prompt's ids: a speculating backend recomputes the draft's K/V from them (Backend.starts_every_sequence).
+    decode_loop.admit(Sequence("v", 0, len(ids), result.first_token, Sampling(), Stopping(new_tokens, frozenset()), context_ids=tuple(ids)))
     done.wait(600)
     decode_loop.stop()
-    return tokens, ttft, decode_loop.stats.step_seconds
+    return tokens, ttft, decode_loop.stats
 
 
 LOAD = ("import sys; from disagg.engine.backends import load_backend; "
@@ -207,6 +212,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--skip-serve", action="store_true", help="skip check 1 (two more compiles)")
     parser.add_argument("--skip-compiles", action="store_true", help="skip checks 6 and 7 (three more compiles)")
+    parser.add_argument("--draft-model", default="", help="check 9: a draft checkpoint of the model's architecture and tokenizer")
+    parser.add_argument("--speculative-tokens", type=int, default=4, help="check 9: guesses a row (speculation_length - 1)")
     return parser.parse_args(argv)
 
 
@@ -232,9 +239,9 @@ def in_process_checks(args, tokenizer, expected, results: dict) -> None:
     print("5. greedy tokens equal transformers' on the CPU (bf16 on both: a late divergence can be rounding):")
     ttfts, steps, matches = [], [], []
     for prompt in PROMPTS:
-        got, ttft, step_times = generate(neuron, tokenizer(prompt)["input_ids"], args.new_tokens)
+        got, ttft, stats = generate(neuron, tokenizer(prompt)["input_ids"], args.new_tokens)
         ttfts.append(ttft)
-        steps += step_times[2:]
+        steps += stats.step_seconds[2:]
         matches.append(got[: args.new_tokens] == expected[prompt])
         print(
             f"   {'MATCH' if matches[-1] else 'DIFFER'}  {prompt!r}\n     neuron: {tokenizer.decode(got)!r}"
@@ -244,8 +251,27 @@ def in_process_checks(args, tokenizer, expected, results: dict) -> None:
     print(f"   time to first token: median {statistics.median(ttfts) * 1000:.1f} ms; step: median {statistics.median(steps) * 1000:.2f} ms (NxDI async off)")
     with_async = load_backend("neuron", **options, neuron={"tp_degree": args.tp_degree, "nxdi_async_mode": True})
     with_async.allocate_slots(args.batch_size)
-    _, _, async_steps = generate(with_async, ids, args.new_tokens)
-    print(f"8. step median with NxDI's async_mode on: {statistics.median(async_steps[2:]) * 1000:.2f} ms (off: above)")
+    _, _, async_stats = generate(with_async, ids, args.new_tokens)
+    print(f"8. step median with NxDI's async_mode on: {statistics.median(async_stats.step_seconds[2:]) * 1000:.2f} ms (off: above)")
+
+
+def speculation_check(args, tokenizer, expected, results: dict) -> None:
+    """Check 9: the prompts of check 5 with NxDI's fused speculation, as the workers run it."""
+    from disagg.engine.backends.neuron.config import speculation_options
+
+    spec = speculation_options("draft", args.speculative_tokens, args.draft_model)
+    backend = load_backend("neuron", model=args.model, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
+                           neuron={"tp_degree": args.tp_degree, **spec})
+    backend.allocate_slots(args.batch_size)
+    matches, steps, proposed, kept = [], [], 0, 0
+    for prompt in PROMPTS:
+        got, _, stats = generate(backend, tokenizer(prompt)["input_ids"], args.new_tokens)
+        matches.append(got[: args.new_tokens] == expected[prompt])
+        steps += stats.step_seconds[2:]
+        proposed, kept = proposed + stats.proposed_tokens, kept + stats.accepted_tokens
+        print(f"   {'MATCH' if matches[-1] else 'DIFFER'}  {prompt!r}: {stats.steps} steps for {len(got) - 1} tokens")
+    record(results, "greedy tokens with fused speculation", all(matches))
+    print(f"   guesses kept: {kept} of {proposed}; fused step median {statistics.median(steps) * 1000:.2f} ms")
 
 
 def main(argv=None) -> int:
@@ -260,6 +286,9 @@ def main(argv=None) -> int:
         print("1. disagg serve --backend neuron:")
         record(results, "disagg serve on split cores", serves_on_split_cores(args, pool, tokenizer, expected))
     in_process_checks(args, tokenizer, expected, results)
+    if args.draft_model:
+        print(f"9. fused speculation with {args.draft_model}:")
+        speculation_check(args, tokenizer, expected, results)
     if not args.skip_compiles:
         print("6. two processes, one new configuration:")
         record(results, "compiled once for two processes", compiled_once_for_two(args))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -439,6 +440,32 @@ def test_fused_speculation_keeps_the_targets_tokens_and_the_draft_gets_its_kv_of
         skip = len(done.get(slot, []))
         assert rows[slot][1][:wanted] == reference("llama").greedy(prompt, skip + wanted, ignore_eos=True)[skip:]
     assert steps < wanted - 1 and max(kept_lengths) > 1  # the draft's guesses were kept: fewer steps than tokens
+
+
+def test_the_instance_checks_speculation_passes_on_the_stand_in(standin, tmp_path, monkeypatch, capsys):
+    """scripts/neuron_validate.py's check 9, as an instance runs it (our decode loop over a fused backend, in process),
+    over the stand-in in float32: every prompt's greedy tokens, with guesses kept."""
+    import functools
+    import importlib.util
+    import types
+
+    from disagg.engine.backends import load_backend
+
+    root = pathlib.Path(__file__).parent.parent
+    spec = importlib.util.spec_from_file_location("neuron_validate", root / "scripts" / "neuron_validate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "load_backend", functools.partial(load_backend, dtype="float32"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # the compiled artifacts' default root
+    args = types.SimpleNamespace(model=tiny_model("llama"), draft_model=tiny_model("llama-draft"), speculative_tokens=3, tp_degree=2,
+                                 batch_size=2, max_seq_len=128, new_tokens=14)
+    expected = {prompt: reference("llama").greedy(prompt, args.new_tokens, ignore_eos=True) for prompt in script.PROMPTS}  # its loop ignores EOS
+    results = {}
+    script.speculation_check(args, reference("llama").tokenizer, expected, results)
+    out = capsys.readouterr().out
+    assert results == {"greedy tokens with fused speculation": True}, out
+    kept, proposed = map(int, re.search(r"guesses kept: (\d+) of (\d+)", out).groups())
+    assert 0 < kept <= proposed
 
 
 def test_a_quantized_model_is_quantized_once_by_nxdi_then_compiled_and_served(standin, tmp_path):
