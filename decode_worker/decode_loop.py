@@ -160,7 +160,7 @@ class DecodeLoop:
         # Guesses: the draft model's or EAGLE head's (speculation/draft.py, eagle.py; given by the worker) or prompt lookup's.
         self.proposer = proposer if proposer is not None or self.speculation is None else NgramProposer()
         self._after_step = getattr(self.proposer, "after_step", None)
-        self._payoff = StepPayoff() if speculation is not None else None  # whether guessing pays, per batch size
+        self._payoff = StepPayoff() if self.speculation is not None else None  # whether guessing pays, per batch size
         self._last_taken_in: float | None = None  # when the loop last took in a step's output (None after idle)
         self._last_guessed = False  # whether that step had guesses
         self.backend = backend

@@ -259,8 +259,7 @@ class NeuronBackend(Backend):
         """No penalty reaches this backend (unsupported refuses them). With fused speculation the draft needs its K/V
         of the sequence, which the hand-off does not carry (it carries the target's layers, as ModelInfo describes
         them): NxDI's fused context encoding recomputes it into the slot's own line, the draft's and the target's
-        together (the target's as the prefill worker computed it, by the same compiled graph), and, with EAGLE,
-        the target's last hidden state in NxDI's rolling buffer at the slot. Its token is dropped: the sequence
+        together (the target's from the same tokens as the prefill worker's). Its token is dropped: the sequence
         goes on from the prefill worker's. The context is the tokens behind the KV: the prompt, then those
         generated before the newest (the first decode step's input)."""
         if self.options.speculates:
