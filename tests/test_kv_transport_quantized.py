@@ -132,6 +132,9 @@ class RecordingBackend:
     """What DecodeWorker asks of a backend to receive KV; write_kv keeps copies of what lands
     (the NIXL staging buffer is reused)."""
 
+    tokens_per_step = 1  # Backend's defaults: one token a row a step, no start but a penalized sequence's
+    starts_every_sequence = False
+
     def __init__(self, info: ModelInfo):
         self.info = info
         self.writes: list[tuple[int, KvKind, int, QuantizedKv]] = []  # layer, kind, token_start, a copy of what was written
