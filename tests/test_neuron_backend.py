@@ -194,6 +194,8 @@ def test_speculation_flags_map_onto_nxdis_fused_speculation(tmp_path):
     (dict(speculation="draft", speculation_length=5, draft_model="/d", quantization="int8"), "target's quantized state dict"),
     (dict(speculation="draft", speculation_length=5, draft_model="/d", nxdi_async_mode=True), "async_mode"),
     (dict(speculation="draft", speculation_length=5, draft_model="/d", extra={"enable_eagle_speculation": True}), "enable_eagle_speculation"),
+    (dict(speculation="draft", speculation_length=5, draft_model="/d", context_buckets=(5, 128), seq_len=256), "bucket of 5 positions equals"),
+    (dict(speculation="draft", speculation_length=8, draft_model="/d", seq_len=256, max_context_length=8), "bucket of 8 positions equals"),
 ])
 def test_speculation_nxdi_cannot_run_as_asked_is_refused_in_one_line(bad, why):
     with pytest.raises(ValueError, match=why) as error:

@@ -133,6 +133,12 @@ class NeuronOptions:
                              "NxDI's draft config would read the target's quantized state dict")
         if self.nxdi_async_mode:
             raise ValueError("NxDI's async_mode with fused speculation is not served: each fused step's tokens decide the next step's positions")
+        # NeuronFusedSpecModel.forward tells a context encoding from a fused step by the input's width: more than one
+        # position and not speculation_length. A prompt padded to a bucket of that width would run as a fused step.
+        misread = sorted(b for b in {*self.context_buckets, self.context_limit} if b == self.speculation_length)
+        if misread:
+            raise ValueError(f"a context-encoding bucket of {misread[0]} positions equals speculation_length: NxDI's fused model would run "
+                             "a prompt padded to it as a speculation step; choose other --context-buckets or --num-speculative-tokens")
 
     @property
     def speculates(self) -> bool:

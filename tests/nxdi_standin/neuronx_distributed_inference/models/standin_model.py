@@ -440,6 +440,9 @@ class StandInCausalLM:
         if self.window or self.neuron_config.async_mode or self.neuron_config.kv_cache_tiling:
             raise NotImplementedError("the stand-in runs fused speculation without a window, NxDI's async mode or KV tiling")
         if int(position_ids.min()) == 0:  # _is_prefill: the context-encoding graph (a NeuronFusedSpecModel too)
+            width = get_target_bucket(self.cte_buckets, attention_mask, CONTEXT_ENCODING_MODEL_TAG)
+            if width == self.neuron_config.speculation_length:  # NeuronFusedSpecModel.forward goes by the padded input's width
+                raise NotImplementedError(f"a prompt padded to {width} positions, speculation_length: NxDI runs it as a speculation step")
             return self._fused_context_encoding(input_ids, attention_mask, position_ids, seq, params)
         return self._fused_token_generation(input_ids, attention_mask, position_ids, seq, params)
 
