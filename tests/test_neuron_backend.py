@@ -577,6 +577,53 @@ def test_fused_speculation_through_the_service_gives_generates_tokens_in_a_batch
     assert_nothing_held(cluster)
 
 
+@pytest.fixture
+def held_neuron_speculating_cluster(cluster_logs, tmp_path, monkeypatch):
+    """Two decode workers with NxDI's fused speculation (the stand-in's), their steps held
+    (test_failures.hold_decode_steps) until the returned path exists."""
+    from test_failures import hold_decode_steps
+
+    if not NXDI_TRANSFORMERS:
+        pytest.skip(NEEDS_NXDI_TRANSFORMERS)
+    release = hold_decode_steps(monkeypatch, tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p))
+    speculation = ["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft"), "--num-speculative-tokens", "4"]
+    cluster = start_cluster(cluster_logs / "neuron-speculating-held", "llama", decode=2, batch_size=2, transport="grpc",
+                            worker_args=["--backend", "neuron", "--max-seq-len", "512", "--neuron-compiled-path", str(tmp_path / "compiled"), *speculation],
+                            router_args=["--worker-wait-seconds", "1"])
+    yield cluster, release
+    release.touch()
+    cluster.stop()
+
+
+def test_a_decode_worker_killed_mid_fused_speculation_loses_and_repeats_no_token(held_neuron_speculating_cluster):
+    """The stream resumes on the other decode worker, whose start recomputes the draft's K/V of the prompt and the
+    tokens already streamed: together, generate()'s tokens; a cancelled stream frees its slot."""
+    import signal
+
+    from conftest import assert_nothing_held
+    from test_failures import active_decode_worker, first_tokens
+
+    cluster, release = held_neuron_speculating_cluster
+    prompt = "The lighthouse keeper climbed the stairs of the old tower every night"
+    expected = reference("llama").greedy(prompt, 120, ignore_eos=True)
+    with Client(cluster.router_address, timeout=120) as client:
+        stream = client.generate(prompt, max_new_tokens=120, ignore_eos=True)
+        received = first_tokens(stream, 5)
+        victim = active_decode_worker(cluster)  # held mid-stream
+        assert decode_metric(cluster, "disagg_decode_spec_accepted_tokens_total") > 0  # its fused steps kept draft tokens
+        cluster.signal(victim, signal.SIGKILL)
+        cluster.process(victim).popen.wait()
+        release.touch()
+        rest = list(stream)
+        assert received + [t for chunk in rest for t in chunk.token_ids] == expected
+        assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 120
+        cancelled = client.generate(prompt, max_new_tokens=120, ignore_eos=True)
+        next(cancelled)
+        cancelled.close()
+    assert_nothing_held(cluster, within=10.0)
+
+
 def test_the_grpc_path_with_backend_neuron_gives_transformers_tokens(neuron_cluster):
     # On NIXL (where installed) the KV lands in the decode worker's host staging buffer
     # (NixlHostStagingSink) and from there goes through the neuron backend's write_kv.
