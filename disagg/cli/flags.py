@@ -95,8 +95,8 @@ def add_speculation_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--draft-model", default=None,
                        help="--speculative-method draft: a smaller checkpoint with the model's tokenizer, run beside it on the decode "
                             "worker (as vLLM's speculative_config model, LMI's option.speculative_draft_model); a draft whose vocabulary "
-                            "or tokenizer differs is refused at start-up. eagle: the EAGLE head's checkpoint as NxDI takes it (fc and "
-                            "the layers; the LM head and embeddings are the model's)")
+                            "or tokenizer differs is refused at start-up. eagle: the EAGLE head's checkpoint, named as NxDI's EAGLE draft "
+                            "(fc and the layers; an LM head and embeddings there are ignored: the model's serve)")
     group.add_argument("--num-speculative-tokens", type=int, default=0,
                        help="the most tokens a row guesses in one step, as vLLM's num_speculative_tokens (NxDI's speculation_length is one more: "
                             "it counts the input token's position too); "
