@@ -1,6 +1,7 @@
 """Trains an EAGLE v1 head for a (tiny) checkpoint on the local text, as the tiny models are trained, and
-saves it as NxDI takes an EAGLE draft: a Llama config of the model's width and the head's `fc` and
-`layers.*` (disagg/engine/speculation/eagle.py); the embeddings and LM head stay the model's.
+saves it under the names of NxDI's EAGLE draft: a Llama config of the model's width and the head's `fc` and
+`layers.*` (disagg/engine/speculation/eagle.py); the embeddings and LM head stay the model's (NxDI's own
+draft would also want them in the checkpoint: docs/neuron.md#speculation).
 
 The head learns EAGLE's two losses over the model's own features: its output at position q regresses
 the model's hidden state at q + 1 (smooth L1), and through the model's LM head predicts the token at

@@ -7,7 +7,7 @@ final norm: what its LM head multiplies) and the embedding of the token after it
 
 and guesses on from its own output: o_q stands in for h_{q+1} beside the guessed token. Its layers have
 no input norm (unless the checkpoint has one) and no final norm; the embedding and the LM head are the
-target's. The checkpoint is NxDI's EAGLE draft: a Llama config of the target's width and a state dict of
+target's. The checkpoint is named as NxDI's EAGLE draft: a Llama config of the target's width and a state dict of
 `fc.weight` (2 x hidden in, hidden out; `fc.bias` where config `fc_bias`) and `layers.N.*` as a Llama
 layer's; `embed_tokens`, `lm_head` and `norm` there are ignored (the target's serve).
 
