@@ -77,6 +77,21 @@ def active_decode_worker(cluster) -> str:
     raise AssertionError("no decode worker is running the request")
 
 
+def stream_across_a_killed_decode_worker(cluster, release, client, prompt: str, max_new_tokens: int, while_held=None):
+    """A stream of prompt (ignore_eos) whose decode worker, held mid-stream (hold_decode_steps), is killed once
+    while_held(victim) has run; the steps are then released. Its tokens, read to the end, and its last chunk."""
+    stream = client.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+    received = first_tokens(stream, 5)
+    victim = active_decode_worker(cluster)
+    if while_held is not None:
+        while_held(victim)
+    cluster.signal(victim, signal.SIGKILL)
+    cluster.process(victim).popen.wait()
+    release.touch()
+    rest = list(stream)
+    return received + [t for chunk in rest for t in chunk.token_ids], rest[-1]
+
+
 def wait_not_serving(address: str, within: float = 30.0) -> None:
     """Until the server's health says NOT_SERVING (its drain has begun)."""
     with grpc.insecure_channel(address) as channel:

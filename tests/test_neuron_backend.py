@@ -500,53 +500,44 @@ def test_a_quantized_model_is_quantized_once_by_nxdi_then_compiled_and_served(st
     assert len(compiled_dirs) == 3 and (compiled / COMPILE_LOG).read_text().count("compiled in") == 1
 
 
-@pytest.fixture(scope="module")
-def neuron_cluster(cluster_logs, tmp_path_factory):
+def start_standin_cluster(cluster_logs, compiled, max_seq_len: int, worker_args=(), **spec):
+    """start_cluster with --backend neuron, its workers importing the stand-in NxDI (on PYTHONPATH while they start)."""
     if not NXDI_TRANSFORMERS:
         pytest.skip(NEEDS_NXDI_TRANSFORMERS)
     previous = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, previous) if p)
-    compiled = tmp_path_factory.mktemp("neuron-compiled")
     try:
-        # Different tensor-parallel layouts on the two sides: KV heads sharded (tp 2) and replicated (tp 4).
-        cluster = start_cluster(cluster_logs, "llama", batch_size=4,
-                                worker_args=["--backend", "neuron", "--max-seq-len", "512", "--neuron-compiled-path", str(compiled)],
-                                prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "4"], transport=NEURON_TRANSPORT)
+        return start_cluster(cluster_logs, "llama", worker_args=["--backend", "neuron", "--max-seq-len", str(max_seq_len),
+                                                                 "--neuron-compiled-path", str(compiled), *worker_args], **spec)
     finally:
         os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
+
+
+@pytest.fixture(scope="module")
+def neuron_cluster(cluster_logs, tmp_path_factory):
+    # Different tensor-parallel layouts on the two sides: KV heads sharded (tp 2) and replicated (tp 4).
+    cluster = start_standin_cluster(cluster_logs, tmp_path_factory.mktemp("neuron-compiled"), 512, batch_size=4,
+                                    prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "4"], transport=NEURON_TRANSPORT)
     yield cluster
     cluster.stop()
 
 
 def decode_metric(cluster, name: str) -> float:
     """A sum over the cluster's decode workers' samples of one metric."""
-    import urllib.request
+    from test_failures import decode_metric as process_metric
 
-    from prometheus_client.parser import text_string_to_metric_families
+    return sum(process_metric(process, name) for process in cluster.processes if process.name.startswith("decode"))
 
-    total = 0.0
-    for process in cluster.processes:
-        if process.name.startswith("decode"):
-            text = urllib.request.urlopen(f"http://{process.metrics_address}/metrics", timeout=5).read().decode()
-            total += sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
-    return total
+
+def fused_draft_args() -> list[str]:
+    return ["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft"), "--num-speculative-tokens", "4"]
 
 
 @pytest.fixture(scope="module")
 def neuron_speculating_cluster(cluster_logs, tmp_path_factory):
     """--speculative-method draft on --backend neuron: NxDI's fused speculation on both workers (the stand-in's)."""
-    if not NXDI_TRANSFORMERS:
-        pytest.skip(NEEDS_NXDI_TRANSFORMERS)
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, previous) if p)
-    compiled = tmp_path_factory.mktemp("neuron-compiled-speculating")
-    speculation = ["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft"), "--num-speculative-tokens", "4"]
-    try:
-        cluster = start_cluster(cluster_logs, "llama", batch_size=4, transport="grpc",
-                                worker_args=["--backend", "neuron", "--max-seq-len", "256", "--neuron-compiled-path", str(compiled), *speculation],
-                                prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "1"])
-    finally:
-        os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
+    cluster = start_standin_cluster(cluster_logs, tmp_path_factory.mktemp("neuron-compiled-speculating"), 256, fused_draft_args(), batch_size=4,
+                                    transport="grpc", prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "1"])
     yield cluster
     cluster.stop()
 
@@ -583,14 +574,9 @@ def held_neuron_speculating_cluster(cluster_logs, tmp_path, monkeypatch):
     (test_failures.hold_decode_steps) until the returned path exists."""
     from test_failures import hold_decode_steps
 
-    if not NXDI_TRANSFORMERS:
-        pytest.skip(NEEDS_NXDI_TRANSFORMERS)
     release = hold_decode_steps(monkeypatch, tmp_path)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p))
-    speculation = ["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft"), "--num-speculative-tokens", "4"]
-    cluster = start_cluster(cluster_logs / "neuron-speculating-held", "llama", decode=2, batch_size=2, transport="grpc",
-                            worker_args=["--backend", "neuron", "--max-seq-len", "512", "--neuron-compiled-path", str(tmp_path / "compiled"), *speculation],
-                            router_args=["--worker-wait-seconds", "1"])
+    cluster = start_standin_cluster(cluster_logs / "neuron-speculating-held", tmp_path / "compiled", 512, fused_draft_args(), decode=2,
+                                    batch_size=2, transport="grpc", router_args=["--worker-wait-seconds", "1"])
     yield cluster, release
     release.touch()
     cluster.stop()
@@ -599,25 +585,20 @@ def held_neuron_speculating_cluster(cluster_logs, tmp_path, monkeypatch):
 def test_a_decode_worker_killed_mid_fused_speculation_loses_and_repeats_no_token(held_neuron_speculating_cluster):
     """The stream resumes on the other decode worker, whose start recomputes the draft's K/V of the prompt and the
     tokens already streamed: together, generate()'s tokens; a cancelled stream frees its slot."""
-    import signal
-
     from conftest import assert_nothing_held
-    from test_failures import active_decode_worker, first_tokens
+    from test_failures import stream_across_a_killed_decode_worker
 
     cluster, release = held_neuron_speculating_cluster
     prompt = "The lighthouse keeper climbed the stairs of the old tower every night"
     expected = reference("llama").greedy(prompt, 120, ignore_eos=True)
+
+    def kept_draft_tokens(victim):  # held mid-stream, its fused steps having kept draft tokens
+        assert decode_metric(cluster, "disagg_decode_spec_accepted_tokens_total") > 0
+
     with Client(cluster.router_address, timeout=120) as client:
-        stream = client.generate(prompt, max_new_tokens=120, ignore_eos=True)
-        received = first_tokens(stream, 5)
-        victim = active_decode_worker(cluster)  # held mid-stream
-        assert decode_metric(cluster, "disagg_decode_spec_accepted_tokens_total") > 0  # its fused steps kept draft tokens
-        cluster.signal(victim, signal.SIGKILL)
-        cluster.process(victim).popen.wait()
-        release.touch()
-        rest = list(stream)
-        assert received + [t for chunk in rest for t in chunk.token_ids] == expected
-        assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 120
+        tokens, last = stream_across_a_killed_decode_worker(cluster, release, client, prompt, 120, kept_draft_tokens)
+        assert tokens == expected
+        assert last.finish_reason == "length" and last.completion_tokens == 120
         cancelled = client.generate(prompt, max_new_tokens=120, ignore_eos=True)
         next(cancelled)
         cancelled.close()

@@ -4,14 +4,13 @@ the whole service, token for token what generate() gives without it."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import urllib.request
 
 import pytest
 import torch
 from conftest import EAGLE_HEADS, assert_nothing_held, eagle_head, start_cluster
 from prometheus_client.parser import text_string_to_metric_families
-from test_failures import active_decode_worker, first_tokens, hold_decode_steps
+from test_failures import hold_decode_steps, stream_across_a_killed_decode_worker
 
 from disagg.clients.grpc_client import AsyncClient, Client
 from disagg.engine.speculation.acceptance import AdaptiveLength, kept_tokens
@@ -573,16 +572,12 @@ def test_a_speculating_decode_worker_killed_mid_stream_loses_and_repeats_no_toke
     cluster, release = held_speculating_cluster
     expected = llama_ref.greedy(REPEATING, 300, ignore_eos=True)
     with Client(cluster.router_address, timeout=120) as client:
-        stream = client.generate(REPEATING, max_new_tokens=300, ignore_eos=True)
-        received = first_tokens(stream, 5)
-        victim = active_decode_worker(cluster)  # held mid-stream
-        assert accepted(cluster) > 0  # having kept guesses
-        cluster.signal(victim, signal.SIGKILL)
-        cluster.process(victim).popen.wait()
-        release.touch()
-        rest = list(stream)
-        assert received + [t for chunk in rest for t in chunk.token_ids] == expected
-        assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 300
+        def kept_guesses(victim):  # held mid-stream, having kept guesses
+            assert accepted(cluster) > 0
+
+        tokens, last = stream_across_a_killed_decode_worker(cluster, release, client, REPEATING, 300, kept_guesses)
+        assert tokens == expected
+        assert last.finish_reason == "length" and last.completion_tokens == 300
         # A cancelled speculating stream frees its blocks.
         cancelled = client.generate(REPEATING, max_new_tokens=300, ignore_eos=True)
         next(cancelled)
