@@ -109,6 +109,7 @@ class NeuronConfig:
             self.apply_seq_ids_mask = kwargs.pop("apply_seq_ids_mask", False)
         for key in [k for k in kwargs if k in KNOWN_UNMODELLED]:
             setattr(self, key, kwargs.pop(key))
+        self._check_batch_bucketing()
         self._check_quantization()
         if kwargs:  # NeuronConfig.__init__, end: dropped, with a log line only
             logging.warning(f"NeuronConfig init: Unexpected keyword arguments: {kwargs}")
@@ -163,6 +164,14 @@ class NeuronConfig:
         self.disable_kv_cache_tiling = kwargs.pop("disable_kv_cache_tiling", False)
         if not self.disable_kv_cache_tiling and self.enable_fused_speculation and self.max_length > 128 and self.max_length % 128 == 0:
             self.kv_cache_tiling = True
+
+    def _check_batch_bucketing(self):
+        """_validate_batch_bucketing_compatibility (NxDI's main branch; stricter than a release without it is safe):
+        token_generation_batches with speculation raises."""
+        batches = getattr(self, "token_generation_batches", None)
+        if batches is not None and (self.speculation_length > 0 or self.enable_fused_speculation):
+            raise ValueError(f"Batch bucketing (token_generation_batches={batches}) is not currently supported with the following "
+                             "features: speculative decoding. Please disable batch bucketing or the incompatible features.")
 
     def is_mlp_quantized(self):
         return getattr(self, "quantized_mlp_kernel_enabled", False) or getattr(self, "activation_quantization_type", None)
