@@ -249,8 +249,8 @@ class Stream(threading.Thread):
             self.decoding.set()
 
 
-# Tokens: a stream still running when its worker is frozen, which is once all three are decoding, so
-# the first must outlast the other two's prefills (at 200 one had finished, once, on a busy CI host).
+# Tokens: a stream still running when its worker is frozen, which is once all three are decoding
+# (at 200, with the prefills not held back, one had finished once on a busy CI host).
 LONG = 480
 PROMPTS = ["The lighthouse keeper", "A quiet morning in the harbour", "The lighthouse keeper"]
 
@@ -328,10 +328,20 @@ def stop_pods(pods: Pods) -> None:
 
 
 def streams_frozen_mid_way(pods: Pods) -> list[Stream]:
-    """Three long streams on the A pods, then decode A frozen (SIGSTOP) with all three mid-way."""
+    """Three long streams on the A pods, then decode A frozen (SIGSTOP) with all three mid-way.
+
+    Prefill A is stopped until all three hold a decode slot, so their prefills run back to back
+    and the three start decoding together: no stream can finish while another still waits for
+    its prefill, however slowly a busy host starts the others (a fixed head start once did)."""
     streams = [Stream(pods.router_address, p, LONG) for p in PROMPTS]
-    for stream in streams:
-        stream.start()
+    pods.processes["prefill-a"].send_signal(signal.SIGSTOP)
+    try:
+        for stream in streams:
+            stream.start()
+        # Brief: two missed load polls would make the router doubt prefill A.
+        wait_for(lambda: pods.metric("decode-a", "disagg_decode_slots_in_use") == len(streams), 10, "three reserved slots")
+    finally:
+        pods.processes["prefill-a"].send_signal(signal.SIGCONT)
     for stream in streams:
         assert stream.decoding.wait(60) and stream.error is None, stream.error
     pods.processes["decode-a"].send_signal(signal.SIGSTOP)  # its three streams stop mid-way
