@@ -19,7 +19,8 @@ prints each check's result, then a summary; exit status 1 if any failed:
  8. decode step time with NxDI's own async_mode off (ours) and on;
  9. with --draft-model: NxDI's fused speculation through our decode loop (a fused step's
     tokens a row; the draft's K/V of each prompt recomputed into its slot) gives the
-    greedy tokens of check 5; its guesses kept and its step time.
+    greedy tokens of check 5; its guesses kept and its step time. With --speculative-method
+    eagle, --draft-model is an EAGLE head's checkpoint (NxDI's EAGLE flow, a Llama model).
 Needs the Neuron packages (docs/neuron.md). Checks 6 and 7 compile three more times
 (--skip-compiles leaves them out).
 """
@@ -214,6 +215,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-compiles", action="store_true", help="skip checks 6 and 7 (three more compiles)")
     parser.add_argument("--draft-model", default="", help="check 9: a draft checkpoint of the model's architecture and tokenizer")
     parser.add_argument("--speculative-tokens", type=int, default=4, help="check 9: guesses a row (speculation_length - 1)")
+    parser.add_argument("--speculative-method", choices=("draft", "eagle"), default="draft",
+                        help="check 9: draft (a draft model) or eagle (an EAGLE head's checkpoint as --draft-model)")
     return parser.parse_args(argv)
 
 
@@ -259,7 +262,7 @@ def speculation_check(args, tokenizer, expected, results: dict) -> None:
     """Check 9: the prompts of check 5 with NxDI's fused speculation, as the workers run it."""
     from disagg.engine.backends.neuron.config import speculation_options
 
-    spec = speculation_options("draft", args.speculative_tokens, args.draft_model)
+    spec = speculation_options(getattr(args, "speculative_method", "draft"), args.speculative_tokens, args.draft_model)
     backend = load_backend("neuron", model=args.model, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
                            neuron={"tp_degree": args.tp_degree, **spec})
     backend.allocate_slots(args.batch_size)
@@ -287,7 +290,7 @@ def main(argv=None) -> int:
         record(results, "disagg serve on split cores", serves_on_split_cores(args, pool, tokenizer, expected))
     in_process_checks(args, tokenizer, expected, results)
     if args.draft_model:
-        print(f"9. fused speculation with {args.draft_model}:")
+        print(f"9. fused speculation ({args.speculative_method}) with {args.draft_model}:")
         speculation_check(args, tokenizer, expected, results)
     if not args.skip_compiles:
         print("6. two processes, one new configuration:")

@@ -203,13 +203,11 @@ def test_speculation_nxdi_cannot_run_as_asked_is_refused_in_one_line(bad, why):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("method,draft,why", [("ngram", None, "NxDI has no prompt lookup"),
-                                              ("eagle", "/e", "NxDI.s EAGLE flow .* is not served yet; draft is")])
-def test_the_workers_refuse_what_the_neuron_backend_does_not_speculate_with(method, draft, why):
+def test_the_workers_refuse_prompt_lookup_on_the_neuron_backend():
     from disagg.rpc.worker_config import WorkerConfig
 
-    with pytest.raises(ValueError, match=f"--speculative-method {method} on the neuron backend: {why}") as error:
-        WorkerConfig(model="/m", backend="neuron", speculative_method=method, draft_model=draft)
+    with pytest.raises(ValueError, match="--speculative-method ngram on the neuron backend: NxDI has no prompt lookup") as error:
+        WorkerConfig(model="/m", backend="neuron", speculative_method="ngram")
     assert "\n" not in str(error.value)
 
 
@@ -395,37 +393,35 @@ def draft_kv_line(backend, layer: int, line: int, length: int) -> torch.Tensor:
     return state[f"draft_model.kv_mgr.past_key_values.{2 * layer}"][line, :, :length]
 
 
-def test_fused_speculation_keeps_the_targets_tokens_and_the_draft_gets_its_kv_of_a_handed_off_prompt(standin, tmp_path):
-    """Prefill on the spare line, the target's KV written into slots as a hand-off writes it, start_sequence (the
-    draft's K/V of the context, recomputed into the slot's line), then fused steps of several rows: every row's kept
-    tokens are generate()'s, and the draft's K/V at the slot is what transformers computes from the context."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+FUSED_PROMPTS = ["The lighthouse keeper climbed", "Snow fell on the hills and the hills", "Our café"]
+MIGRATED_AFTER = {2: 4}  # slot 2: a request migrated after 4 tokens
 
-    from disagg.engine.backends import StepInputs, load_backend
-    from disagg.engine.sampler import params_row
 
-    draft = tiny_model("llama-draft")
-    backend = load_backend("neuron", model=tiny_model("llama"), dtype="float32", max_seq_len=128, batch_size=3,
-                           neuron={"compiled_root": str(tmp_path), "speculation": "draft", "speculation_length": 5, "draft_model": draft})
-    assert (backend.tokens_per_step, backend.starts_every_sequence) == (5, True)
-    backend.allocate_slots(3)
-    prompts = ["The lighthouse keeper climbed", "Snow fell on the hills and the hills", "Our café"]
-    done = {2: reference("llama").greedy(prompts[2], 4, ignore_eos=True)}  # slot 2: a request migrated after 4 tokens
+def handed_off_rows(backend) -> dict[int, tuple[list[int], list[int]]]:
+    """Each FUSED_PROMPTS prompt prefilled on the spare line, the target's KV written into its slot as a hand-off
+    writes it, and start_sequence (the draft's K/V of the context, recomputed into the slot's line): slot -> (its
+    context, its tokens so far)."""
+    backend.allocate_slots(len(FUSED_PROMPTS))
     rows = {}
-    for slot, prompt in enumerate(prompts):
-        ids, before = reference("llama").ids(prompt), done.get(slot, [])
+    for slot, prompt in enumerate(FUSED_PROMPTS):
+        ids = reference("llama").ids(prompt)
+        before = reference("llama").greedy(prompt, MIGRATED_AFTER[slot], ignore_eos=True) if slot in MIGRATED_AFTER else []
         result = backend.prefill(ids + before, Sampling())  # the router prefills the prompt and the tokens streamed
         for layer, (keys, values) in enumerate(result.layers):
             backend.write_kv([slot], layer, KvKind.KEY, 0, keys)
             backend.write_kv([slot], layer, KvKind.VALUE, 0, values)
         backend.start_sequence(slot, ids, [*before, result.first_token])  # as the decode loop's token_history gives them
         rows[slot] = (ids + before, [result.first_token])
-    draft_model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
-    for slot in (1, 2):  # a prompt's, and a migrated request's context (its prompt and the tokens before the newest)
-        cache = DynamicCache()
-        draft_model(torch.tensor([rows[slot][0]]), past_key_values=cache, use_cache=True)
-        torch.testing.assert_close(draft_kv_line(backend, 0, slot, len(rows[slot][0])), cache.layers[0].keys[0], rtol=1e-4, atol=1e-5)
-    wanted, steps, kept_lengths = 20, 0, []
+    return rows
+
+
+def fused_steps_keep_generates_tokens(backend, rows, wanted: int = 20) -> None:
+    """Fused steps of every live row until each has `wanted` tokens: each row's kept tokens (up to its first -1)
+    are generate()'s, and the draft's guesses were kept (fewer steps than tokens)."""
+    from disagg.engine.backends import StepInputs
+    from disagg.engine.sampler import params_row
+
+    k, steps, kept_lengths = backend.tokens_per_step, 0, []
     while live := [slot for slot, (_, out) in rows.items() if len(out) < wanted]:
         positions = torch.tensor([len(rows[s][0]) + len(rows[s][1]) - 1 for s in live])
         n = len(live)
@@ -434,22 +430,93 @@ def test_fused_speculation_keeps_the_targets_tokens_and_the_draft_gets_its_kv_of
                             steps=torch.zeros(n, dtype=torch.long), kv_len=int(positions.max()) + 1, min_position=int(positions.min()), contiguous_from=None)
         for slot, row in zip(live, backend.decode_step(inputs).token_ids.tolist()):
             kept = row[: row.index(-1)] if -1 in row else row
-            assert len(row) == 5 and kept and all(t == -1 for t in row[len(kept):])
+            assert len(row) == k and kept and all(t == -1 for t in row[len(kept):])
             rows[slot][1].extend(kept)
             kept_lengths.append(len(kept))
         steps += 1
-    for slot, prompt in enumerate(prompts):
-        skip = len(done.get(slot, []))
+    for slot, prompt in enumerate(FUSED_PROMPTS):
+        skip = MIGRATED_AFTER.get(slot, 0)
         assert rows[slot][1][:wanted] == reference("llama").greedy(prompt, skip + wanted, ignore_eos=True)[skip:]
-    assert steps < wanted - 1 and max(kept_lengths) > 1  # the draft's guesses were kept: fewer steps than tokens
+    assert steps < wanted - 1 and max(kept_lengths) > 1
 
 
-def test_the_instance_checks_speculation_passes_on_the_stand_in(standin, tmp_path, monkeypatch, capsys):
+def test_fused_speculation_keeps_the_targets_tokens_and_the_draft_gets_its_kv_of_a_handed_off_prompt(standin, tmp_path):
+    """Prefill on the spare line, the target's KV written into slots as a hand-off writes it, start_sequence (the
+    draft's K/V of the context, recomputed into the slot's line), then fused steps of several rows: every row's kept
+    tokens are generate()'s, and the draft's K/V at the slot is what transformers computes from the context."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from disagg.engine.backends import load_backend
+
+    draft = tiny_model("llama-draft")
+    backend = load_backend("neuron", model=tiny_model("llama"), dtype="float32", max_seq_len=128, batch_size=3,
+                           neuron={"compiled_root": str(tmp_path), "speculation": "draft", "speculation_length": 5, "draft_model": draft})
+    assert (backend.tokens_per_step, backend.starts_every_sequence) == (5, True)
+    rows = handed_off_rows(backend)
+    draft_model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
+    for slot in (1, 2):  # a prompt's, and a migrated request's context (its prompt and the tokens before the newest)
+        cache = DynamicCache()
+        draft_model(torch.tensor([rows[slot][0]]), past_key_values=cache, use_cache=True)
+        torch.testing.assert_close(draft_kv_line(backend, 0, slot, len(rows[slot][0])), cache.layers[0].keys[0], rtol=1e-4, atol=1e-5)
+    fused_steps_keep_generates_tokens(backend, rows)
+
+
+def eagle_keys(head_path: str, context: list[int]) -> torch.Tensor:
+    """The EAGLE head's layer-0 K of a context, [kv_heads, len - 1, head_dim], as the torch backend's head computes
+    it: position q holds the pair (the embedding of token q + 1, the target's final hidden state at q)."""
+    from transformers import AutoModelForCausalLM
+
+    from disagg.engine.speculation.eagle import _rotate, load_eagle_head
+
+    target, head = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32), load_eagle_head(head_path)
+    ids = torch.tensor([context])
+    with torch.no_grad():
+        hidden = target.model(ids).last_hidden_state
+        x = head.fc(torch.cat([target.get_input_embeddings()(ids[:, 1:]), hidden[:, :-1]], dim=-1))
+        layer = head.layers[0]
+        h = layer.input_layernorm(x) if layer.input_layernorm is not None else x
+        cos, sin = head._angles(torch.arange(len(context) - 1), x)
+        keys = layer.self_attn.k_proj(h).view(1, len(context) - 1, layer.self_attn.kv_heads, -1).transpose(1, 2)
+        return _rotate(keys, cos, sin)[0]
+
+
+def test_fused_eagle_keeps_the_targets_tokens_and_its_draft_is_our_heads_over_the_targets_hidden_states(standin, tmp_path):
+    """--speculative-method eagle on the neuron backend: NxDI's EAGLE draft directory written from our head's
+    checkpoint and the target's embeddings and LM head (once for both workers); after a hand-off, start_sequence's
+    context encoding gives the draft the K/V our torch head computes over the target's hidden states (a position
+    behind); the fused EAGLE steps of several rows, one of them migrated, keep generate()'s tokens, guesses kept."""
+    from conftest import eagle_head
+
+    from disagg.engine.backends import load_backend
+    from disagg.engine.backends.neuron.eagle_draft import draft_directory
+
+    head = eagle_head("llama")
+    options = dict(model=tiny_model("llama"), dtype="float32", max_seq_len=128, batch_size=3,
+                   neuron={"compiled_root": str(tmp_path), "speculation": "eagle", "speculation_length": 5, "draft_model": head})
+    backend = load_backend("neuron", **options)
+    written = backend.model.config.fused_spec_config.draft_model_path
+    assert written == str(draft_directory(backend.options)) and pathlib.Path(written, "model.safetensors").is_file()
+    assert backend.model.config.fused_spec_config.draft_config.neuron_config.is_eagle_draft
+    assert (backend.tokens_per_step, backend.starts_every_sequence) == (5, True)
+    rows = handed_off_rows(backend)
+    for slot in (1, 2):  # a prompt's, and a migrated request's context; the last position's line is the first step's
+        context = rows[slot][0]
+        torch.testing.assert_close(draft_kv_line(backend, 0, slot, len(context) - 1), eagle_keys(head, context), rtol=1e-4, atol=1e-5)
+    fused_steps_keep_generates_tokens(backend, rows)
+    for slot, (context, out) in rows.items():  # each step's last draft run rewrote its positions over the target's hidden states
+        sequence = context + out[:-1]  # the newest token is the next step's input: its pair is not written yet
+        torch.testing.assert_close(draft_kv_line(backend, 0, slot, len(sequence) - 1), eagle_keys(head, sequence), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_the_instance_checks_speculation_passes_on_the_stand_in(standin, tmp_path, monkeypatch, capsys, method):
     """scripts/neuron_validate.py's check 9, as an instance runs it (our decode loop over a fused backend, in process),
-    over the stand-in in float32: every prompt's greedy tokens, with guesses kept."""
+    over the stand-in in float32, with a draft model or an EAGLE head: every prompt's greedy tokens, with guesses kept."""
     import functools
     import importlib.util
     import types
+
+    from conftest import eagle_head
 
     from disagg.engine.backends import load_backend
 
@@ -459,7 +526,8 @@ def test_the_instance_checks_speculation_passes_on_the_stand_in(standin, tmp_pat
     spec.loader.exec_module(script)
     monkeypatch.setattr(script, "load_backend", functools.partial(load_backend, dtype="float32"))
     monkeypatch.setenv("HOME", str(tmp_path))  # the compiled artifacts' default root
-    args = types.SimpleNamespace(model=tiny_model("llama"), draft_model=tiny_model("llama-draft"), speculative_tokens=3, tp_degree=2,
+    guesser = tiny_model("llama-draft") if method == "draft" else eagle_head("llama")
+    args = types.SimpleNamespace(model=tiny_model("llama"), draft_model=guesser, speculative_method=method, speculative_tokens=3, tp_degree=2,
                                  batch_size=2, max_seq_len=128, new_tokens=14)
     expected = {prompt: reference("llama").greedy(prompt, args.new_tokens, ignore_eos=True) for prompt in script.PROMPTS}  # its loop ignores EOS
     results = {}
@@ -529,22 +597,27 @@ def decode_metric(cluster, name: str) -> float:
     return sum(process_metric(process, name) for process in cluster.processes if process.name.startswith("decode"))
 
 
-def fused_draft_args() -> list[str]:
-    return ["--speculative-method", "draft", "--draft-model", tiny_model("llama-draft"), "--num-speculative-tokens", "4"]
+def fused_draft_args(method: str = "draft") -> list[str]:
+    from conftest import eagle_head
+
+    guesser = tiny_model("llama-draft") if method == "draft" else eagle_head("llama")
+    return ["--speculative-method", method, "--draft-model", guesser, "--num-speculative-tokens", "4"]
 
 
-@pytest.fixture(scope="module")
-def neuron_speculating_cluster(cluster_logs, tmp_path_factory):
-    """--speculative-method draft on --backend neuron: NxDI's fused speculation on both workers (the stand-in's)."""
-    cluster = start_standin_cluster(cluster_logs, tmp_path_factory.mktemp("neuron-compiled-speculating"), 256, fused_draft_args(), batch_size=4,
-                                    transport="grpc", prefill_args=["--tp-degree", "2"], decode_args=["--tp-degree", "1"])
+@pytest.fixture(scope="module", params=["draft", "eagle"])
+def neuron_speculating_cluster(cluster_logs, tmp_path_factory, request):
+    """--speculative-method draft or eagle on --backend neuron: NxDI's fused speculation on both workers (the stand-in's)."""
+    cluster = start_standin_cluster(cluster_logs / f"neuron-{request.param}", tmp_path_factory.mktemp(f"neuron-compiled-{request.param}"), 256,
+                                    fused_draft_args(request.param), batch_size=4, transport="grpc", prefill_args=["--tp-degree", "2"],
+                                    decode_args=["--tp-degree", "1"])
     yield cluster
     cluster.stop()
 
 
 def test_fused_speculation_through_the_service_gives_generates_tokens_in_a_batch(neuron_speculating_cluster):
     """Requests at once, of other prompt lengths and limits (a limit falls inside a fused step's tokens): each stream
-    is generate()'s, token for token; the steps kept draft tokens; nothing is held afterwards."""
+    is generate()'s, token for token; a sampled request gets its tokens; the steps kept draft tokens; nothing is held
+    afterwards."""
     import asyncio
 
     from conftest import assert_nothing_held
@@ -564,18 +637,21 @@ def test_fused_speculation_through_the_service_gives_generates_tokens_in_a_batch
         assert result.token_ids == reference("llama").greedy(prompt, n, ignore_eos=True), prompt
     with Client(cluster.router_address, timeout=120) as client:  # and alone, with EOS
         assert client.complete(cases[0][0], max_new_tokens=12).token_ids == reference("llama").greedy(cases[0][0], 12)
+        # Sampled: NxDI accepts a fused step's guesses by rejection sampling over its sampler's top-k probabilities.
+        sampled = client.complete(cases[1][0], max_new_tokens=21, temperature=0.9, top_k=20, ignore_eos=True)
+        assert (len(sampled.token_ids), sampled.finish_reason) == (21, "length")
     assert decode_metric(cluster, "disagg_decode_spec_accepted_tokens_total") > 0
     assert_nothing_held(cluster)
 
 
-@pytest.fixture
-def held_neuron_speculating_cluster(cluster_logs, tmp_path, monkeypatch):
+@pytest.fixture(params=["draft", "eagle"])
+def held_neuron_speculating_cluster(cluster_logs, tmp_path, monkeypatch, request):
     """Two decode workers with NxDI's fused speculation (the stand-in's), their steps held
     (test_failures.hold_decode_steps) until the returned path exists."""
     from test_failures import hold_decode_steps
 
     release = hold_decode_steps(monkeypatch, tmp_path)
-    cluster = start_standin_cluster(cluster_logs / "neuron-speculating-held", tmp_path / "compiled", 512, fused_draft_args(), decode=2,
+    cluster = start_standin_cluster(cluster_logs / f"neuron-{request.param}-held", tmp_path / "compiled", 512, fused_draft_args(request.param), decode=2,
                                     batch_size=2, transport="grpc", router_args=["--worker-wait-seconds", "1"])
     yield cluster, release
     release.touch()

@@ -163,10 +163,22 @@ def llama_draft() -> str:
     return tiny_checkpoint(architecture="llama", num_layers=1, hidden_size=32, intermediate_size=96)
 
 
+@pytest.fixture(scope="module")
+def llama_eagle(llama) -> str:
+    """An EAGLE head for the tiny Llama, in the checkpoint format the torch backend serves (fc and the layers)."""
+    import transformers
+
+    from disagg.tools.tiny_eagle import ensure_eagle_head
+    from disagg.tools.tinymodel import cache_dir
+
+    return str(ensure_eagle_head(llama, steps=20, root=cache_dir() / f"nxdi-cpu-tf{transformers.__version__}"))
+
+
 def speculation_job(tmp_path: pathlib.Path, name: str, model: str, method: str, draft: str, num_tokens: int = 3) -> dict:
     import torch
 
     job = {"nxdi_src": NXDI_SRC, "model": model, "seq_len": SEQ_LEN, "batch_size": BATCH, "out": str(tmp_path / f"{name}.pt"),
+           "compiled_root": str(tmp_path / "compiled"),
            "speculation": {"method": method, "num_tokens": num_tokens, "draft_model": draft}}
     (tmp_path / f"{name}.json").write_text(json.dumps(job))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
@@ -177,26 +189,34 @@ def speculation_job(tmp_path: pathlib.Path, name: str, model: str, method: str, 
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle"])
-def test_fused_speculation_configs_built_through_ours_are_what_nxdi_builds(llama, llama_draft, tmp_path, method):
+def test_fused_speculation_configs_built_through_ours_are_what_nxdi_builds(llama, llama_draft, llama_eagle, tmp_path, method):
     """--speculative-method draft|eagle --num-speculative-tokens 3 --draft-model D: NxDI's own NeuronConfig,
     FusedSpecNeuronConfig and draft InferenceConfig (as its inference_demo derives the draft's), accepted by NxDI's
     application (a context-encoding and a fused-speculation graph, both NeuronFusedSpecModel); its to_cpu() refuses
     speculation, which is why no fused step runs here; the fused model, built in CPU mode, holds the target's KV under
-    the state key the backend reads, in the layout the hand-off converts."""
+    the state key the backend reads, in the layout the hand-off converts; and NxDI's get_state_dict over the draft's
+    path gives every weight of the draft model NxDI built (for EAGLE: the directory written from our head's checkpoint
+    and the target's embeddings and LM head, read by NxDI's EAGLE draft, with its fc and no input norms)."""
     from disagg.engine.backends.neuron.backend import FUSED_TARGET_PREFIX, KV_STATE_KEY, SEQ_IDS_MASK_PAD
 
-    out = speculation_job(tmp_path, method, llama, method, llama_draft)
-    length = 4  # 3 guesses and the input token
     eagle = method == "eagle"
+    out = speculation_job(tmp_path, method, llama, method, llama_eagle if eagle else llama_draft)
+    length = 4  # 3 guesses and the input token
     assert out["target"] == {
         "speculation_length": length, "enable_fused_speculation": True, "enable_eagle_speculation": eagle, "is_eagle_draft": False,
         "kv_cache_tiling": False, "seq_len": SEQ_LEN + length, "max_length": SEQ_LEN + length, "batch_size": BATCH + 1,
         "tkg_batch_size": BATCH + 1, "apply_seq_ids_mask": True, "is_continuous_batching": True,
     }
     assert out["draft"] == dict(out["target"], speculation_length=length if eagle else 0, enable_fused_speculation=False, is_eagle_draft=eagle)
-    assert (out["draft_layers"], out["draft_hidden"], out["target_layers"]) == (1, 32, 2)  # read from the draft's checkpoint
+    assert (out["draft_layers"], out["draft_hidden"], out["target_layers"]) == (1, 64 if eagle else 32, 2)  # read from the draft's checkpoint
     assert out["fused_spec_config"] == "neuronx_distributed_inference.models.config.FusedSpecNeuronConfig"
-    assert (out["worker_cls"], out["draft_model_cls"], out["draft_model_path"]) == ("NeuronLlamaModel", None, llama_draft)
+    assert (out["worker_cls"], out["draft_model_cls"]) == ("NeuronLlamaModel", None)
+    if eagle:
+        assert pathlib.Path(out["draft_model_path"]).parent == tmp_path / "compiled" / "eagle-drafts"
+    else:
+        assert out["draft_model_path"] == llama_draft
+    assert (out["draft_weights_missing"], out["draft_weights_misshapen"]) == ([], [])
+    assert (out["draft_has_fc"], out["draft_input_norm"]) == (eagle, not eagle)
     assert (out["graphs"], out["tags"]) == (["NeuronFusedSpecModel"] * 2, ["context_encoding_model", "fused_speculation_model"])
     assert out["to_cpu"] == "NotImplementedError: Speculation is not yet supported for CPU inference."
     targets = [name for name in out["kv_parameters"] if name.startswith(FUSED_TARGET_PREFIX)]

@@ -90,13 +90,14 @@ def add_speculation_flags(group: argparse._ArgumentGroup) -> None:
                        help="speculative decoding on the decode worker, as vLLM's speculative_config method: ngram (prompt lookup: the "
                             "sequence's latest tokens found earlier in it propose what followed them there), draft (--draft-model "
                             "guesses) or eagle (an EAGLE v1 head, --draft-model, guesses from the model's own hidden states); output is "
-                            "token for token what it is without it; on --backend neuron, draft only, run inside the compiled step as NxDI's fused "
-                            "speculation (docs/neuron.md) (default: off)")
+                            "token for token what it is without it; on --backend neuron, draft and eagle (Llama models), run inside the compiled step "
+                            "as NxDI's fused speculation (docs/neuron.md) (default: off)")
     group.add_argument("--draft-model", default=None,
                        help="--speculative-method draft: a smaller checkpoint with the model's tokenizer, run beside it on the decode "
                             "worker (as vLLM's speculative_config model, LMI's option.speculative_draft_model); a draft whose vocabulary "
                             "or tokenizer differs is refused at start-up. eagle: the EAGLE head's checkpoint, named as NxDI's EAGLE draft "
-                            "(fc and the layers; an LM head and embeddings there are ignored: the model's serve)")
+                            "(fc and the layers; an LM head and embeddings there are ignored: the model's serve; on --backend neuron the workers "
+                            "write NxDI's draft directory from it with the model's)")
     group.add_argument("--num-speculative-tokens", type=int, default=0,
                        help="the most tokens a row guesses in one step, as vLLM's num_speculative_tokens (NxDI's speculation_length is one more: "
                             "it counts the input token's position too); "

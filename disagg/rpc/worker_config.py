@@ -71,10 +71,8 @@ class WorkerConfig:
         from disagg.engine.speculation import DEFAULT_SPECULATIVE_TOKENS, SpeculationConfig
 
         if self.backend == "neuron":  # NxDI's fused speculation: neuron_speculation_options, backends/neuron/config.speculation_options
-            if self.speculative_method != "draft":
-                why = "NxDI has no prompt lookup" if self.speculative_method == "ngram" else \
-                    "NxDI's EAGLE flow (its draft over the target's hidden states) is not served yet; draft is"
-                raise ValueError(f"--speculative-method {self.speculative_method} on the neuron backend: {why} (docs/neuron.md#speculation)")
+            if self.speculative_method == "ngram":
+                raise ValueError("--speculative-method ngram on the neuron backend: NxDI has no prompt lookup (docs/neuron.md#speculation)")
             return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
         if self.backend != "torch":
             raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not {self.backend} (yet)")

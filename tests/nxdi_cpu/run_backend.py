@@ -75,6 +75,7 @@ def speculation_summary(job: dict) -> dict:
         options = NeuronOptions(
             model=job["model"], dtype="float32", seq_len=job["seq_len"], batch_size=job["batch_size"], global_topk=64,
             **speculation_options(spec["method"], spec["num_tokens"], spec["draft_model"]), extra=job.get("extra", {}),
+            compiled_root=job.get("compiled_root", ""),
         )
         cls = model_class(AutoConfig.from_pretrained(options.model).architectures[0])
         config = build_config(cls, options)
@@ -111,6 +112,18 @@ def speculation_summary(job: dict) -> dict:
     fused_model = model.fused_spec_model.model_cls(model.fused_spec_model.config)
     summary["kv_parameters"] = sorted(name for name, _ in fused_model.named_parameters() if "past_key_values" in name)
     summary["kv_shapes"] = {name: tuple(p.shape) for name, p in fused_model.named_parameters() if name.endswith("past_key_values.0")}
+    # The draft's weights as NxDI reads them from draft_model_path (get_state_dict, as checkpoint_loader_fn does for the
+    # draft, then the modules' preshard hooks, as sharding runs them), against the parameters of the draft model NxDI
+    # built: what loading would find missing or misshapen.
+    from neuronx_distributed.trace.trace import invoke_preshard_hook
+
+    state = cls.get_state_dict(fused.draft_model_path, draft)
+    invoke_preshard_hook(fused_model.draft_model, state, "")  # as sharding does: the attention's weights renamed into its modules
+    wanted = {name: tuple(p.shape) for name, p in fused_model.draft_model.named_parameters() if "past_key_values" not in name}
+    summary["draft_weights_missing"] = sorted(set(wanted) - set(state))
+    summary["draft_weights_misshapen"] = sorted(n for n in wanted if n in state and tuple(state[n].shape) != wanted[n])
+    summary["draft_has_fc"] = hasattr(fused_model.draft_model, "fc")
+    summary["draft_input_norm"] = fused_model.draft_model.layers[0].input_layernorm is not None
     return summary
 
 

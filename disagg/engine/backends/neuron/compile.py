@@ -76,17 +76,24 @@ def fused_spec_config(cls, config, options: NeuronOptions):
     from worker_cls when draft_model_cls is None, so the draft must be of the target's architecture)."""
     from transformers import AutoConfig
 
-    target, draft = ((AutoConfig.from_pretrained(path).architectures or ["?"])[0] for path in (options.model, options.draft_model))
+    from . import eagle_draft
+
+    if options.speculation == "eagle":  # NxDI's draft reads its own embeddings and LM head: a directory with the target's
+        eagle_draft.check_eagle_target(options)
+        draft_path, input_norm = str(eagle_draft.ensure_draft_directory(options)), eagle_draft.has_input_norm(options)
+    else:
+        draft_path, input_norm = options.draft_model, False
+    target, draft = ((AutoConfig.from_pretrained(path).architectures or ["?"])[0] for path in (options.model, draft_path))
     if draft != target:
         raise ValueError(f"--draft-model {options.draft_model} is a {draft}: NxDI's fused speculation builds the draft with the model's own "
                          f"class (FusedSpecNeuronConfig.worker_cls), so it must be a {target}")
     nxdi_config = import_nxdi("neuronx_distributed_inference.models.config")
     hf_adapter = import_nxdi("neuronx_distributed_inference.utils.hf_adapter")
     draft_config = cls.get_config_cls()(
-        draft_neuron_config(config.neuron_config, options.speculation), load_config=hf_adapter.load_pretrained_config(options.draft_model)
+        draft_neuron_config(config.neuron_config, options.speculation, input_norm), load_config=hf_adapter.load_pretrained_config(draft_path)
     )
     full_attention_window(draft_config, options.seq_len)
-    return nxdi_config.FusedSpecNeuronConfig(cls._model_cls, draft_config=draft_config, draft_model_path=options.draft_model)
+    return nxdi_config.FusedSpecNeuronConfig(cls._model_cls, draft_config=draft_config, draft_model_path=draft_path)
 
 
 def describe(options: NeuronOptions) -> str:

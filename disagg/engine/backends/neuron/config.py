@@ -36,7 +36,7 @@ NXDI_SPECULATION = {"draft": {"enable_fused_speculation": True}, "eagle": {"enab
 SPECULATION_FIELDS = ("speculation", "speculation_length", "draft_model")
 # NeuronConfig's own speculation arguments: set from `speculation`, never also through `extra`.
 NXDI_SPECULATION_KWARGS = ("speculation_length", "enable_fused_speculation", "enable_eagle_speculation", "is_eagle_draft", "is_eagle3",
-                           "medusa_speculation_length", "is_medusa", "token_tree_config", "spec_batch_size")
+                           "enable_eagle_draft_input_norm", "medusa_speculation_length", "is_medusa", "token_tree_config", "spec_batch_size")
 
 
 @dataclass(frozen=True)
@@ -257,9 +257,11 @@ def speculation_kwargs(options: NeuronOptions) -> dict:
     return dict(speculation_length=options.speculation_length, disable_kv_cache_tiling=True, **NXDI_SPECULATION[options.speculation])
 
 
-def draft_neuron_config(neuron_config, speculation: str):
+def draft_neuron_config(neuron_config, speculation: str, eagle_input_norm: bool = False):
     """The draft's NeuronConfig as NxDI's inference_demo derives it from the target's: a copy with speculation off,
-    except EAGLE's draft, which keeps speculation_length (its last draft run) and is marked is_eagle_draft."""
+    except EAGLE's draft, which keeps speculation_length (its last draft run) and is marked is_eagle_draft, its
+    layers norming their input where the head's checkpoint has those norms (inference_demo's
+    --enable-eagle-draft-input-norm)."""
     import copy
 
     draft = copy.deepcopy(neuron_config)
@@ -268,6 +270,7 @@ def draft_neuron_config(neuron_config, speculation: str):
     draft.enable_fused_speculation = False
     if speculation == "eagle":
         draft.is_eagle_draft = True
+        draft.enable_eagle_draft_input_norm = eagle_input_norm
     return draft
 
 

@@ -13,6 +13,7 @@ graphs hold the draft's and the target's KV, under draft_model. and target_model
 context encoding fills both models' lines and returns _cte_postprocessor's outputs; a token-generation
 step runs the greedy draft speculation_length times, the target over the input and the first
 speculation_length - 1 draft tokens, and returns _tkg_postprocessor's (accepted tokens padded with -1).
+With enable_eagle_speculation the graphs are NxDI's EAGLE flow instead (standin_eagle.py).
 
 Weight quantization: save_quantized_state_dict writes where NxDI writes and in its format
 (safetensors in a directory, 8-bit weights with their scales); a quantized compile reads it
@@ -44,6 +45,7 @@ from .model_wrapper import (
     padded_batch,
     submodel_config,
 )
+from .standin_eagle import EagleFusedSpec
 
 COMPILE_LOG = "standin_compiles.txt"
 COMPILED_MODEL_FILE_NAME = "model.pt"  # application_base.COMPILED_MODEL_FILE_NAME
@@ -137,7 +139,7 @@ class KvLines:
         return f"{self.prefix}kv_mgr.past_key_values.{index}"
 
 
-class StandInCausalLM:
+class StandInCausalLM(EagleFusedSpec):
     config_cls = InferenceConfig
     _model_cls = StandInDecoder
     uses_sliding_window = False  # NeuronBaseModel.sliding_window is None unless the model's setup_attr_for_model sets it
@@ -307,8 +309,12 @@ class StandInCausalLM:
         self.hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
         self.target = KvLines(self.hf, "target_model." if self.fused else "", self.tp)
         self.parts = [self.target]
-        if self.fused:  # NeuronFusedSpecModel: draft_model and target_model, the draft's weights from draft_model_path
+        self.eagle = self.fused and bool(getattr(nc, "enable_eagle_speculation", False))
+        if self.eagle:
+            self._load_eagle()  # the EAGLE draft (standin_eagle.EagleDraft) and the hidden states' rolling buffer
+        elif self.fused:  # NeuronFusedSpecModel: draft_model and target_model, the draft's weights from draft_model_path
             self.draft_hf = AutoModelForCausalLM.from_pretrained(self.config.fused_spec_config.draft_model_path, dtype=self.dtype).eval()
+        if self.fused:
             self.draft = KvLines(self.draft_hf, "draft_model.", self.tp)
             self.parts.append(self.draft)
         self.layers, self.kv_heads, self.head_dim, self.per_rank = self.target.layers, self.target.kv_heads, self.target.head_dim, self.target.per_rank
@@ -443,7 +449,11 @@ class StandInCausalLM:
             width = get_target_bucket(self.cte_buckets, attention_mask, CONTEXT_ENCODING_MODEL_TAG)
             if width == self.neuron_config.speculation_length:  # NeuronFusedSpecModel.forward goes by the padded input's width
                 raise NotImplementedError(f"a prompt padded to {width} positions, speculation_length: NxDI runs it as a speculation step")
+            if self.eagle:
+                return self._eagle_context_encoding(input_ids, attention_mask, position_ids, seq, params)
             return self._fused_context_encoding(input_ids, attention_mask, position_ids, seq, params)
+        if self.eagle:
+            return self._eagle_token_generation(input_ids, attention_mask, position_ids, seq, params)
         return self._fused_token_generation(input_ids, attention_mask, position_ids, seq, params)
 
     def _fused_context_encoding(self, input_ids, attention_mask, position_ids, seq, params) -> list[torch.Tensor]:
@@ -498,13 +508,15 @@ class StandInCausalLM:
         rows = len(seq)
         target_tokens = self.sampler(torch.cat([logits[line] for line in seq]), params.repeat_interleave(k, dim=0)).reshape(rows, k)
         draft_tokens = torch.tensor([candidates[line][1:] for line in seq])
-        return self._tkg_postprocess(draft_tokens, target_tokens, position_ids, bucket)
+        return self._tkg_postprocess(draft_tokens[:, :-1], target_tokens, position_ids, bucket)
 
     @staticmethod
-    def _tkg_postprocess(draft_tokens, target_tokens, position_ids, bucket: int) -> list[torch.Tensor]:
-        """_tkg_postprocessor (no EAGLE): [accepted tokens, next input ids, next attention mask, next position ids]."""
+    def _tkg_postprocess(guesses, target_tokens, position_ids, bucket: int) -> list[torch.Tensor]:
+        """_tkg_postprocessor over the step's speculation_length - 1 guesses (candidate_tokens[:, :-1] of the draft's
+        tokens; with EAGLE [:, 1:] of the input and the guesses): [accepted tokens, next input ids, next attention
+        mask, next position ids]."""
         rows, k = target_tokens.shape
-        matches = ((draft_tokens[:, :-1] != target_tokens[:, :-1]).cumsum(dim=-1) < 1).sum(dim=-1, keepdim=True) + 1
+        matches = ((guesses != target_tokens[:, :-1]).cumsum(dim=-1) < 1).sum(dim=-1, keepdim=True) + 1
         accepted = torch.where(torch.arange(k)[None, :] < matches, target_tokens, ACCEPTANCE_PADDING_TOKEN).to(torch.int32)
         next_positions = (position_ids + matches).to(torch.int32)
         next_mask = (torch.arange(bucket)[None, :] <= next_positions - 1).to(position_ids.dtype)

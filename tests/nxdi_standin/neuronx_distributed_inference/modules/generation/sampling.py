@@ -50,6 +50,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         # logits: [n, vocab]; params: [n, 3]
+        indices, probs = self.probabilities(logits, params)
+        return indices.gather(-1, self.draw(probs)).flatten()
+
+    def probabilities(self, logits: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """_multinomial_sample up to `return_values`: each row's top global_topk token ids and their
+        probabilities after top-k, temperature and top-p, both [n, global_topk] (what a fused EAGLE step's
+        target sampler returns for its rejection sampling)."""
         top_k, top_p, temperature = (params[:, i : i + 1].float() for i in range(3))
         values, indices = torch.topk(logits.float(), k=min(self.global_topk, logits.shape[-1]), dim=-1)
         rank = torch.arange(values.shape[-1]).broadcast_to(values.shape)
@@ -64,9 +71,15 @@ class Sampler:
         top_p = torch.max(cumsum.min(), top_p)
         drop = cumsum > top_p
         drop[:, 0] = False  # "need to keep at least one token"
-        probs = torch.softmax(values.masked_fill(drop, IGNORED_LOGITS_VALUE), dim=-1)
+        return indices, torch.softmax(values.masked_fill(drop, IGNORED_LOGITS_VALUE), dim=-1)
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """_multinomial: per row, the index ([n, 1]) a uniform draw picks from the probabilities' CDF."""
         cdf = probs.cumsum(dim=-1)
         cdf = cdf / cdf[:, -1:]
         draw = torch.rand(cdf.shape[0], 1, generator=self.generator)
-        counts = (draw > cdf).sum(dim=-1, keepdim=True).clamp(max=cdf.shape[-1] - 1)
-        return indices.gather(-1, counts).flatten()
+        return (draw > cdf).sum(dim=-1, keepdim=True).clamp(max=cdf.shape[-1] - 1)
+
+    def uniform(self, shape) -> torch.Tensor:
+        """rand_like: the draws a fused EAGLE step's acceptance compares its ratios with."""
+        return torch.rand(shape, generator=self.generator)
