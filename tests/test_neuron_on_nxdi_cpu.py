@@ -174,11 +174,11 @@ def llama_eagle(llama) -> str:
     return str(ensure_eagle_head(llama, steps=20, root=cache_dir() / f"nxdi-cpu-tf{transformers.__version__}"))
 
 
-def speculation_job(tmp_path: pathlib.Path, name: str, model: str, method: str, draft: str, num_tokens: int = 3) -> dict:
+def speculation_job(tmp_path: pathlib.Path, name: str, model: str, method: str, draft: str, num_tokens: int = 3, quantization=None) -> dict:
     import torch
 
     job = {"nxdi_src": NXDI_SRC, "model": model, "seq_len": SEQ_LEN, "batch_size": BATCH, "out": str(tmp_path / f"{name}.pt"),
-           "compiled_root": str(tmp_path / "compiled"),
+           "compiled_root": str(tmp_path / "compiled"), "quantization": quantization or {},
            "speculation": {"method": method, "num_tokens": num_tokens, "draft_model": draft}}
     (tmp_path / f"{name}.json").write_text(json.dumps(job))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
@@ -222,6 +222,18 @@ def test_fused_speculation_configs_built_through_ours_are_what_nxdi_builds(llama
     targets = [name for name in out["kv_parameters"] if name.startswith(FUSED_TARGET_PREFIX)]
     assert targets == [FUSED_TARGET_PREFIX + KV_STATE_KEY.format(i) for i in range(4)]  # 2 layers, K and V
     assert out["kv_shapes"][targets[0]] == (BATCH + 1, 2, SEQ_LEN + length + SEQ_IDS_MASK_PAD, 16)
+
+
+def test_a_quantized_fused_models_draft_is_quantized_by_nxdi_into_what_nxdis_converted_draft_loads(llama, llama_draft, tmp_path):
+    """--quantization int8 with --speculative-method draft: NxDI's tracing converts the fused model's draft to quantized
+    linears too, so its weights (read from draft_model_path) must be a quantized state dict: the one NxDI's own
+    quantizer makes of the draft's checkpoint, through ours, holds every weight of the converted draft in its shape,
+    8-bit where the draft's linears are, the LM head (skipped) in full precision."""
+    out = speculation_job(tmp_path, "quantized", llama, "draft", llama_draft,
+                          quantization={"quantization": "int8", "quantization_type": "per_channel", "quantization_skip": ["lm_head"]})
+    assert (out["draft_weights_missing"], out["draft_weights_misshapen"]) == ([], [])
+    assert out["draft_weight_dtypes"] == {"layers.0.mlp.down_proj.weight": ("torch.int8", "torch.int8")}
+    assert pathlib.Path(out["draft_model_path"]).parent == tmp_path / "compiled" / "quantized"
 
 
 def test_a_draft_of_another_architecture_is_refused_in_one_line(llama, mistral_window, tmp_path):

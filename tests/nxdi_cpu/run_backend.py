@@ -75,12 +75,17 @@ def speculation_summary(job: dict) -> dict:
         options = NeuronOptions(
             model=job["model"], dtype="float32", seq_len=job["seq_len"], batch_size=job["batch_size"], global_topk=64,
             **speculation_options(spec["method"], spec["num_tokens"], spec["draft_model"]), extra=job.get("extra", {}),
-            compiled_root=job.get("compiled_root", ""),
+            compiled_root=job.get("compiled_root", ""), **job.get("quantization", {}),
         )
         cls = model_class(AutoConfig.from_pretrained(options.model).architectures[0])
         config = build_config(cls, options)
     except ValueError as exc:
         return {"load_error": f"{type(exc).__name__}: {exc}"}
+    if options.quantization:  # the quantized state dicts a compile reads, made by NxDI's own quantizer (as ensure_compiled makes them)
+        from disagg.engine.backends.neuron.compile import ensure_quantized, ensure_quantized_draft
+
+        ensure_quantized(cls, options, config)
+        ensure_quantized_draft(cls, options, config)
     neuron, fused = config.neuron_config, config.fused_spec_config
     draft = fused.draft_config
     fields = ("speculation_length", "enable_fused_speculation", "enable_eagle_speculation", "is_eagle_draft", "kv_cache_tiling", "seq_len",
@@ -116,14 +121,22 @@ def speculation_summary(job: dict) -> dict:
     # draft, then the modules' preshard hooks, as sharding runs them), against the parameters of the draft model NxDI
     # built: what loading would find missing or misshapen.
     from neuronx_distributed.trace.trace import invoke_preshard_hook
+    from neuronx_distributed_inference.models.model_wrapper import DecoderModelInstance
 
+    # The fused model as NxDI's tracing loads it (DecoderModelInstance.load_module: quantized, both models' linears
+    # converted by NxD with the settings of each model's own NeuronConfig).
+    instance = DecoderModelInstance(model.fused_spec_model.model_cls, model.fused_spec_model.config)
+    instance.load_module()
+    draft_model = instance.module.draft_model
     state = cls.get_state_dict(fused.draft_model_path, draft)
-    invoke_preshard_hook(fused_model.draft_model, state, "")  # as sharding does: the attention's weights renamed into its modules
-    wanted = {name: tuple(p.shape) for name, p in fused_model.draft_model.named_parameters() if "past_key_values" not in name}
+    invoke_preshard_hook(draft_model, state, "")  # as sharding does: the attention's weights renamed into its modules
+    wanted = {name: (tuple(p.shape), str(p.dtype)) for name, p in draft_model.named_parameters() if "past_key_values" not in name}
     summary["draft_weights_missing"] = sorted(set(wanted) - set(state))
-    summary["draft_weights_misshapen"] = sorted(n for n in wanted if n in state and tuple(state[n].shape) != wanted[n])
-    summary["draft_has_fc"] = hasattr(fused_model.draft_model, "fc")
-    summary["draft_input_norm"] = fused_model.draft_model.layers[0].input_layernorm is not None
+    summary["draft_weights_misshapen"] = sorted(n for n in wanted if n in state and tuple(state[n].shape) != wanted[n][0])
+    summary["draft_weight_dtypes"] = {name: (dtype, str(state[name].dtype)) for name, (_, dtype) in wanted.items()
+                                      if name in state and name.endswith("down_proj.weight")}
+    summary["draft_has_fc"] = hasattr(draft_model, "fc")
+    summary["draft_input_norm"] = draft_model.layers[0].input_layernorm is not None
     return summary
 
 

@@ -19,7 +19,16 @@ import time
 from disagg.rpc import startup
 
 from . import artifacts
-from .config import MODEL_CLASSES, NeuronOptions, compiled_lines, compiled_path, draft_neuron_config, full_attention_window, neuron_config_kwargs
+from .config import (
+    MODEL_CLASSES,
+    NeuronOptions,
+    compiled_lines,
+    compiled_path,
+    draft_neuron_config,
+    draft_quantized_path,
+    full_attention_window,
+    neuron_config_kwargs,
+)
 from .packages import INSTALL, NeuronPackagesMissing, UnsupportedNxdi, import_nxdi
 
 log = logging.getLogger(__name__)
@@ -80,20 +89,22 @@ def fused_spec_config(cls, config, options: NeuronOptions):
 
     if options.speculation == "eagle":  # NxDI's draft reads its own embeddings and LM head: a directory with the target's
         eagle_draft.check_eagle_target(options)
-        draft_path, input_norm = str(eagle_draft.ensure_draft_directory(options)), eagle_draft.has_input_norm(options)
+        checkpoint, input_norm = str(eagle_draft.ensure_draft_directory(options)), eagle_draft.has_input_norm(options)
     else:
-        draft_path, input_norm = options.draft_model, False
-    target, draft = ((AutoConfig.from_pretrained(path).architectures or ["?"])[0] for path in (options.model, draft_path))
+        checkpoint, input_norm = options.draft_model, False
+    target, draft = ((AutoConfig.from_pretrained(path).architectures or ["?"])[0] for path in (options.model, checkpoint))
     if draft != target:
         raise ValueError(f"--draft-model {options.draft_model} is a {draft}: NxDI's fused speculation builds the draft with the model's own "
                          f"class (FusedSpecNeuronConfig.worker_cls), so it must be a {target}")
+    # Quantized, the draft's weights are its own quantized state dict (made before the compile, ensure_quantized_draft).
+    weights = str(draft_quantized_path(options)) if options.quantization else checkpoint
     nxdi_config = import_nxdi("neuronx_distributed_inference.models.config")
     hf_adapter = import_nxdi("neuronx_distributed_inference.utils.hf_adapter")
     draft_config = cls.get_config_cls()(
-        draft_neuron_config(config.neuron_config, options.speculation, input_norm), load_config=hf_adapter.load_pretrained_config(draft_path)
+        draft_neuron_config(config.neuron_config, options.speculation, input_norm, weights), load_config=hf_adapter.load_pretrained_config(checkpoint)
     )
     full_attention_window(draft_config, options.seq_len)
-    return nxdi_config.FusedSpecNeuronConfig(cls._model_cls, draft_config=draft_config, draft_model_path=draft_path)
+    return nxdi_config.FusedSpecNeuronConfig(cls._model_cls, draft_config=draft_config, draft_model_path=weights)
 
 
 def describe(options: NeuronOptions) -> str:
@@ -140,6 +151,7 @@ def ensure_compiled(cls, options: NeuronOptions, config, path: pathlib.Path, nxd
             return
         artifacts.clear_leftovers(path)
         ensure_quantized(cls, options, config)  # read by the compile's weight sharding; a load reads the sharded weights only
+        ensure_quantized_draft(cls, options, config)
         partial = artifacts.partial_path(path)
         started = time.monotonic()
         with startup.phase(startup.Phase.COMPILING, f"compiling {describe(options)} into {path}", after=f"compiled {describe(options)}"):
@@ -158,13 +170,23 @@ def ensure_quantized(cls, options: NeuronOptions, config) -> None:
     Hugging Face model (load_hf_model), quantizes its linears (generate_quantized_state_dict) and,
     the path being a directory, saves safetensors there. Made in a partial directory renamed
     into place when complete, under a lock, as a compile is (artifacts.py)."""
-    if not options.quantization:
-        return
+    if options.quantization:
+        quantize_once(cls, options, options.model, config)
+
+
+def ensure_quantized_draft(cls, options: NeuronOptions, config) -> None:
+    """With speculation, the draft's own quantized state dict, made as the target's is: NxDI converts a fused model's
+    draft to quantized linears with the target's settings and reads its weights from draft_model_path."""
+    if options.quantization and options.speculation:
+        quantize_once(cls, options, options.draft_model, config.fused_spec_config.draft_config)
+
+
+def quantize_once(cls, options: NeuronOptions, model_path: str, config) -> None:
     neuron_config = config.neuron_config
     path = pathlib.Path(neuron_config.quantized_checkpoints_path)
     if artifacts.is_complete(path):
         return
-    what = f"{options.quantization} {options.quantization_type} weights of {pathlib.Path(options.model.rstrip('/')).name}"
+    what = f"{options.quantization} {options.quantization_type} weights of {pathlib.Path(model_path.rstrip('/')).name}"
     waiting = f"waiting for another process quantizing the {what} into {path}"
     with artifacts.exclusive(path, on_wait=lambda: startup.report(startup.Phase.WAITING_FOR_COMPILE, waiting)):
         if artifacts.is_complete(path):
@@ -176,11 +198,11 @@ def ensure_quantized(cls, options: NeuronOptions, config) -> None:
         with startup.phase(startup.Phase.COMPILING, f"quantizing the {what} into {path}", after=f"quantized the {what}"):
             neuron_config.quantized_checkpoints_path = str(partial)
             try:
-                cls.save_quantized_state_dict(options.model, config)
+                cls.save_quantized_state_dict(model_path, config)
             finally:
                 neuron_config.quantized_checkpoints_path = str(path)
         seconds = time.monotonic() - started
-        record = {"nxdi": artifacts.nxdi_version(), "quantizer": artifacts.quantizer(), "model": options.model,
+        record = {"nxdi": artifacts.nxdi_version(), "quantizer": artifacts.quantizer(), "model": model_path,
                   "quantization": options.quantization, "quantization_type": options.quantization_type,
                   "quantization_skip": list(options.quantization_skip), "quantize_seconds": round(seconds, 1)}
         artifacts.install_complete(partial, path, record)

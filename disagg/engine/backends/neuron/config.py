@@ -126,11 +126,13 @@ class NeuronOptions:
         if self.extra.get("on_cpu"):
             # application_base.to_cpu, 0.4 to 0.9: "Speculation is not yet supported for CPU inference."
             raise ValueError("speculation is not supported in NxDI's CPU mode (on_cpu): to_cpu() raises for any speculation_length")
-        if self.quantization is not None:
-            # inference_demo copies the target's NeuronConfig into the draft's, quantized_checkpoints_path included:
-            # the draft would read the target's quantized state dict; a draft's own is not made here.
-            raise ValueError(f"--quantization {self.quantization} with speculation on the neuron backend is not served yet: "
-                             "NxDI's draft config would read the target's quantized state dict")
+        if self.quantization is not None and self.speculation == "eagle":
+            # NxDI converts a fused model's draft to quantized linears too (ModelWrapper: draft_model and target_model),
+            # so the draft's weights must be a quantized state dict, which save_quantized_state_dict makes by loading
+            # the checkpoint as a transformers model (load_hf_model): an EAGLE head's fc is not part of one.
+            raise ValueError(f"--quantization {self.quantization} with --speculative-method eagle on the neuron backend: NxDI quantizes the "
+                             "fused model's draft too, and its quantizer reads the draft as a transformers model, which has no EAGLE fc; "
+                             "use --speculative-method draft")
         if self.nxdi_async_mode:
             raise ValueError("NxDI's async_mode with fused speculation is not served: each fused step's tokens decide the next step's positions")
         # NeuronFusedSpecModel.forward tells a context encoding from a fused step by the input's width: more than one
@@ -257,14 +259,17 @@ def speculation_kwargs(options: NeuronOptions) -> dict:
     return dict(speculation_length=options.speculation_length, disable_kv_cache_tiling=True, **NXDI_SPECULATION[options.speculation])
 
 
-def draft_neuron_config(neuron_config, speculation: str, eagle_input_norm: bool = False):
+def draft_neuron_config(neuron_config, speculation: str, eagle_input_norm: bool = False, quantized_draft: str = ""):
     """The draft's NeuronConfig as NxDI's inference_demo derives it from the target's: a copy with speculation off,
     except EAGLE's draft, which keeps speculation_length (its last draft run) and is marked is_eagle_draft, its
     layers norming their input where the head's checkpoint has those norms (inference_demo's
-    --enable-eagle-draft-input-norm)."""
+    --enable-eagle-draft-input-norm). With quantization the draft is quantized as the target is (NxDI converts both
+    of a fused model's models), its own quantized state dict at quantized_draft."""
     import copy
 
     draft = copy.deepcopy(neuron_config)
+    if getattr(draft, "quantized", False):
+        draft.quantized_checkpoints_path = quantized_draft
     if speculation != "eagle":
         draft.speculation_length = 0
     draft.enable_fused_speculation = False
@@ -314,6 +319,14 @@ def quantized_path(options: NeuronOptions) -> pathlib.Path:
     key = digest({"quantization": settings, "checkpoint": checkpoint_fingerprint(options.model), "quantizer": quantizer()})
     name = pathlib.Path(options.model.rstrip("/")).name or "model"
     return compiled_root(options) / "quantized" / f"{name}-{options.quantization}-{options.quantization_type}-{key}"
+
+
+def draft_quantized_path(options: NeuronOptions) -> pathlib.Path:
+    """The draft's quantized state dict (quantized_path of the draft's checkpoint, the same settings): NxDI reads a
+    quantized fused model's draft weights from draft_model_path, so that is where it points."""
+    import dataclasses
+
+    return quantized_path(dataclasses.replace(options, model=options.draft_model))
 
 
 def compiled_path(options: NeuronOptions, nxdi_version: str | None = None) -> pathlib.Path:

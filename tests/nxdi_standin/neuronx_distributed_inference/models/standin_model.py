@@ -313,7 +313,7 @@ class StandInCausalLM(EagleFusedSpec):
         if self.eagle:
             self._load_eagle()  # the EAGLE draft (standin_eagle.EagleDraft) and the hidden states' rolling buffer
         elif self.fused:  # NeuronFusedSpecModel: draft_model and target_model, the draft's weights from draft_model_path
-            self.draft_hf = AutoModelForCausalLM.from_pretrained(self.config.fused_spec_config.draft_model_path, dtype=self.dtype).eval()
+            self.draft_hf = AutoModelForCausalLM.from_pretrained(self._draft_checkpoint(), dtype=self.dtype).eval()
         if self.fused:
             self.draft = KvLines(self.draft_hf, "draft_model.", self.tp)
             self.parts.append(self.draft)
@@ -334,6 +334,24 @@ class StandInCausalLM(EagleFusedSpec):
         self._prior_tokens = None
         self.cte_buckets = self.context_encoding_model.neuron_config.buckets
         self.tkg_buckets = self.token_generation_model.neuron_config.buckets
+
+    def _draft_checkpoint(self) -> str:
+        """The checkpoint the draft computes with. Quantized, NxDI converts the fused model's draft to quantized linears
+        too (ModelWrapper: draft_model and target_model) and reads its weights from draft_model_path, which must then be
+        a quantized state dict (8-bit weights and their scales, as save_quantized_state_dict writes); the stand-in checks
+        that, then computes with the draft's own checkpoint (its config's _name_or_path), as it does for the target."""
+        fused = self.config.fused_spec_config
+        if not getattr(fused.draft_config.neuron_config, "quantized", False):
+            return fused.draft_model_path
+        from .standin_eagle import load_state_dict
+
+        state = load_state_dict(fused.draft_model_path)
+        weights = [name for name in state if name.endswith("proj.weight")]
+        unscaled = [name for name in weights if name.removesuffix("weight") + "scale" not in state]
+        if not weights or unscaled:
+            raise RuntimeError(f"the quantized draft's weights at {fused.draft_model_path} have no scale for {(unscaled or ['any linear'])[0]}: "
+                               "NxDI converts a fused model's draft with the target's quantization")
+        return fused.draft_config._name_or_path
 
     @property
     def seq_ids_masked(self) -> bool:
