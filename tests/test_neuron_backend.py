@@ -508,6 +508,40 @@ def test_fused_eagle_keeps_the_targets_tokens_and_its_draft_is_our_heads_over_th
         torch.testing.assert_close(draft_kv_line(backend, 0, slot, len(sequence) - 1), eagle_keys(head, sequence), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.97), (1.3, 1.0)])
+def test_nxdis_eagle_acceptance_as_the_stand_in_computes_it_keeps_the_targets_distribution(standin, temperature, top_p):
+    """NxDI's sampled EAGLE acceptance (_adjust_target_probs, _speculative_token_selection, a greedy draft), as the
+    stand-in computes it, over 20,000 rows of one fused step (the input and two guesses): the first token, and where
+    the first guess was kept the second, are distributed as NxDI's sampler draws them without speculation."""
+    from types import SimpleNamespace
+
+    from neuronx_distributed_inference.models.standin_eagle import EagleFusedSpec
+    from neuronx_distributed_inference.modules.generation.sampling import Sampler
+    from test_speculation import chi_square_holds
+
+    draws, ref = 20_000, reference("llama")
+    ids = ref.ids("and the")  # a context the tiny model is unsure of at both positions
+    with torch.no_grad():
+        first = ref.model(torch.tensor([ids])).logits[0, -1].float()
+        second = ref.model(torch.tensor([ids + [int(first.argmax())]])).logits[0, -1].float()
+        third = ref.model(torch.tensor([ids + [int(first.argmax()), int(second.argmax())]])).logits[0, -1].float()
+    guesses = torch.tensor([[int(first.argmax()), int(second.argmax())]]).repeat(draws, 1)  # the greedy draft's, as if it were the target
+    params = torch.tensor([[64.0, top_p, temperature]]).repeat(draws, 1)  # NxDI's rows: top_k, top_p, temperature
+    sampler = Sampler(SimpleNamespace(global_topk=64, dynamic=True), torch.Generator().manual_seed(0))
+    step = SimpleNamespace(sampler=sampler, context_encoding_model=SimpleNamespace(config=SimpleNamespace(pad_token_id=0)))
+    tokens, kept_guesses = EagleFusedSpec._eagle_rejection_sampling(step, guesses, torch.stack([first, second, third]).repeat(draws, 1, 1), params)
+
+    def without_speculation(logits: torch.Tensor) -> torch.Tensor:
+        indices, probs = sampler.probabilities(logits[None], params[:1])
+        return torch.zeros(logits.shape[0], dtype=torch.float64).index_add_(0, indices[0], probs[0].double())
+
+    vocab = first.shape[0]
+    assert chi_square_holds(torch.bincount(tokens[:, 0], minlength=vocab), without_speculation(first), draws)
+    seconds = tokens[kept_guesses[:, 0] >= 1, 1]
+    assert len(seconds) > 1000  # the first guess, the most likely token, was kept often enough to test
+    assert chi_square_holds(torch.bincount(seconds, minlength=vocab), without_speculation(second), len(seconds))
+
+
 @pytest.mark.parametrize("method", ["draft", "eagle"])
 def test_the_instance_checks_speculation_passes_on_the_stand_in(standin, tmp_path, monkeypatch, capsys, method):
     """scripts/neuron_validate.py's check 9, as an instance runs it (our decode loop over a fused backend, in process),
