@@ -36,11 +36,6 @@ from disagg.engine.speculation.rows import RowSpeculation  # noqa: E402
 from disagg.tools.tinymodel import ensure_tiny_model  # noqa: E402
 
 
-def kv_bytes_per_token(backend: TorchBackend) -> int:
-    info = backend.info
-    return info.num_layers * 2 * info.num_kv_heads * info.head_dim * backend.dtype.itemsize
-
-
 def draft_catch_up_seconds(draft: TorchBackend, prompt: list[int], repeats: int) -> float:
     """Median seconds of a fresh row's first proposal of one guess: the draft takes in the whole prompt."""
     proposer, times = DraftProposer(draft), []
@@ -80,7 +75,7 @@ def main() -> None:
     draft = TorchBackend(TorchBackendConfig(model=str(ensure_tiny_model(DRAFT)), dtype=args.dtype, max_seq_len=max_seq_len))
     target.allocate_slots(args.batch)
     draft.allocate_slots(1)
-    target_bytes, draft_bytes = kv_bytes_per_token(target), kv_bytes_per_token(draft)
+    target_bytes, draft_bytes = (backend.info.kv_bytes_per_token(backend.dtype.itemsize) for backend in (target, draft))
     print(f"host: {cpu_model()}; {args.dtype}; K/V a token: target {target_bytes} B, draft {draft_bytes} B "
           f"(sending the draft's adds {draft_bytes / target_bytes:.1%} to every hand-off)")
     results = []
