@@ -319,6 +319,22 @@ def test_lmis_speculative_draft_model_and_length_are_a_draft_models_speculation(
     assert config.speculation().num_tokens == 5
 
 
+@pytest.mark.parametrize("nxdi,method", [({"enable_fused_speculation": True}, "draft"),
+                                          ({"enable_fused_speculation": True, "enable_eagle_speculation": True}, "eagle")])
+def test_nxdis_speculation_settings_in_a_worker_config_are_ours(tmp_path, nxdi, method):
+    """NxDI's names in a --worker-config JSON: speculation_length counts the input token's position too (one more than
+    the guesses a row), draft_model_path is the draft, and enable_eagle_speculation makes it EAGLE's."""
+    import json
+
+    from decode_worker.__main__ import parse_config
+
+    path = tmp_path / "worker.json"
+    path.write_text(json.dumps({"model": "/models/target", "speculation_length": 5, "draft_model_path": "/models/d", **nxdi}))
+    config = parse_config(["--backend", "neuron", "--worker-config", str(path)])
+    assert (config.speculative_method, config.draft_model, config.num_speculative_tokens) == (method, "/models/d", 4)
+    assert config.neuron_speculation_options()["speculation_length"] == 5
+
+
 def test_a_draft_of_another_tokenizer_is_refused_at_start_up_with_one_line():
     """Before either model loads (decode_worker/grpc_edge.py's check_draft, the first thing serve() does)."""
     from conftest import tiny_model

@@ -220,7 +220,7 @@ def neuron_settings(args) -> tuple[dict, dict]:
     }
     merged.update({k: v for k, v in flags.items() if v is not None})
     worker_keys = ("model", "dtype", "max_seq_len", "batch_size", "quantization", "quantization_type", "quantization_skip", "draft_model",
-                   "num_speculative_tokens")
+                   "num_speculative_tokens", "speculative_method")
     worker = {k: merged.pop(k) for k in worker_keys if k in merged}
     optimize = merged.pop("neuron_optimize_level", None)
     if optimize is not None:
@@ -262,8 +262,9 @@ def worker_fields(args) -> tuple[dict, dict]:
         quantization_type=settings.get("quantization_type", args.quantization_type),
         quantization_skip=tuple(settings.get("quantization_skip", args.quantization_skip)),
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        # LMI's option.speculative_draft_model is a draft model's speculation (transformers-neuronx's speculative sampling).
-        speculative_method=args.speculative_method or ("draft" if settings.get("draft_model") else None),
+        # LMI's option.speculative_draft_model is a draft model's speculation (transformers-neuronx's speculative sampling);
+        # NxDI's enable_fused_speculation / enable_eagle_speculation in a worker config name theirs.
+        speculative_method=args.speculative_method or settings.get("speculative_method") or ("draft" if settings.get("draft_model") else None),
         num_speculative_tokens=settings.get("num_speculative_tokens", args.num_speculative_tokens),
         draft_model=settings.get("draft_model", args.draft_model),
         batch_buckets=args.batch_buckets or (),

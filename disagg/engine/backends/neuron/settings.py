@@ -56,6 +56,18 @@ LMI_UNSUPPORTED = {
 }
 # transformers-neuronx name -> ours
 TNX_ALIASES = {"tp_degree": "tp_degree", "n_positions": "max_seq_len", "batch_size": "batch_size", "amp": "dtype", "context_length_estimate": "context_buckets"}
+# NxDI's speculation settings (NeuronConfig's, and inference_demo's draft path) -> ours. speculation_length counts the
+# positions a fused step scores, the input token's too: one more than our guesses a row (config.speculation_options).
+NXDI_SPECULATION = {
+    "speculation_length": lambda v: {"num_speculative_tokens": int(v) - 1},
+    "draft_model_path": lambda v: {"draft_model": str(v)},
+    "enable_fused_speculation": lambda v: {"speculative_method": "draft"} if v else {},
+    "enable_eagle_speculation": lambda v: {"speculative_method": "eagle"} if v else {},
+}
+NXDI_SPECULATION_NOTES = {
+    "enable_eagle_draft_input_norm": "read from the EAGLE head's checkpoint (whether its layers have input norms)",
+    "is_eagle_draft": "set on the draft's config by disagg, as NxDI's inference_demo sets it",
+}
 
 
 def read_serving_properties(path: str) -> tuple[dict, list[str]]:
@@ -84,7 +96,17 @@ def read_worker_config(path: str) -> tuple[dict, list[str]]:
     """A JSON object of our setting names (or transformers-neuronx's)."""
     raw = json.loads(pathlib.Path(path).read_text())
     settings, notes = {}, []
-    for key, value in raw.items():
+    # enable_fused_speculation last: NxDI's EAGLE is fused too, so where both are given, EAGLE's method stays.
+    for key, value in sorted(raw.items(), key=lambda item: item[0] == "enable_fused_speculation"):
+        if key in NXDI_SPECULATION:
+            mapped = NXDI_SPECULATION[key](value)
+            if "speculative_method" in settings:
+                mapped.pop("speculative_method", None)
+            settings.update(mapped)
+            continue
+        if key in NXDI_SPECULATION_NOTES:
+            notes.append(f"{key}: {NXDI_SPECULATION_NOTES[key]}")
+            continue
         name = TNX_ALIASES.get(key, key)
         if name == "dtype":
             value = {"bf16": "bfloat16", "fp16": "float16", "f32": "float32", "fp32": "float32"}.get(str(value).lower(), value)
