@@ -191,7 +191,6 @@ def test_speculation_flags_map_onto_nxdis_fused_speculation(tmp_path):
     (dict(speculation="draft", speculation_length=1, draft_model="/d"), "at least one guess"),
     (dict(speculation_length=5), "need speculation"),
     (dict(speculation="draft", speculation_length=5, draft_model="/d", extra={"on_cpu": True}), "CPU mode"),
-    (dict(speculation="eagle", speculation_length=5, draft_model="/e", quantization="int8"), "reads the draft as a transformers model, which has no EAGLE fc"),
     (dict(speculation="draft", speculation_length=5, draft_model="/d", nxdi_async_mode=True), "async_mode"),
     (dict(speculation="draft", speculation_length=5, draft_model="/d", extra={"enable_eagle_speculation": True}), "enable_eagle_speculation"),
     (dict(speculation="draft", speculation_length=5, draft_model="/d", context_buckets=(5, 128), seq_len=256), "bucket of 5 positions equals"),
@@ -602,20 +601,23 @@ def test_a_quantized_model_is_quantized_once_by_nxdi_then_compiled_and_served(st
     assert len(compiled_dirs) == 3 and (compiled / COMPILE_LOG).read_text().count("compiled in") == 1
 
 
-def test_a_quantized_model_speculates_with_a_draft_nxdi_quantized_too(standin, tmp_path):
-    """--quantization int8 with --speculative-method draft: NxDI converts both models of a fused model to quantized
-    linears, so the draft's own quantized state dict is made once by NxDI's quantizer beside the target's, and is the
-    draft_model_path NxDI reads its weights from; the rows keep generate()'s tokens (the stand-in computes with the
-    checkpoints' weights: what it checks is the settings and the files)."""
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_a_quantized_model_speculates_with_a_draft_nxdi_quantized_too(standin, tmp_path, method):
+    """--quantization int8 with --speculative-method draft or eagle: NxDI converts both models of a fused model to
+    quantized linears, so the draft's own quantized state dict is made once by NxDI's quantizer beside the target's
+    (for EAGLE, of the draft directory written from the head, with the head's fc added in full precision, which NxD
+    does not convert), and is the draft_model_path NxDI reads its weights from; the rows keep generate()'s tokens (the
+    stand-in computes with the checkpoints' weights: what it checks is the settings and the files)."""
+    from conftest import eagle_head
     from neuronx_distributed_inference.models.standin_model import QUANTIZE_LOG
     from safetensors.torch import load_file
 
     from disagg.engine.backends import load_backend
 
-    draft = tiny_model("llama-draft")
+    guesser = tiny_model("llama-draft") if method == "draft" else eagle_head("llama")
     options = dict(model=tiny_model("llama"), dtype="float32", max_seq_len=128, batch_size=3, quantization="int8", quantization_type="per_channel",
                    quantization_skip=("lm_head",),
-                   neuron={"compiled_root": str(tmp_path), "speculation": "draft", "speculation_length": 5, "draft_model": draft})
+                   neuron={"compiled_root": str(tmp_path), "speculation": method, "speculation_length": 5, "draft_model": guesser})
     backend = load_backend("neuron", **options)
     fused, target = backend.model.config.fused_spec_config, backend.model.config.neuron_config
     draft_dir, target_dir = pathlib.Path(fused.draft_model_path), pathlib.Path(target.quantized_checkpoints_path)
@@ -624,8 +626,10 @@ def test_a_quantized_model_speculates_with_a_draft_nxdi_quantized_too(standin, t
     assert (fused.draft_config.neuron_config.quantized, fused.draft_config.neuron_config.modules_to_not_convert) == (True, ["lm_head"])
     state = load_file(str(draft_dir / "model.safetensors"))
     assert state["layers.0.mlp.down_proj.weight"].dtype == torch.int8 and "layers.0.mlp.down_proj.scale" in state
-    assert state["layers.0.mlp.down_proj.weight"].shape[1] == 96  # the draft's (intermediate 96), not the target's
-    assert draft in (draft_dir / QUANTIZE_LOG).read_text()
+    assert state["layers.0.mlp.down_proj.weight"].shape[1] == (96 if method == "draft" else 192)  # the draft's intermediate size
+    if method == "eagle":
+        assert state["fc.weight"].dtype == torch.float32 and state["fc.weight"].shape == (64, 128)
+    assert ("tiny-llama" if method == "draft" else "eagle-drafts") in (draft_dir / QUANTIZE_LOG).read_text()
     fused_steps_keep_generates_tokens(backend, handed_off_rows(backend))
 
 

@@ -224,15 +224,21 @@ def test_fused_speculation_configs_built_through_ours_are_what_nxdi_builds(llama
     assert out["kv_shapes"][targets[0]] == (BATCH + 1, 2, SEQ_LEN + length + SEQ_IDS_MASK_PAD, 16)
 
 
-def test_a_quantized_fused_models_draft_is_quantized_by_nxdi_into_what_nxdis_converted_draft_loads(llama, llama_draft, tmp_path):
-    """--quantization int8 with --speculative-method draft: NxDI's tracing converts the fused model's draft to quantized
-    linears too, so its weights (read from draft_model_path) must be a quantized state dict: the one NxDI's own
-    quantizer makes of the draft's checkpoint, through ours, holds every weight of the converted draft in its shape,
-    8-bit where the draft's linears are, the LM head (skipped) in full precision."""
-    out = speculation_job(tmp_path, "quantized", llama, "draft", llama_draft,
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_a_quantized_fused_models_draft_is_quantized_by_nxdi_into_what_nxdis_converted_draft_loads(llama, llama_draft, llama_eagle, tmp_path, method):
+    """--quantization int8 with --speculative-method draft or eagle: NxDI's tracing converts the fused model's draft to
+    quantized linears too, so its weights (read from draft_model_path) must be a quantized state dict: the one NxDI's
+    own quantizer makes of the draft's checkpoint (for EAGLE, of the draft directory written from the head, with its
+    fc added), through ours, holds every weight of the converted draft in its shape and dtype: 8-bit where the
+    draft's linears are, the LM head (skipped) and EAGLE's fc (not converted) in full precision."""
+    eagle = method == "eagle"
+    out = speculation_job(tmp_path, "quantized", llama, method, llama_eagle if eagle else llama_draft,
                           quantization={"quantization": "int8", "quantization_type": "per_channel", "quantization_skip": ["lm_head"]})
-    assert (out["draft_weights_missing"], out["draft_weights_misshapen"]) == ([], [])
-    assert out["draft_weight_dtypes"] == {"layers.0.mlp.down_proj.weight": ("torch.int8", "torch.int8")}
+    assert (out["draft_weights_missing"], out["draft_weights_misshapen"], out["draft_weights_of_another_dtype"]) == ([], [], [])
+    assert out["draft_weight_dtypes"]["layers.0.mlp.down_proj.weight"] == ("torch.int8", "torch.int8")
+    assert out["draft_weight_dtypes"]["lm_head.weight"] == ("torch.float32", "torch.float32")
+    if eagle:
+        assert out["draft_weight_dtypes"]["fc.weight"] == ("torch.float32", "torch.float32")
     assert pathlib.Path(out["draft_model_path"]).parent == tmp_path / "compiled" / "quantized"
 
 

@@ -133,8 +133,11 @@ def speculation_summary(job: dict) -> dict:
     wanted = {name: (tuple(p.shape), str(p.dtype)) for name, p in draft_model.named_parameters() if "past_key_values" not in name}
     summary["draft_weights_missing"] = sorted(set(wanted) - set(state))
     summary["draft_weights_misshapen"] = sorted(n for n in wanted if n in state and tuple(state[n].shape) != wanted[n][0])
-    summary["draft_weight_dtypes"] = {name: (dtype, str(state[name].dtype)) for name, (_, dtype) in wanted.items()
-                                      if name in state and name.endswith("down_proj.weight")}
+    summary["draft_weight_dtypes"] = {name: (dtype, str(state[name].dtype)) for name, (_, dtype) in wanted.items() if name in state}
+    # what loading would cast: an 8-bit parameter given another dtype, or a float one given 8 bits
+    eight_bit = ("torch.int8", "torch.float8_e4m3fn", "torch.float8_e5m2")
+    summary["draft_weights_of_another_dtype"] = sorted(n for n, (model_dtype, state_dtype) in summary["draft_weight_dtypes"].items()
+                                                       if (model_dtype in eight_bit) != (state_dtype in eight_bit))
     summary["draft_has_fc"] = hasattr(draft_model, "fc")
     summary["draft_input_norm"] = draft_model.layers[0].input_layernorm is not None
     return summary

@@ -97,7 +97,7 @@ def fused_spec_config(cls, config, options: NeuronOptions):
         raise ValueError(f"--draft-model {options.draft_model} is a {draft}: NxDI's fused speculation builds the draft with the model's own "
                          f"class (FusedSpecNeuronConfig.worker_cls), so it must be a {target}")
     # Quantized, the draft's weights are its own quantized state dict (made before the compile, ensure_quantized_draft).
-    weights = str(draft_quantized_path(options)) if options.quantization else checkpoint
+    weights = str(draft_quantized_path(options, checkpoint)) if options.quantization else checkpoint
     nxdi_config = import_nxdi("neuronx_distributed_inference.models.config")
     hf_adapter = import_nxdi("neuronx_distributed_inference.utils.hf_adapter")
     draft_config = cls.get_config_cls()(
@@ -176,12 +176,23 @@ def ensure_quantized(cls, options: NeuronOptions, config) -> None:
 
 def ensure_quantized_draft(cls, options: NeuronOptions, config) -> None:
     """With speculation, the draft's own quantized state dict, made as the target's is: NxDI converts a fused model's
-    draft to quantized linears with the target's settings and reads its weights from draft_model_path."""
-    if options.quantization and options.speculation:
+    draft to quantized linears with the target's settings and reads its weights from draft_model_path. For EAGLE, of
+    the draft directory written from the head (loaded as a Llama model, which has no fc: fc is added in full
+    precision, eagle_draft.add_fc)."""
+    if not (options.quantization and options.speculation):
+        return
+    from . import eagle_draft
+
+    if options.speculation == "eagle":
+        quantize_once(cls, options, str(eagle_draft.draft_directory(options)), config.fused_spec_config.draft_config,
+                      completes=lambda partial: eagle_draft.add_fc(options, partial))
+    else:
         quantize_once(cls, options, options.draft_model, config.fused_spec_config.draft_config)
 
 
-def quantize_once(cls, options: NeuronOptions, model_path: str, config) -> None:
+def quantize_once(cls, options: NeuronOptions, model_path: str, config, completes=None) -> None:
+    """cls.save_quantized_state_dict(model_path, config) into config's quantized_checkpoints_path, once (see
+    ensure_quantized); completes(partial directory), where given, runs on the result before it is installed."""
     neuron_config = config.neuron_config
     path = pathlib.Path(neuron_config.quantized_checkpoints_path)
     if artifacts.is_complete(path):
@@ -201,6 +212,8 @@ def quantize_once(cls, options: NeuronOptions, model_path: str, config) -> None:
                 cls.save_quantized_state_dict(model_path, config)
             finally:
                 neuron_config.quantized_checkpoints_path = str(path)
+            if completes is not None:
+                completes(partial)
         seconds = time.monotonic() - started
         record = {"nxdi": artifacts.nxdi_version(), "quantizer": artifacts.quantizer(), "model": model_path,
                   "quantization": options.quantization, "quantization_type": options.quantization_type,

@@ -126,13 +126,6 @@ class NeuronOptions:
         if self.extra.get("on_cpu"):
             # application_base.to_cpu, 0.4 to 0.9: "Speculation is not yet supported for CPU inference."
             raise ValueError("speculation is not supported in NxDI's CPU mode (on_cpu): to_cpu() raises for any speculation_length")
-        if self.quantization is not None and self.speculation == "eagle":
-            # NxDI converts a fused model's draft to quantized linears too (ModelWrapper: draft_model and target_model),
-            # so the draft's weights must be a quantized state dict, which save_quantized_state_dict makes by loading
-            # the checkpoint as a transformers model (load_hf_model): an EAGLE head's fc is not part of one.
-            raise ValueError(f"--quantization {self.quantization} with --speculative-method eagle on the neuron backend: NxDI quantizes the "
-                             "fused model's draft too, and its quantizer reads the draft as a transformers model, which has no EAGLE fc; "
-                             "use --speculative-method draft")
         if self.nxdi_async_mode:
             raise ValueError("NxDI's async_mode with fused speculation is not served: each fused step's tokens decide the next step's positions")
         # NeuronFusedSpecModel.forward tells a context encoding from a fused step by the input's width: more than one
@@ -321,12 +314,13 @@ def quantized_path(options: NeuronOptions) -> pathlib.Path:
     return compiled_root(options) / "quantized" / f"{name}-{options.quantization}-{options.quantization_type}-{key}"
 
 
-def draft_quantized_path(options: NeuronOptions) -> pathlib.Path:
-    """The draft's quantized state dict (quantized_path of the draft's checkpoint, the same settings): NxDI reads a
-    quantized fused model's draft weights from draft_model_path, so that is where it points."""
+def draft_quantized_path(options: NeuronOptions, checkpoint: str) -> pathlib.Path:
+    """The draft's quantized state dict (quantized_path of the draft's checkpoint, for EAGLE the draft directory
+    written from the head and the target, with the same settings): NxDI reads a quantized fused model's draft
+    weights from draft_model_path, so that is where it points."""
     import dataclasses
 
-    return quantized_path(dataclasses.replace(options, model=options.draft_model))
+    return quantized_path(dataclasses.replace(options, model=checkpoint))
 
 
 def compiled_path(options: NeuronOptions, nxdi_version: str | None = None) -> pathlib.Path:

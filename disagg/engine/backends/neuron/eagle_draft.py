@@ -77,20 +77,40 @@ def ensure_draft_directory(options: NeuronOptions) -> pathlib.Path:
 
 
 def write_draft(target: str, eagle: str, out: pathlib.Path) -> None:
-    """config.json and model.safetensors of NxDI's EAGLE draft: the head's tensors and the target's embeddings and head."""
+    """config.json and model.safetensors of NxDI's EAGLE draft: the head's tensors and the target's embeddings and head,
+    under a Llama checkpoint's names ("model." but for lm_head; NxDI's get_state_dict drops the prefix), so that
+    transformers loads it as a Llama model too (fc aside), as NxDI's quantizer does (load_hf_model)."""
     from safetensors.torch import save_file
 
-    from disagg.engine.speculation.eagle import load_eagle_head, read_eagle_config
+    from disagg.engine.speculation.eagle import read_eagle_config
 
-    head = load_eagle_head(eagle)
-    tensors = {name: t.detach().contiguous() for name, t in head.state_dict().items()}
+    tensors = {f"model.{name}": t for name, t in head_tensors(eagle).items()}
     embed, lm_head = target_embeddings(target)
-    tensors["embed_tokens.weight"], tensors["lm_head.weight"] = embed, lm_head
-    dtype = embed.dtype
-    save_file({name: t.to(dtype).contiguous() for name, t in tensors.items()}, str(out / "model.safetensors"))
+    tensors["model.embed_tokens.weight"], tensors["lm_head.weight"] = embed, lm_head
+    save_file({name: t.to(embed.dtype).contiguous() for name, t in tensors.items()}, str(out / "model.safetensors"))
     config = read_eagle_config(eagle).to_dict()
-    config.update(architectures=[EAGLE_ARCHITECTURE], model_type="llama", tie_word_embeddings=False, fc_bias="fc.bias" in tensors)
+    config.update(architectures=[EAGLE_ARCHITECTURE], model_type="llama", tie_word_embeddings=False, fc_bias="model.fc.bias" in tensors)
     (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def head_tensors(eagle: str) -> dict:
+    """The EAGLE head's own tensors (fc and the layers), by their names in the head's checkpoint."""
+    from disagg.engine.speculation.eagle import load_eagle_head
+
+    return {name: t.detach().contiguous() for name, t in load_eagle_head(eagle).state_dict().items()}
+
+
+def add_fc(options: NeuronOptions, quantized: pathlib.Path) -> None:
+    """NxDI's quantizer makes the EAGLE draft's quantized state dict from the draft directory loaded as a Llama model,
+    which has no fc; NxD's conversion leaves the draft's fc in full precision (it is not one of the linears it
+    converts), so fc goes into that state dict as it is (in the directory's model.safetensors)."""
+    from safetensors.torch import load_file, save_file
+
+    path = quantized / "model.safetensors"
+    state = load_file(str(path))
+    dtype = state["embed_tokens.weight"].dtype
+    state.update({name: t.to(dtype) for name, t in head_tensors(options.draft_model).items() if name.startswith("fc.")})
+    save_file(state, str(path))
 
 
 def target_embeddings(target: str):

@@ -121,8 +121,7 @@ class EagleFusedSpec:
         draft_nc = self.config.fused_spec_config.draft_config.neuron_config
         if not getattr(draft_nc, "is_eagle_draft", False) or getattr(nc, "is_eagle3", False) or getattr(nc, "enable_token_tree", False):
             raise NotImplementedError("the stand-in runs EAGLE v1 (flat) with a draft config marked is_eagle_draft")
-        self.draft_hf = EagleDraft(self.config.fused_spec_config.draft_model_path, bool(getattr(draft_nc, "enable_eagle_draft_input_norm", False)),
-                                   self.dtype).eval()
+        self.draft_hf = EagleDraft(self._draft_checkpoint(), bool(getattr(draft_nc, "enable_eagle_draft_input_norm", False)), self.dtype).eval()
         if self.draft_hf.config.hidden_size != self.hf.config.hidden_size:
             raise ValueError(f"the EAGLE draft is {self.draft_hf.config.hidden_size} wide, the target {self.hf.config.hidden_size}")
         self.hidden_buffer = HiddenStateRollingBuffer(nc.max_batch_size, nc.speculation_length * 2, self.hf.config.hidden_size, self.dtype,

@@ -351,6 +351,9 @@ class StandInCausalLM(EagleFusedSpec):
         if not weights or unscaled:
             raise RuntimeError(f"the quantized draft's weights at {fused.draft_model_path} have no scale for {(unscaled or ['any linear'])[0]}: "
                                "NxDI converts a fused model's draft with the target's quantization")
+        if getattr(self.neuron_config, "enable_eagle_speculation", False) and (state.get("fc.weight") is None or state["fc.weight"].dtype == torch.int8):
+            raise RuntimeError(f"the quantized EAGLE draft's weights at {fused.draft_model_path} have no full-precision fc.weight "
+                               "(NxD's conversion leaves the EAGLE draft's fc unconverted)")
         return fused.draft_config._name_or_path
 
     @property
