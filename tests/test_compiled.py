@@ -24,6 +24,7 @@ def test_compiled_bucketed_decode_equals_generate(architecture, device):
         "torch", model=tiny_model(architecture), dtype="float32", device=device, max_seq_len=128, compile=True,
         batch_buckets=(2, 4, 6), token_buckets=(32, 64, 128),
     )
+    torch._dynamo.reset()  # an earlier test's compile of the same model code would be reused: counted from none
     graphs = counters["stats"]["unique_graphs"]
     backend.allocate_slots(6)
     # Every bucket is a shape of one graph, the last KV-length bucket (the cache's whole length) too.

@@ -96,14 +96,15 @@ def decode_in_process(backend, speculation, cases, max_batch: int = 8, method: s
     loop = DecodeLoop(backend, publish, on_retired, async_mode=True, speculation=config, proposer=proposer)
     loop.start()
     for i, (ids, sampling, max_new) in enumerate(cases):
-        table = case_table(backend, len(cases), i)
+        table = case_table(backend, len(cases), i) if backend.paged else [i]  # a slot cache: slot i is block i
         result = backend.prefill(ids, sampling)
         for layer, (k, v) in enumerate(result.layers):
             backend.write_kv(table, layer, KvKind.KEY, 0, k)
             backend.write_kv(table, layer, KvKind.VALUE, 0, v)
         out[str(i)] = [result.first_token]
         rows = row_speculation(config, i, tuple(ids), result.first_token)
-        loop.admit(Sequence(str(i), i, len(ids), result.first_token, sampling, Stopping(max_new), table=tuple(table), speculation=rows))
+        loop.admit(Sequence(str(i), i, len(ids), result.first_token, sampling, Stopping(max_new), table=tuple(table) if backend.paged else (),
+                            speculation=rows))
     assert done.wait(300), "the batch did not finish"
     loop.stop()
     return {int(key): tokens for key, tokens in out.items()}, loop.stats
@@ -182,6 +183,33 @@ def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(archit
             assert all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a, b.view(torch.uint8) if b.dtype != torch.float32 else b)
                        for a, b in zip(before, after)), f"sequence {i}: its 8-bit blocks differ with guesses"
         return  # generate() reads no 8-bit cache: the run without guesses is the reference
+    for i, (ids, sampling, n) in enumerate(cases):
+        if sampling == Sampling():
+            assert plain[i] == ref.greedy(ids, n, ignore_eos=True), i
+
+
+def test_the_compiled_step_scores_guesses_and_changes_no_token():
+    """--compile with speculation: the compiled step's verify graph (a sequence's guesses as rows of their own, each
+    row reading its slot) over rows buckets, greedy, seeded sampled and penalized rows in a batch: the same tokens as
+    the compiled step without guesses, greedy ones generate()'s, guesses kept."""
+    from conftest import reference, tiny_model
+
+    from disagg.engine.backends import load_backend
+    from disagg.engine.requests import Sampling
+
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=256, compile=True, batch_buckets=(4, 8),
+                           token_buckets=(128, 256), verify_rows=8 * (1 + GUESSES))
+    backend.allocate_slots(8)
+    assert backend.compiled is not None and backend.scores_guesses and backend.compiled.verify_buckets == (2, 4, 8, 16, 32, 40)
+    text = paragraphs()
+    samplings = [Sampling(), Sampling(temperature=0.8, seed=31), Sampling(repetition_penalty=1.3), Sampling(), Sampling(temperature=1.0, top_p=0.9, seed=32)]
+    cases = [(ref.ids(text[3 * i % len(text)] + " " + " ".join(text[3 * i % len(text)].split()[:4])), sampling, 40 + 5 * i)
+             for i, sampling in enumerate(samplings)]
+    plain, _ = decode_in_process(backend, None, cases)
+    speculated, stats = decode_in_process(backend, GUESSES, cases)
+    assert speculated == plain
+    assert stats.accepted_tokens >= 20 and stats.accepted_tokens < stats.proposed_tokens
     for i, (ids, sampling, n) in enumerate(cases):
         if sampling == Sampling():
             assert plain[i] == ref.greedy(ids, n, ignore_eos=True), i
@@ -288,7 +316,8 @@ def test_an_eagle_checkpoint_that_does_not_fit_is_refused_at_start_up_naming_wha
 
 
 def test_a_step_that_takes_one_row_a_sequence_is_refused_for_speculation():
-    """The compiled step (chosen by default on CUDA, not by --compile alone) is refused after it loads, in one line."""
+    """The compiled step without a verify graph (chosen by default on CUDA, not by --compile alone, which builds one)
+    is refused after it loads, in one line."""
     from conftest import tiny_model
 
     from decode_worker.grpc_edge import refuse_unless_scores_guesses
@@ -297,8 +326,8 @@ def test_a_step_that_takes_one_row_a_sequence_is_refused_for_speculation():
     compiled = load_backend("torch", model=tiny_model("llama"), dtype="float32", torch={"compile": True})  # compiles only when slots are allocated
     with pytest.raises(SystemExit) as refused:
         refuse_unless_scores_guesses(compiled, "the model's")
-    expected = ("decode_worker: --speculative-method: the model's TorchBackend step does not score guesses: its compiled step takes one row "
-                "a sequence (run it with --no-compile)")
+    expected = ("decode_worker: --speculative-method: the model's TorchBackend step does not score guesses: its compiled step was built "
+                "without a verify graph (verify_rows 0)")
     assert str(refused.value) == expected
     refuse_unless_scores_guesses(load_backend("torch", model=tiny_model("llama"), dtype="float32"), "the model's")  # eager: served
     # Over an 8-bit KV cache only the native step undoes a rejected guess's append: transformers' modules are refused.
@@ -518,16 +547,21 @@ def test_a_mixed_batch_gets_what_each_request_gets_alone(speculating_cluster, ll
 
 
 def test_speculation_and_an_8_bit_kv_cache_run_eagerly_unless_compile_is_asked_for():
-    """CUDA's default is the compiled step, which takes one row a sequence in one slot each: speculation and an
-    8-bit KV cache make the default eager (as vLLM falls back), and --compile with either is refused."""
+    """CUDA's default is the compiled step, in one slot a sequence: speculation and an 8-bit KV cache make the default
+    eager (as vLLM falls back); --compile with ngram or draft builds the verify graph for guesses (its rows: at most
+    max_batch sequences, each its input and its guesses), with eagle it is refused."""
     from decode_worker.config import DecodeWorkerConfig
+    from decode_worker.grpc_edge import backend_options
 
     assert DecodeWorkerConfig(model="m").compile_choice() is None  # the backend's default: compiled on CUDA only
     assert DecodeWorkerConfig(model="m", compile=True).compile_choice() is True
     assert DecodeWorkerConfig(model="m", speculative_method="ngram").compile_choice() is False
     assert DecodeWorkerConfig(model="m", kv_cache_dtype="fp8").compile_choice() is False
-    with pytest.raises(ValueError, match="--speculative-method with --compile is not served yet"):
-        DecodeWorkerConfig(model="m", speculative_method="ngram", compile=True)
+    assert DecodeWorkerConfig(model="m", speculative_method="ngram").verify_rows() == 0
+    compiled = DecodeWorkerConfig(model="m", speculative_method="ngram", num_speculative_tokens=6, compile=True)
+    assert compiled.verify_rows() == 8 * 7 and backend_options(compiled)["torch"]["verify_rows"] == 8 * 7
+    with pytest.raises(ValueError, match="--speculative-method eagle with --compile is not served yet"):
+        DecodeWorkerConfig(model="m", speculative_method="eagle", draft_model="e", compile=True)
 
 
 def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_line():
@@ -539,7 +573,7 @@ def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_li
         (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-method"),
         (["--speculative-method", "draft"], "--speculative-method draft needs --draft-model"),
         (["--speculative-method", "ngram", "--draft-model", "d"], "--draft-model is for --speculative-method draft or eagle, not ngram"),
-        (["--speculative-method", "ngram", "--compile"], "--speculative-method with --compile is not served yet"),
+        (["--speculative-method", "eagle", "--draft-model", "e", "--compile"], "--speculative-method eagle with --compile is not served yet"),
     ]:
         with pytest.raises(SystemExit) as refused:
             main(["--model", "unused", *flags])

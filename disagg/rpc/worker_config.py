@@ -49,8 +49,9 @@ class WorkerConfig:
 
     def compile_choice(self) -> bool | None:
         """--compile as the torch backend takes it: given, or None (its default: compiled on CUDA), except that
-        speculation and an 8-bit KV cache run eagerly unless --compile is given (then refused): the compiled step
-        keeps one slot of every position per sequence and takes one row a sequence, as vLLM's eager fallbacks."""
+        speculation and an 8-bit KV cache run eagerly unless --compile is given: the compiled step keeps one slot of
+        every position per sequence (an 8-bit cache is then refused), and its verify graph for guesses is built only
+        where asked for (measured on CPU only, where eager is the default anyway)."""
         if self.compile is None and (self.speculative_method is not None or self.kv_cache_dtype is not None):
             return False
         return self.compile
@@ -76,9 +77,18 @@ class WorkerConfig:
             return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
         if self.backend != "torch":
             raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not {self.backend} (yet)")
-        if self.compile:
-            raise ValueError("--speculative-method with --compile is not served yet: the compiled step takes one row a sequence")
+        if self.compile and self.speculative_method == "eagle":
+            raise ValueError("--speculative-method eagle with --compile is not served yet: the EAGLE head reads each step's hidden states, "
+                             "which the compiled step does not return (ngram and draft are served compiled)")
         return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+
+    def verify_rows(self) -> int:
+        """With --compile and speculation, the most rows a step with guesses has (at most max_batch sequences guess, each
+        its input and its guesses): the compiled verify graph's last rows bucket; 0 otherwise."""
+        spec = self.speculation()
+        if spec is None or not self.compile or self.backend != "torch":
+            return 0
+        return spec.max_batch * (1 + spec.num_tokens)
 
     def neuron_speculation_options(self) -> dict:
         """The neuron backend's speculation fields (NeuronOptions: NxDI's fused speculation), the same on both workers:

@@ -8,6 +8,11 @@ on CUDA, each bucket is also captured as a CUDA graph and replayed). The model c
 stays transformers' own: the graph is the model's forward over
 `BucketDecodeCache`, attention and masks included.
 
+A verify step (speculation: a sequence's input and its guesses as rows of their
+own, at consecutive positions of its slot) runs a second graph over row buckets
+(`verify_logits`): the same model over a gather of each row's slot rather than a
+view of the first slots, every row's K/V written before any row attends.
+
 Every bucket runs once at start-up (`warm_up`), before the worker says
 SERVING. Inductor's caches live on disk (`TORCHINDUCTOR_CACHE_DIR`, by default
 under ~/.cache/disagg), so a restart loads the compiled code instead of
@@ -88,7 +93,7 @@ class CompiledDecode:
 
     def __init__(
         self, model, plans: list[LayerPlan], cache: PagedKvCache, num_slots: int,
-        batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...], max_seq_len: int,
+        batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...], max_seq_len: int, verify_rows: int = 0,
     ):
         self.model, self.plans, self.cache = model, plans, cache
         self.scratch_slot = num_slots  # the cache holds one slot more than the worker hands out
@@ -104,12 +109,20 @@ class CompiledDecode:
         # (tests build several) adds its own; a worker has one.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._graph = torch.compile(self._forward, fullgraph=True, dynamic=True)
+        # Verify steps: rows buckets up to verify_rows (the most rows a step with guesses has), from 2 (an input and a guess).
+        self.verify_buckets = powers_of_two(2, max(2, verify_rows)) if verify_rows else ()
+        self._verify_graph = torch.compile(self._verify_forward, fullgraph=True, dynamic=True) if verify_rows else None
         # On CUDA, one CUDA graph per bucket, captured at warm-up and replayed from any
         # thread (the decode loop's device thread is not the one that warms up).
-        self._cuda_graphs: dict[tuple[int, int], _BucketGraph] | None = {} if device.type == "cuda" else None
+        self._cuda_graphs: dict[tuple, _BucketGraph] | None = {} if device.type == "cuda" else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
         step = BucketStep(positions, write_slots, kv_positions.shape[0])
+        out = self.model(input_ids[:, None], position_ids=positions[:, None], past_key_values=BucketDecodeCache(self.plans, self.cache, step), use_cache=True)
+        return out.logits[:, -1]
+
+    def _verify_forward(self, input_ids, positions, write_slots, read_slots, kv_positions) -> torch.Tensor:
+        step = BucketStep(positions, write_slots, kv_positions.shape[0], read_slots)
         out = self.model(input_ids[:, None], position_ids=positions[:, None], past_key_values=BucketDecodeCache(self.plans, self.cache, step), use_cache=True)
         return out.logits[:, -1]
 
@@ -139,6 +152,18 @@ class CompiledDecode:
             else:
                 self._cuda_graphs[rows, kv_len] = _BucketGraph(self._graph, inputs, pool)
             log.info("compiled decode bucket %d/%d (batch %d, KV length %d) at %.1fs", done, len(shapes), rows, kv_len, time.perf_counter() - started)
+        verify_shapes = [(r, k) for r in self.verify_buckets for k in self.token_buckets]
+        for done, (rows, kv_len) in enumerate(verify_shapes, 1):
+            scratch = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device)
+            inputs = (torch.zeros(rows, dtype=torch.long, device=device), torch.zeros(rows, dtype=torch.long, device=device), scratch, scratch.clone(),
+                      self._kv_positions[:kv_len])
+            for rows_dim in inputs[:4]:
+                torch._dynamo.mark_dynamic(rows_dim, 0)
+            if self._cuda_graphs is None:
+                self._verify_graph(*inputs)
+            else:
+                self._cuda_graphs["verify", rows, kv_len] = _BucketGraph(self._verify_graph, inputs, pool)
+            log.info("compiled verify bucket %d/%d (rows %d, KV length %d) at %.1fs", done, len(verify_shapes), rows, kv_len, time.perf_counter() - started)
         return time.perf_counter() - started
 
     def logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -156,6 +181,26 @@ class CompiledDecode:
         return self._graph(padded_ids, padded_positions, write_slots, kv_positions)[slots]
 
 
+    def verify_logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[n, vocab] for a verify step's n rows (a sequence's rows its slot each, at consecutive positions, in order):
+        padded to a rows bucket, padding rows writing and reading the scratch slot."""
+        n = slots.shape[0]
+        if not self.verify_buckets or n > self.verify_buckets[-1]:
+            raise ValueError(f"a verify step of {n} rows: the compiled step scores at most {self.verify_buckets[-1] if self.verify_buckets else 0}")
+        device = self._kv_positions.device
+        rows = bucket_for(self.verify_buckets, n)
+        slot_rows = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device)
+        slot_rows[:n] = slots.to(device)
+        padded_positions = torch.zeros(rows, dtype=torch.long, device=device)
+        padded_positions[:n] = positions.to(device)
+        padded_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        padded_ids[:n] = input_ids.to(device)
+        kv_positions = self._kv_positions[: bucket_for(self.token_buckets, kv_len)]
+        if self._cuda_graphs is not None:
+            return self._cuda_graphs["verify", rows, kv_positions.shape[0]].replay(padded_ids, padded_positions, slot_rows, slot_rows)[:n]
+        return self._verify_graph(padded_ids, padded_positions, slot_rows, slot_rows, kv_positions)[:n]
+
+
 class _BucketGraph:
     """One bucket's step captured as a CUDA graph: static inputs copied in, replayed, static logits out."""
 
@@ -171,8 +216,9 @@ class _BucketGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = step(*inputs)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
-        for static, value in zip(self.inputs, (input_ids, positions, write_slots)):
+    def replay(self, *values: torch.Tensor) -> torch.Tensor:
+        """values: the step's tensors, as the graph's first inputs (the KV-length bucket's positions stay as captured)."""
+        for static, value in zip(self.inputs, values):
             static.copy_(value)
         self.graph.replay()
         return self.logits  # overwritten by the next replay: the caller indexes a copy out at once

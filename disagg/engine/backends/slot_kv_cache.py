@@ -324,6 +324,9 @@ class BucketStep:
     positions: torch.Tensor  # [batch]: where each row's input token goes (0 on a padding row)
     write_slots: torch.Tensor  # [batch]: the row's own slot, or the scratch slot
     kv_len: int  # the KV-length bucket (a symbolic size when compiled)
+    # A verify step (compiled.CompiledDecode.verify_logits): row i reads slot read_slots[i], a sequence's rows its
+    # slot each (its input and its guesses at consecutive positions); None: row i is slot i.
+    read_slots: torch.Tensor | None = None
 
 
 class _BucketLayer(_Layer):
@@ -338,6 +341,10 @@ class _BucketLayer(_Layer):
         where = (step.write_slots[:, None], heads[None, :], step.positions[:, None])  # [batch, kv_heads]
         self.keys.index_put_(where, key_states[:, :, 0])
         self.values.index_put_(where, value_states[:, :, 0])
+        if step.read_slots is not None:
+            # Every row's K/V is written above before any row reads: a guess's row sees the rows before it of its
+            # sequence (its own mask keeps it from the ones after).
+            return self.keys[:, :, : step.kv_len].index_select(0, step.read_slots), self.values[:, :, : step.kv_len].index_select(0, step.read_slots)
         rows = key_states.shape[0]
         # A view, never a gather: the rows are the slots [0, batch).
         return self.keys[:rows, :, : step.kv_len], self.values[:rows, :, : step.kv_len]

@@ -54,6 +54,9 @@ class TorchBackendConfig:
     compile: bool | None = False
     batch_buckets: tuple[int, ...] = ()  # () with compile: powers of two up to the slot count
     token_buckets: tuple[int, ...] = ()  # KV-length buckets; (): powers of two from 128 up to max_seq_len
+    # With compile: the most rows a verify step (speculation's guesses as rows of their own) has, its graph's last rows
+    # bucket; 0: no verify graph, and the compiled step scores no guesses.
+    verify_rows: int = 0
     # Linear weights laid out for few-row products (`packed_linear`). None: on CPU.
     prepack: bool | None = None
     # Eager decode steps and prefills of up to native_step.prefill_max_rows rows as one call into native_step.c.
@@ -379,12 +382,12 @@ class TorchBackend(Backend):
 
     @property
     def scores_guesses(self) -> bool:
-        """The eager steps (native, in-place attention, transformers' modules) do; the compiled step takes one row a
-        sequence. Over an 8-bit KV cache only the native step does: its verify rows write and attend in turn, and a
-        rejected guess's append is undone (a scale it grew would change the kept lines' codes); before the slots
-        exist, where it may run."""
+        """The eager steps (native, in-place attention, transformers' modules) do; the compiled step does where it has
+        a verify graph (verify_rows). Over an 8-bit KV cache only the native step does: its verify rows write and
+        attend in turn, and a rejected guess's append is undone (a scale it grew would change the kept lines' codes);
+        before the slots exist, where it may run."""
         if self.compile:
-            return False
+            return self.config.verify_rows > 0
         if self.kv_quantization is None:
             return True
         return self.native is not None if self.cache is not None else self.native_model is not None
@@ -394,7 +397,7 @@ class TorchBackend(Backend):
         if self.scores_guesses:
             return None
         if self.compile:
-            return "its compiled step takes one row a sequence (run it with --no-compile)"
+            return "its compiled step was built without a verify graph (verify_rows 0)"
         return (f"over its {self.config.kv_cache_dtype} KV cache only the native step (native_step.c) scores guesses, "
                 "and it does not serve this model here")
 
@@ -430,9 +433,11 @@ class TorchBackend(Backend):
         self.token_counts = SlotTokenCounts(num_slots, info.vocab_size, self.device)  # penalties: 5 bytes per slot and vocabulary entry
         if self.compile:
             self.compiled = CompiledDecode(
-                self.model, self.plans, self.cache, num_slots, self.config.batch_buckets, self.config.token_buckets, info.max_seq_len
+                self.model, self.plans, self.cache, num_slots, self.config.batch_buckets, self.config.token_buckets, info.max_seq_len,
+                self.config.verify_rows,
             )
-            log.info("compiling the decode step: batch buckets %s, KV-length buckets %s", list(self.compiled.batch_buckets), list(self.compiled.token_buckets))
+            log.info("compiling the decode step: batch buckets %s, KV-length buckets %s, verify rows buckets %s", list(self.compiled.batch_buckets),
+                     list(self.compiled.token_buckets), list(self.compiled.verify_buckets))
             seconds = self.compiled.warm_up()
             log.info("decode step compiled in %.1fs", seconds)
             self._check_compiled_equals_eager(num_slots)
@@ -622,6 +627,8 @@ class TorchBackend(Backend):
         """[n, vocab]: the next-token logits of one step over the active slots (with keep_hidden, the rows'
         final hidden states in step_hidden)."""
         if self.compiled is not None:
+            if inputs.guess_index is not None:  # a sequence's guesses as rows of their own
+                return self.compiled.verify_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
             return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
         if self.native is not None:
             hidden = [] if self.keep_hidden else None
