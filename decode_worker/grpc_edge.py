@@ -129,7 +129,8 @@ def backend_options(config) -> dict:
     neuron = {**config.neuron, "async_mode": config.async_mode, **config.quantization_options(), **config.neuron_speculation_options()}
     torch_options = dict(
         compile=config.compile_choice(), prepack=config.prepack, native_step=config.native_step, share_weights=config.share_weights,
-        batch_buckets=config.batch_buckets, token_buckets=config.token_buckets, verify_rows=config.verify_rows(), **config.quantization_options(),
+        batch_buckets=config.batch_buckets, token_buckets=config.token_buckets, verify_rows=config.verify_rows(),
+        step_hidden=config.speculative_method == "eagle", **config.quantization_options(),
         **config.kv_cache_options(config.block_size),
     )
     return dict(

@@ -188,26 +188,30 @@ def test_speculation_changes_no_token_greedy_seeded_or_sampled_in_a_batch(archit
             assert plain[i] == ref.greedy(ids, n, ignore_eos=True), i
 
 
-def test_the_compiled_step_scores_guesses_and_changes_no_token():
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_the_compiled_step_scores_guesses_and_changes_no_token(method):
     """--compile with speculation: the compiled step's verify graph (a sequence's guesses as rows of their own, each
     row reading its slot) over rows buckets, greedy, seeded sampled and penalized rows in a batch: the same tokens as
-    the compiled step without guesses, greedy ones generate()'s, guesses kept."""
-    from conftest import reference, tiny_model
+    the compiled step without guesses, greedy ones generate()'s, guesses kept; for EAGLE the graphs return each row's
+    final hidden states too (checked against the eager step's at start-up), which the head reads."""
+    from conftest import eagle_head, reference, tiny_model
 
     from disagg.engine.backends import load_backend
     from disagg.engine.requests import Sampling
+    from disagg.engine.speculation.eagle import EagleProposer, load_eagle_head
 
     ref = reference("llama")
     backend = load_backend("torch", model=tiny_model("llama"), dtype="float32", max_seq_len=256, compile=True, batch_buckets=(4, 8),
-                           token_buckets=(128, 256), verify_rows=8 * (1 + GUESSES))
+                           token_buckets=(128, 256), verify_rows=8 * (1 + GUESSES), step_hidden=method == "eagle")
     backend.allocate_slots(8)
+    proposer = EagleProposer(backend, load_eagle_head(eagle_head("llama")), 8) if method == "eagle" else None
     assert backend.compiled is not None and backend.scores_guesses and backend.compiled.verify_buckets == (2, 4, 8, 16, 32, 40)
     text = paragraphs()
     samplings = [Sampling(), Sampling(temperature=0.8, seed=31), Sampling(repetition_penalty=1.3), Sampling(), Sampling(temperature=1.0, top_p=0.9, seed=32)]
     cases = [(ref.ids(text[3 * i % len(text)] + " " + " ".join(text[3 * i % len(text)].split()[:4])), sampling, 40 + 5 * i)
              for i, sampling in enumerate(samplings)]
     plain, _ = decode_in_process(backend, None, cases)
-    speculated, stats = decode_in_process(backend, GUESSES, cases)
+    speculated, stats = decode_in_process(backend, GUESSES, cases, method=method, proposer=proposer)
     assert speculated == plain
     assert stats.accepted_tokens >= 20 and stats.accepted_tokens < stats.proposed_tokens
     for i, (ids, sampling, n) in enumerate(cases):
@@ -548,8 +552,8 @@ def test_a_mixed_batch_gets_what_each_request_gets_alone(speculating_cluster, ll
 
 def test_speculation_and_an_8_bit_kv_cache_run_eagerly_unless_compile_is_asked_for():
     """CUDA's default is the compiled step, in one slot a sequence: speculation and an 8-bit KV cache make the default
-    eager (as vLLM falls back); --compile with ngram or draft builds the verify graph for guesses (its rows: at most
-    max_batch sequences, each its input and its guesses), with eagle it is refused."""
+    eager (as vLLM falls back); --compile builds the verify graph for guesses (its rows: at most max_batch sequences,
+    each its input and its guesses), and for eagle graphs that return the rows' hidden states too."""
     from decode_worker.config import DecodeWorkerConfig
     from decode_worker.grpc_edge import backend_options
 
@@ -560,8 +564,8 @@ def test_speculation_and_an_8_bit_kv_cache_run_eagerly_unless_compile_is_asked_f
     assert DecodeWorkerConfig(model="m", speculative_method="ngram").verify_rows() == 0
     compiled = DecodeWorkerConfig(model="m", speculative_method="ngram", num_speculative_tokens=6, compile=True)
     assert compiled.verify_rows() == 8 * 7 and backend_options(compiled)["torch"]["verify_rows"] == 8 * 7
-    with pytest.raises(ValueError, match="--speculative-method eagle with --compile is not served yet"):
-        DecodeWorkerConfig(model="m", speculative_method="eagle", draft_model="e", compile=True)
+    eagle = DecodeWorkerConfig(model="m", speculative_method="eagle", draft_model="e", compile=True)
+    assert backend_options(eagle)["torch"]["step_hidden"] and not backend_options(compiled)["torch"]["step_hidden"]
 
 
 def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_line():
@@ -573,7 +577,6 @@ def test_a_speculation_setting_out_of_range_or_not_served_is_refused_with_one_li
         (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-method"),
         (["--speculative-method", "draft"], "--speculative-method draft needs --draft-model"),
         (["--speculative-method", "ngram", "--draft-model", "d"], "--draft-model is for --speculative-method draft or eagle, not ngram"),
-        (["--speculative-method", "eagle", "--draft-model", "e", "--compile"], "--speculative-method eagle with --compile is not served yet"),
     ]:
         with pytest.raises(SystemExit) as refused:
             main(["--model", "unused", *flags])

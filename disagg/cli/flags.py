@@ -117,7 +117,7 @@ def add_torch_backend_flags(compiled: argparse._ArgumentGroup) -> None:
         help="run the decode step as one compiled graph over buckets (torch.compile, and a CUDA "
              "graph per bucket on CUDA), compiled at start-up and cached on disk; "
         "--no-compile runs it eagerly (default: compiled on CUDA, but eager there too with --speculative-method or --kv-cache-dtype: "
-        "the compiled step's one slot a sequence does not serve an 8-bit cache, and its verify graph for guesses (ngram, draft) is "
+        "the compiled step's one slot a sequence does not serve an 8-bit cache, and its verify graph for guesses is "
         "built only with --compile given; eager on CPU, where compiling every bucket takes "
         "many minutes: docs/benchmarks.md, other figures)",
     )

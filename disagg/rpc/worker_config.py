@@ -77,9 +77,6 @@ class WorkerConfig:
             return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
         if self.backend != "torch":
             raise ValueError(f"--speculative-method {self.speculative_method} is served by the torch backend only, not {self.backend} (yet)")
-        if self.compile and self.speculative_method == "eagle":
-            raise ValueError("--speculative-method eagle with --compile is not served yet: the EAGLE head reads each step's hidden states, "
-                             "which the compiled step does not return (ngram and draft are served compiled)")
         return SpeculationConfig(self.speculative_method, self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
 
     def verify_rows(self) -> int:

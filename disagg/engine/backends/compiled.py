@@ -93,9 +93,12 @@ class CompiledDecode:
 
     def __init__(
         self, model, plans: list[LayerPlan], cache: PagedKvCache, num_slots: int,
-        batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...], max_seq_len: int, verify_rows: int = 0,
+        batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...], max_seq_len: int, verify_rows: int = 0, hidden: bool = False,
     ):
         self.model, self.plans, self.cache = model, plans, cache
+        # Whether the graphs also return each row's final hidden states (after the final norm: what the LM head
+        # multiplies; EAGLE's head reads them): (logits, hidden) then, else logits.
+        self.hidden = hidden
         self.scratch_slot = num_slots  # the cache holds one slot more than the worker hands out
         assert cache.keys[0].shape[0] == num_slots + 1, "allocate the scratch slot"
         device = cache.keys[0].device
@@ -116,15 +119,21 @@ class CompiledDecode:
         # thread (the decode loop's device thread is not the one that warms up).
         self._cuda_graphs: dict[tuple, _BucketGraph] | None = {} if device.type == "cuda" else None
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
-        step = BucketStep(positions, write_slots, kv_positions.shape[0])
-        out = self.model(input_ids[:, None], position_ids=positions[:, None], past_key_values=BucketDecodeCache(self.plans, self.cache, step), use_cache=True)
-        return out.logits[:, -1]
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv_positions: torch.Tensor):
+        return self._run(input_ids, positions, BucketStep(positions, write_slots, kv_positions.shape[0]))
 
-    def _verify_forward(self, input_ids, positions, write_slots, read_slots, kv_positions) -> torch.Tensor:
-        step = BucketStep(positions, write_slots, kv_positions.shape[0], read_slots)
-        out = self.model(input_ids[:, None], position_ids=positions[:, None], past_key_values=BucketDecodeCache(self.plans, self.cache, step), use_cache=True)
-        return out.logits[:, -1]
+    def _verify_forward(self, input_ids, positions, write_slots, read_slots, kv_positions):
+        return self._run(input_ids, positions, BucketStep(positions, write_slots, kv_positions.shape[0], read_slots))
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: BucketStep):
+        cache = BucketDecodeCache(self.plans, self.cache, step)
+        if not self.hidden:
+            return self.model(input_ids[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        # The decoder's last hidden state is its final norm's output (what the eager step's norm hook reads), and the LM
+        # head over it the logits (transformers' output_hidden_states installs hooks under a lock, which Dynamo cannot
+        # trace; a model whose logits are more than its LM head's product fails the start-up check against eager).
+        hidden = self.model.model(input_ids[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+        return self.model.lm_head(hidden), hidden
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -166,9 +175,9 @@ class CompiledDecode:
             log.info("compiled verify bucket %d/%d (rows %d, KV length %d) at %.1fs", done, len(verify_shapes), rows, kv_len, time.perf_counter() - started)
         return time.perf_counter() - started
 
-    def logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """[n, vocab] for the n decoding rows (slots ascending): the step runs over
-        the batch bucket holding the highest slot, then keeps the decoding rows."""
+    def logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int):
+        """[n, vocab] for the n decoding rows (slots ascending), with hidden also their final hidden states [n, width]:
+        the step runs over the batch bucket holding the highest slot, then keeps the decoding rows."""
         device = self._kv_positions.device
         rows = bucket_for(self.batch_buckets, int(slots[-1]) + 1)  # on the host: no device sync
         slots = slots.to(device)
@@ -177,12 +186,12 @@ class CompiledDecode:
         write_slots = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device).index_copy_(0, slots, slots)
         kv_positions = self._kv_positions[: bucket_for(self.token_buckets, kv_len)]
         if self._cuda_graphs is not None:
-            return self._cuda_graphs[rows, kv_positions.shape[0]].replay(padded_ids, padded_positions, write_slots)[slots]
-        return self._graph(padded_ids, padded_positions, write_slots, kv_positions)[slots]
+            return _rows(self._cuda_graphs[rows, kv_positions.shape[0]].replay(padded_ids, padded_positions, write_slots), slots)
+        return _rows(self._graph(padded_ids, padded_positions, write_slots, kv_positions), slots)
 
 
-    def verify_logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """[n, vocab] for a verify step's n rows (a sequence's rows its slot each, at consecutive positions, in order):
+    def verify_logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int):
+        """[n, vocab] (with hidden, and [n, width]) for a verify step's n rows (a sequence's rows its slot each, at consecutive positions, in order):
         padded to a rows bucket, padding rows writing and reading the scratch slot."""
         n = slots.shape[0]
         if not self.verify_buckets or n > self.verify_buckets[-1]:
@@ -197,8 +206,13 @@ class CompiledDecode:
         padded_ids[:n] = input_ids.to(device)
         kv_positions = self._kv_positions[: bucket_for(self.token_buckets, kv_len)]
         if self._cuda_graphs is not None:
-            return self._cuda_graphs["verify", rows, kv_positions.shape[0]].replay(padded_ids, padded_positions, slot_rows, slot_rows)[:n]
-        return self._verify_graph(padded_ids, padded_positions, slot_rows, slot_rows, kv_positions)[:n]
+            return _rows(self._cuda_graphs["verify", rows, kv_positions.shape[0]].replay(padded_ids, padded_positions, slot_rows, slot_rows), slice(0, n))
+        return _rows(self._verify_graph(padded_ids, padded_positions, slot_rows, slot_rows, kv_positions), slice(0, n))
+
+
+def _rows(out, index):
+    """The decoding rows of a graph's output: logits, or (logits, hidden)."""
+    return tuple(t[index] for t in out) if isinstance(out, tuple) else out[index]
 
 
 class _BucketGraph:

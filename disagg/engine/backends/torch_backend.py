@@ -57,6 +57,8 @@ class TorchBackendConfig:
     # With compile: the most rows a verify step (speculation's guesses as rows of their own) has, its graph's last rows
     # bucket; 0: no verify graph, and the compiled step scores no guesses.
     verify_rows: int = 0
+    # With compile: the graphs also return each row's final hidden states (EAGLE's head reads them: keep_hidden).
+    step_hidden: bool = False
     # Linear weights laid out for few-row products (`packed_linear`). None: on CPU.
     prepack: bool | None = None
     # Eager decode steps and prefills of up to native_step.prefill_max_rows rows as one call into native_step.c.
@@ -434,7 +436,7 @@ class TorchBackend(Backend):
         if self.compile:
             self.compiled = CompiledDecode(
                 self.model, self.plans, self.cache, num_slots, self.config.batch_buckets, self.config.token_buckets, info.max_seq_len,
-                self.config.verify_rows,
+                self.config.verify_rows, self.config.step_hidden,
             )
             log.info("compiling the decode step: batch buckets %s, KV-length buckets %s, verify rows buckets %s", list(self.compiled.batch_buckets),
                      list(self.compiled.token_buckets), list(self.compiled.verify_buckets))
@@ -468,10 +470,22 @@ class TorchBackend(Backend):
         """Refuses a model whose compiled step disagrees with its eager one: the
         model-support sweep verified the eager slot cache, not the bucketed graph."""
         inputs = self._probe_step(list(range(min(num_slots, 2))))
-        eager = self._eager_logits(inputs)
+        eager, eager_hidden = self._eager_logits_and_hidden(inputs)
         compiled = self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
-        if far_apart(eager, compiled):
+        compiled, compiled_hidden = compiled if self.compiled.hidden else (compiled, None)
+        if far_apart(eager, compiled) or (compiled_hidden is not None and far_apart(eager_hidden, compiled_hidden.float())):
             architectures.refuse(self.model.config, "its compiled decode step does not equal the eager one (run with --no-compile)")
+
+    def _eager_logits_and_hidden(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager step's logits and final hidden states (the final norm's output: what the LM head multiplies)."""
+        kept = []
+        # transformers' decoder models end in `norm` before the LM head: its output is the final hidden state.
+        hook = self.model.model.norm.register_forward_hook(lambda module, args, out: kept.append(out))
+        try:
+            logits = self._eager_logits(inputs)
+        finally:
+            hook.remove()
+        return logits, kept[-1][:, -1].float()
 
     def _probe_step(self, slots: list[int]) -> StepInputs:
         """A start-up check's step (every slot free): random KV in the slots up to the
@@ -627,9 +641,13 @@ class TorchBackend(Backend):
         """[n, vocab]: the next-token logits of one step over the active slots (with keep_hidden, the rows'
         final hidden states in step_hidden)."""
         if self.compiled is not None:
-            if inputs.guess_index is not None:  # a sequence's guesses as rows of their own
-                return self.compiled.verify_logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
-            return self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+            verify = inputs.guess_index is not None  # a sequence's guesses as rows of their own
+            out = (self.compiled.verify_logits if verify else self.compiled.logits)(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+            if not self.compiled.hidden:
+                return out
+            logits, hidden = out
+            self.step_hidden = hidden.float() if self.keep_hidden else None
+            return logits
         if self.native is not None:
             hidden = [] if self.keep_hidden else None
             guesses = None if inputs.guess_index is None else inputs.guess_index > 0
@@ -638,14 +656,7 @@ class TorchBackend(Backend):
             return logits
         if not self.keep_hidden:
             return self._eager_logits(inputs)
-        kept = []
-        # transformers' decoder models end in `norm` before the LM head: its output is the final hidden state.
-        hook = self.model.model.norm.register_forward_hook(lambda module, args, out: kept.append(out))
-        try:
-            logits = self._eager_logits(inputs)
-        finally:
-            hook.remove()
-        self.step_hidden = kept[-1][:, -1].float()
+        logits, self.step_hidden = self._eager_logits_and_hidden(inputs)
         return logits
 
     def _tables(self, inputs: StepInputs) -> torch.Tensor:
