@@ -633,6 +633,26 @@ def test_a_quantized_model_speculates_with_a_draft_nxdi_quantized_too(standin, t
     fused_steps_keep_generates_tokens(backend, handed_off_rows(backend))
 
 
+def test_eagles_fc_joins_a_quantized_state_dict_nxdi_sharded(tmp_path):
+    """Where NxDI's quantizer sharded the EAGLE draft's state dict (over 10 GB), the head's fc goes into a file of its own
+    that the shards' index names, as NxDI's load_state_dict reads a sharded directory."""
+    import json
+
+    from conftest import eagle_head
+    from safetensors.torch import load_file, save_file
+
+    from disagg.engine.backends.neuron.eagle_draft import FC_SHARD, add_fc
+
+    shard = "model-00001-of-00001.safetensors"
+    save_file({"layers.0.mlp.down_proj.weight": torch.zeros(2, 2, dtype=torch.int8)}, str(tmp_path / shard))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"layers.0.mlp.down_proj.weight": shard}}))
+    add_fc(NeuronOptions(model="/m", speculation="eagle", speculation_length=5, draft_model=eagle_head("llama")), tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"layers.0.mlp.down_proj.weight": shard, "fc.weight": FC_SHARD}
+    fc = load_file(str(tmp_path / FC_SHARD))["fc.weight"]
+    assert fc.dtype == torch.float32 and fc.shape == (64, 128)
+
+
 def start_standin_cluster(cluster_logs, compiled, max_seq_len: int, worker_args=(), **spec):
     """start_cluster with --backend neuron, its workers importing the stand-in NxDI (on PYTHONPATH while they start)."""
     if not NXDI_TRANSFORMERS:

@@ -100,17 +100,27 @@ def head_tensors(eagle: str) -> dict:
     return {name: t.detach().contiguous() for name, t in load_eagle_head(eagle).state_dict().items()}
 
 
+FC_SHARD = "model-eagle-fc.safetensors"  # where fc goes beside a sharded quantized state dict (its index names it)
+
+
 def add_fc(options: NeuronOptions, quantized: pathlib.Path) -> None:
     """NxDI's quantizer makes the EAGLE draft's quantized state dict from the draft directory loaded as a Llama model,
     which has no fc; NxD's conversion leaves the draft's fc in full precision (it is not one of the linears it
-    converts), so fc goes into that state dict as it is (in the directory's model.safetensors)."""
+    converts), so fc goes into that state dict as it is: in float32, as the quantizer leaves the model's other
+    full-precision tensors (NxDI casts them to the compile's dtype), into model.safetensors, or where the quantizer
+    sharded it (save_state_dict_safetensors: over 10 GB), into a file of its own that the shards' index names."""
     from safetensors.torch import load_file, save_file
 
-    path = quantized / "model.safetensors"
-    state = load_file(str(path))
-    dtype = state["embed_tokens.weight"].dtype
-    state.update({name: t.to(dtype) for name, t in head_tensors(options.draft_model).items() if name.startswith("fc.")})
-    save_file(state, str(path))
+    fc = {name: t.float() for name, t in head_tensors(options.draft_model).items() if name.startswith("fc.")}
+    single = quantized / "model.safetensors"
+    if single.is_file():
+        save_file({**load_file(str(single)), **fc}, str(single))
+        return
+    index_path = quantized / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    save_file(fc, str(quantized / FC_SHARD))
+    index["weight_map"].update(dict.fromkeys(fc, FC_SHARD))
+    index_path.write_text(json.dumps(index, indent=2))
 
 
 def target_embeddings(target: str):
