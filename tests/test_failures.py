@@ -116,21 +116,31 @@ def reserved_on_decode(cluster) -> bool:
     return False
 
 
+def first_choice_prefill(cluster) -> str:
+    """The prefill worker that ran the one prefill so far: the router's first choice while both are idle (the least
+    loaded, ties to the first it lists, which is not always prefill-0: the order they came up in)."""
+    (name,) = [name for name in ("prefill-0", "prefill-1") if decode_metric(cluster.process(name), "disagg_prefill_requests_total")]
+    return name
+
+
 def test_a_prefill_worker_killed_during_prefill_is_retried_elsewhere(cluster, llama_ref):
     with Client(cluster.router_address, timeout=60) as client:
         assert client.complete("The cat", max_new_tokens=3).token_ids == llama_ref.greedy("The cat", 3)
-        # Freeze prefill-0 (the router's first choice when both are idle), send, then kill it mid-prefill.
-        cluster.signal("prefill-0", signal.SIGSTOP)
+        # Freeze the router's first choice while both are idle, send, then kill it mid-prefill.
+        first = first_choice_prefill(cluster)
+        other = "prefill-1" if first == "prefill-0" else "prefill-0"
+        cluster.signal(first, signal.SIGSTOP)
         # Streamed on a thread (client.generate sends nothing until read); killed once the
-        # request is past admission, with prefill-0 frozen before it could run it.
+        # request is past admission, with the first choice frozen before it could run it.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             streamed = pool.submit(lambda: [t for chunk in client.generate(LONG_PROMPT, max_new_tokens=20) for t in chunk.token_ids])
             wait_for(lambda: reserved_on_decode(cluster), 30, "the request's decode reservation")
-            cluster.signal("prefill-0", signal.SIGKILL)
+            cluster.signal(first, signal.SIGKILL)
             assert streamed.result(timeout=60) == llama_ref.greedy(LONG_PROMPT, 20)
+        assert decode_metric(cluster.process(other), "disagg_prefill_requests_total") == 1  # retried there
 
-        cluster.signal("prefill-1", signal.SIGKILL)
-        cluster.process("prefill-1").popen.wait()
+        cluster.signal(other, signal.SIGKILL)
+        cluster.process(other).popen.wait()
         with pytest.raises(grpc.RpcError) as error:
             client.complete("The cat", max_new_tokens=3)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill worker is available" in error.value.details()
