@@ -255,6 +255,8 @@ def two_decode(cluster_logs, request):
 
 def test_a_decode_worker_whose_steps_keep_failing_exits_and_is_restarted_while_its_streams_move(two_decode, monkeypatch):
     cluster, ref = two_decode, reference("llama")
+    # Its first restart is a return only once the router has seen it ready (a worker up is not yet polled).
+    wait_for(lambda: router_metric(cluster, "disagg_router_workers_available", role="decode") == 2, 60, "the router using both decode workers")
     with supervised(cluster) as (supervisor, lines):
         # decode-0 started again with its next three steps failing (the test-only fault hook); its restart after that is clean.
         monkeypatch.setenv(TEST_FAIL_DECODE_STEP, "after=0,count=3")
