@@ -138,42 +138,34 @@ class CompiledDecode:
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Runs every (batch, KV-length) bucket once with padding rows only (they write
-        the scratch slot); returns the seconds it took."""
+        the scratch slot), then every (rows, KV-length) bucket of the verify graph; returns the seconds it took."""
         started = time.perf_counter()
-        shapes = [(b, k) for b in self.batch_buckets for k in self.token_buckets]
-        device = self._kv_positions.device
         pool = torch.cuda.graph_pool_handle() if self._cuda_graphs is not None else None
+        self._warm("decode", self._graph, self.batch_buckets, 1, pool, started)
+        if self._verify_graph is not None:
+            self._warm("verify", self._verify_graph, self.verify_buckets, 2, pool, started)  # write and read slots
+        return time.perf_counter() - started
+
+    def _warm(self, kind: str, graph, row_buckets: tuple[int, ...], slot_inputs: int, pool, started: float) -> None:
+        """Each (rows, KV-length) bucket of one graph once (on CUDA, captured): input ids, positions, slot_inputs
+        tensors of slots (every row the scratch slot), the KV-length bucket's positions."""
+        device = self._kv_positions.device
+        shapes = [(rows, kv_len) for rows in row_buckets for kv_len in self.token_buckets]
         for done, (rows, kv_len) in enumerate(shapes, 1):
-            inputs = (
-                torch.zeros(rows, dtype=torch.long, device=device),
-                torch.zeros(rows, dtype=torch.long, device=device),
-                torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device),
-                self._kv_positions[:kv_len],
-            )
+            slots = [torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device) for _ in range(slot_inputs)]
+            inputs = (torch.zeros(rows, dtype=torch.long, device=device), torch.zeros(rows, dtype=torch.long, device=device), *slots,
+                      self._kv_positions[:kv_len])
             if rows > 1:
                 # Said outright: left to `dynamic=True`, some models' first graph took the
                 # first bucket's rows as fixed (Gemma 2's eager attention) and the next
                 # bucket compiled again. One row stays a graph of its own (size 1 specializes).
-                for rows_dim in inputs[:3]:
+                for rows_dim in inputs[:-1]:
                     torch._dynamo.mark_dynamic(rows_dim, 0)
             if self._cuda_graphs is None:
-                self._graph(*inputs)
+                graph(*inputs)
             else:
-                self._cuda_graphs[rows, kv_len] = _BucketGraph(self._graph, inputs, pool)
-            log.info("compiled decode bucket %d/%d (batch %d, KV length %d) at %.1fs", done, len(shapes), rows, kv_len, time.perf_counter() - started)
-        verify_shapes = [(r, k) for r in self.verify_buckets for k in self.token_buckets]
-        for done, (rows, kv_len) in enumerate(verify_shapes, 1):
-            scratch = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device)
-            inputs = (torch.zeros(rows, dtype=torch.long, device=device), torch.zeros(rows, dtype=torch.long, device=device), scratch, scratch.clone(),
-                      self._kv_positions[:kv_len])
-            for rows_dim in inputs[:4]:
-                torch._dynamo.mark_dynamic(rows_dim, 0)
-            if self._cuda_graphs is None:
-                self._verify_graph(*inputs)
-            else:
-                self._cuda_graphs["verify", rows, kv_len] = _BucketGraph(self._verify_graph, inputs, pool)
-            log.info("compiled verify bucket %d/%d (rows %d, KV length %d) at %.1fs", done, len(verify_shapes), rows, kv_len, time.perf_counter() - started)
-        return time.perf_counter() - started
+                self._cuda_graphs[kind, rows, kv_len] = _BucketGraph(graph, inputs, pool)
+            log.info("compiled %s bucket %d/%d (rows %d, KV length %d) at %.1fs", kind, done, len(shapes), rows, kv_len, time.perf_counter() - started)
 
     def logits(self, slots: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int):
         """[n, vocab] for the n decoding rows (slots ascending), with hidden also their final hidden states [n, width]:
@@ -186,7 +178,7 @@ class CompiledDecode:
         write_slots = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device).index_copy_(0, slots, slots)
         kv_positions = self._kv_positions[: bucket_for(self.token_buckets, kv_len)]
         if self._cuda_graphs is not None:
-            return _rows(self._cuda_graphs[rows, kv_positions.shape[0]].replay(padded_ids, padded_positions, write_slots), slots)
+            return _rows(self._cuda_graphs["decode", rows, kv_positions.shape[0]].replay(padded_ids, padded_positions, write_slots), slots)
         return _rows(self._graph(padded_ids, padded_positions, write_slots, kv_positions), slots)
 
 

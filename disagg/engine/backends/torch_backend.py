@@ -471,10 +471,13 @@ class TorchBackend(Backend):
         model-support sweep verified the eager slot cache, not the bucketed graph."""
         inputs = self._probe_step(list(range(min(num_slots, 2))))
         eager, eager_hidden = self._eager_logits_and_hidden(inputs)
-        compiled = self.compiled.logits(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
-        compiled, compiled_hidden = compiled if self.compiled.hidden else (compiled, None)
-        if far_apart(eager, compiled) or (compiled_hidden is not None and far_apart(eager_hidden, compiled_hidden.float())):
-            architectures.refuse(self.model.config, "its compiled decode step does not equal the eager one (run with --no-compile)")
+        # The verify graph over the same rows (one a slot: its gather reads what the plain graph's view does).
+        graphs = [self.compiled.logits] + ([self.compiled.verify_logits] if self.compiled.verify_buckets else [])
+        for graph in graphs:
+            compiled = graph(inputs.slots, inputs.positions, inputs.input_ids, inputs.kv_len)
+            compiled, compiled_hidden = compiled if self.compiled.hidden else (compiled, None)
+            if far_apart(eager, compiled) or (compiled_hidden is not None and far_apart(eager_hidden, compiled_hidden.float())):
+                architectures.refuse(self.model.config, "its compiled decode step does not equal the eager one (run with --no-compile)")
 
     def _eager_logits_and_hidden(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager step's logits and final hidden states (the final norm's output: what the LM head multiplies)."""

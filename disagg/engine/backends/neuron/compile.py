@@ -88,8 +88,9 @@ def fused_spec_config(cls, config, options: NeuronOptions):
     from . import eagle_draft
 
     if options.speculation == "eagle":  # NxDI's draft reads its own embeddings and LM head: a directory with the target's
-        eagle_draft.check_eagle_target(options)
-        checkpoint, input_norm = str(eagle_draft.ensure_draft_directory(options)), eagle_draft.has_input_norm(options)
+        head = eagle_draft.check_eagle_target(options)
+        # NeuronConfig.enable_eagle_draft_input_norm: whether the head's layers norm their input
+        checkpoint, input_norm = str(eagle_draft.ensure_draft_directory(options)), head.layers[0].input_layernorm is not None
     else:
         checkpoint, input_norm = options.draft_model, False
     target, draft = ((AutoConfig.from_pretrained(path).architectures or ["?"])[0] for path in (options.model, checkpoint))

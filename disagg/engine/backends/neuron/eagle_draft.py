@@ -37,8 +37,9 @@ def draft_directory(options: NeuronOptions) -> pathlib.Path:
     return compiled_root(options) / "eagle-drafts" / f"{name}-{key}"
 
 
-def check_eagle_target(options: NeuronOptions) -> None:
-    """A target NxDI has no EAGLE draft for, or a head that does not fit it, is refused in one line (ValueError)."""
+def check_eagle_target(options: NeuronOptions):
+    """The EAGLE head (speculation/eagle.py's EagleHead); a target NxDI has no EAGLE draft for, or a head that does not
+    fit it, is refused in one line (ValueError)."""
     from transformers import AutoConfig
 
     from disagg.engine.speculation.eagle import check_eagle_matches, load_eagle_head
@@ -48,14 +49,7 @@ def check_eagle_target(options: NeuronOptions) -> None:
         raise ValueError(f"--speculative-method eagle on the neuron backend: NxDI builds an EAGLE draft for {EAGLE_ARCHITECTURE} "
                          f"models only (NeuronLlamaModel with is_eagle_draft), not {architecture}; use --speculative-method draft")
     check_eagle_matches(options.model, options.draft_model)
-    load_eagle_head(options.draft_model)  # every tensor by name and shape
-
-
-def has_input_norm(options: NeuronOptions) -> bool:
-    """Whether the head's layers norm their input (NeuronConfig.enable_eagle_draft_input_norm)."""
-    from disagg.engine.speculation.eagle import load_eagle_head
-
-    return load_eagle_head(options.draft_model).layers[0].input_layernorm is not None
+    return load_eagle_head(options.draft_model)  # every tensor by name and shape
 
 
 def ensure_draft_directory(options: NeuronOptions) -> pathlib.Path:
