@@ -366,6 +366,11 @@ def test_nxdis_speculation_settings_in_a_worker_config_are_ours(tmp_path, nxdi, 
     config = parse_config(["--backend", "neuron", "--worker-config", str(path)])
     assert (config.speculative_method, config.draft_model, config.num_speculative_tokens) == (method, "/models/d", 4)
     assert config.neuron_speculation_options()["speculation_length"] == 5
+    for bad in (1, "5", 2.5):  # no guess, or not a whole number: refused naming the setting, never the default count
+        path.write_text(json.dumps({"model": "/models/target", "speculation_length": bad, "draft_model_path": "/models/d", **nxdi}))
+        with pytest.raises(ValueError) as refused:  # the worker's main prints it as one line (test_a_speculation_setting_out_of_range...)
+            parse_config(["--backend", "neuron", "--worker-config", str(path)])
+        assert str(refused.value).startswith(f"{path}: speculation_length {bad!r}: NxDI's fused step scores the input token and at least one guess")
 
 
 def test_a_draft_of_another_tokenizer_is_refused_at_start_up_with_one_line():

@@ -58,8 +58,15 @@ LMI_UNSUPPORTED = {
 TNX_ALIASES = {"tp_degree": "tp_degree", "n_positions": "max_seq_len", "batch_size": "batch_size", "amp": "dtype", "context_length_estimate": "context_buckets"}
 # NxDI's speculation settings (NeuronConfig's, and inference_demo's draft path) -> ours. speculation_length counts the
 # positions a fused step scores, the input token's too: one more than our guesses a row (config.speculation_options).
+def nxdi_speculation_length(value) -> dict:
+    """speculation_length: the input token's position and at least one guess (2 or more); a whole number."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"speculation_length {value!r}: NxDI's fused step scores the input token and at least one guess (an integer, 2 or more)")
+    return {"num_speculative_tokens": value - 1}
+
+
 NXDI_SPECULATION = {
-    "speculation_length": lambda v: {"num_speculative_tokens": int(v) - 1},
+    "speculation_length": nxdi_speculation_length,
     "draft_model_path": lambda v: {"draft_model": str(v)},
     "enable_fused_speculation": lambda v: {"speculative_method": "draft"} if v else {},
     "enable_eagle_speculation": lambda v: {"speculative_method": "eagle"} if v else {},
@@ -99,7 +106,10 @@ def read_worker_config(path: str) -> tuple[dict, list[str]]:
     # enable_fused_speculation last: NxDI's EAGLE is fused too, so where both are given, EAGLE's method stays.
     for key, value in sorted(raw.items(), key=lambda item: item[0] == "enable_fused_speculation"):
         if key in NXDI_SPECULATION:
-            mapped = NXDI_SPECULATION[key](value)
+            try:
+                mapped = NXDI_SPECULATION[key](value)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
             if "speculative_method" in settings:
                 mapped.pop("speculative_method", None)
             settings.update(mapped)
