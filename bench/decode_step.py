@@ -44,6 +44,7 @@ it): on a shared host the bandwidth moves between runs of a minute.
     python bench/decode_step.py --batch 1,8,32 --variants native,native-int8,native-w8a8 --scattered   # W8A8 too
     python bench/decode_step.py --batch 1 --variants native-int8,native-int8-head   # the LM head in int8 too (--quantization-skip "")
     python bench/decode_step.py --batch 1,8,32 --variants native-int8@dot,native-int8@vnni   # int8 kernels named (DISAGG_INT8_KERNEL)
+    python bench/decode_step.py --dtype float32 --batch 1,8,32 --variants native,native-w8a8@vnni,native-w8a8@avx2   # W8A8's builds (DISAGG_W8A8_KERNEL)
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native-paged,native-kv-int8,native-kv-fp8   # an 8-bit KV cache
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native --kv-cache-dtype int8   # every variant's KV in 8 bits
 
@@ -256,31 +257,44 @@ def variant_options() -> dict[str, dict]:
 
 
 # A variant's name ending "@vnni", "@dot" or "@widen" (native-int8@vnni): its int8 products through the kernel
-# DISAGG_INT8_KERNEL names, whichever the host's measured choice is; its backend is built with that choice alone.
+# DISAGG_INT8_KERNEL names, whichever the host's measured choice is; a W8A8 variant's "@vnni" or "@avx2"
+# (native-w8a8@avx2): DISAGG_W8A8_KERNEL's. Its backend is built with that choice alone (a native step keeps the
+# builds it was made with).
 INT8_KERNELS = ("vnni", "dot", "widen")
+W8A8_KERNELS = ("vnni", "avx2")
 
 
-def int8_kernel(name: str) -> str | None:
-    kernel = name.rpartition("@")[2] if "@" in name else None
-    if kernel is not None and kernel not in INT8_KERNELS:
-        raise SystemExit(f"{name}: the int8 kernel after @ is one of {', '.join(INT8_KERNELS)}")
-    return kernel
+def int8_kernel(name: str) -> tuple[str, str] | None:
+    """(the variable, the kernel it names) for a variant named with "@", else None."""
+    if "@" not in name:
+        return None
+    base, _, kernel = name.partition("@")
+    variable, kernels = ("DISAGG_W8A8_KERNEL", W8A8_KERNELS) if base.startswith("native-w8a8") else ("DISAGG_INT8_KERNEL", INT8_KERNELS)
+    if kernel not in kernels:
+        raise SystemExit(f"{name}: the kernel after @ is one of {', '.join(kernels)}")
+    return variable, kernel
+
+
+def clear_kernel_choices() -> None:
+    for cached in (small_gemm._int8_kernel, small_gemm._w8a8_kernel, small_gemm._kernel):
+        cached.cache_clear()
 
 
 @contextlib.contextmanager
-def int8_kernel_named(kernel: str | None):
-    """While a backend is built: its int8 products through this kernel (None: the host's choice)."""
-    if kernel is None:
+def int8_kernel_named(named: tuple[str, str] | None):
+    """While a backend is built: its 8-bit products through this kernel (None: the host's choice)."""
+    if named is None:
         yield
         return
-    saved = os.environ.get("DISAGG_INT8_KERNEL")
-    os.environ["DISAGG_INT8_KERNEL"] = kernel
-    small_gemm._int8_kernel.cache_clear()
+    variable, kernel = named
+    saved = os.environ.get(variable)
+    os.environ[variable] = kernel
+    clear_kernel_choices()
     try:
         yield
     finally:
-        os.environ.pop("DISAGG_INT8_KERNEL") if saved is None else os.environ.__setitem__("DISAGG_INT8_KERNEL", saved)
-        small_gemm._int8_kernel.cache_clear()
+        os.environ.pop(variable) if saved is None else os.environ.__setitem__(variable, saved)
+        clear_kernel_choices()
 
 
 PAGED = "-paged"  # a variant's name with this suffix: its KV in blocks of BLOCK_SIZE, each slot's table scattered

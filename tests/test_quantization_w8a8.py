@@ -21,8 +21,10 @@ from disagg.engine.cpu_kernels.packed_linear import PackedLinear
 from disagg.engine.quantization import QuantizationSettings, quantize, quantize_model
 from disagg.tools.tinymodel import paragraphs
 
-W8A8_BUILDS = [name for name in ("w8a8-vnni", "w8a8-vnni-bf16") if small_gemm.build_kernel(name) is not None]
-needs_w8a8 = pytest.mark.skipif(not W8A8_BUILDS, reason="no AVX512_VNNI CPU (or no C compiler): the W8A8 kernel does not run here")
+# VPDPBUSD's builds (AVX512_VNNI CPUs) and AVX2's (any AVX2 CPU: forced here on an AVX-512 host too).
+W8A8_BUILDS = [name for name in ("w8a8-vnni", "w8a8-vnni-bf16", "w8a8-avx2", "w8a8-avx2-bf16") if small_gemm.build_kernel(name) is not None]
+VNNI_PAIRS = [(name, name.replace("-avx2", "-vnni")) for name in ("w8a8-avx2", "w8a8-avx2-bf16") if {name, name.replace("-avx2", "-vnni")} <= set(W8A8_BUILDS)]
+needs_w8a8 = pytest.mark.skipif(not W8A8_BUILDS, reason="no AVX2 CPU (or no C compiler): the W8A8 kernel does not run here")
 
 
 def rows_int8(x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,50 @@ def test_a_w8a8_row_is_the_same_bits_alone_and_in_a_batch_and_zero_and_nan_rows_
         assert kernel.product(row, panels, 72, None).isnan().all()
 
 
+@pytest.mark.skipif(not VNNI_PAIRS, reason="no AVX512_VNNI CPU: the AVX2 builds have no VPDPBUSD build to agree with here")
+@pytest.mark.parametrize("avx2,vnni", VNNI_PAIRS)
+def test_the_avx2_build_gives_the_vnni_builds_bits_from_the_same_panels(avx2, vnni):
+    """w8a8-avx2 computes each chunk's exact integer sums with VPSIGNB / VPMADDUBSW / VPMADDWD where w8a8-vnni uses
+    VPDPBUSD, then the same float epilogue: the same bits, for any rows (weights of -127 and 127 included, and a
+    row whose largest value is the one quantized to -127: the 16-bit pairs' extremes)."""
+    a, v = small_gemm.build_kernel(avx2), small_gemm.build_kernel(vnni)
+    assert a.layout == v.layout and a.weight_dtype == v.weight_dtype
+    generator = torch.Generator().manual_seed(14)
+    for out_features, in_features in ((50, 300), (24, 8), (97, 576), (30, 1000), (200, 1536)):
+        weight = torch.randn(out_features, in_features, generator=generator)
+        edge = min(16, in_features)
+        signs = torch.tensor([1.0, -1.0]).repeat(8)[:edge]
+        weight[:, :edge] = weight[:, :1].abs() * 50 * signs  # each output's largest: q = 127 and -127
+        q = quantize(weight, "int8")
+        assert q.values.min() == -127 and q.values.max() == 127
+        panels = a.pack_quantized(q.values, q.scale)
+        assert torch.equal(panels.view(torch.uint8), v.pack_quantized(q.values, q.scale).view(torch.uint8))
+        bias = torch.randn(out_features, generator=generator)
+        for rows in (1, 2, 3, 5, 64):
+            x = torch.randn(rows, in_features, generator=generator) * 10
+            x[:, :edge] = x[:, :1].abs() * 100 * -signs  # digits of -127 and 127 against them
+            assert torch.equal(a.product(x, panels, out_features, bias), v.product(x, panels, out_features, bias)), (avx2, out_features, in_features, rows)
+
+
+def test_a_host_runs_one_w8a8_build_for_both_its_panels_dtypes(monkeypatch):
+    """The two builds read the same panels (one dtype each for float32 and bf16 rows), so the product a panel's
+    dtype finds is the host's chosen build, or the one DISAGG_W8A8_KERNEL names."""
+    try:
+        for named in ("avx2", "vnni"):
+            monkeypatch.setenv("DISAGG_W8A8_KERNEL", named)
+            small_gemm._w8a8_kernel.cache_clear(), small_gemm._kernel.cache_clear()
+            for rows_dtype in (torch.float32, torch.bfloat16):
+                chosen = small_gemm.quantized_kernel(torch.int8, rows_dtype, "int8")
+                if chosen is None:
+                    assert named == "vnni" and "avx512_vnni" not in small_gemm.cpu_flags()
+                    continue
+                assert chosen.name.startswith(f"w8a8-{named}") and chosen.bf16_rows == (rows_dtype == torch.bfloat16)
+                assert small_gemm.kernel(chosen.weight_dtype) is chosen
+    finally:
+        monkeypatch.delenv("DISAGG_W8A8_KERNEL")
+        small_gemm._w8a8_kernel.cache_clear(), small_gemm._kernel.cache_clear()
+
+
 @needs_w8a8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_w8a8_linear_quantizes_the_rows_of_a_decode_step_a_prefill_and_a_long_prefill(dtype):
@@ -94,11 +140,11 @@ def test_a_packed_w8a8_linear_quantizes_the_rows_of_a_decode_step_a_prefill_and_
 
 
 def test_w8a8_is_refused_at_start_up_where_its_kernel_does_not_run(monkeypatch):
-    """A CPU without AVX512_VNNI (an AVX2-only EPYC) gets one clear line, not full precision's products."""
+    """A CPU where no W8A8 build runs (no AVX2, or no C compiler) gets one clear line, not full precision's products."""
     from disagg.engine.backends.torch_backend import TorchBackend, TorchBackendConfig
 
     monkeypatch.setattr(small_gemm, "quantized_kernel", lambda *args, **kwargs: None)
-    with pytest.raises(ValueError, match="--quantization w8a8_int8: its kernel needs a CPU with AVX512_VNNI"):
+    with pytest.raises(ValueError, match="--quantization w8a8_int8: its kernel needs a CPU with AVX2"):
         TorchBackend(TorchBackendConfig(model=tiny_model("llama"), dtype="float32", quantization="w8a8_int8"))
 
 
@@ -166,7 +212,7 @@ def w8a8_reference(architecture: str) -> Reference:
 @pytest.fixture(scope="module")
 def w8a8_cluster(cluster_logs):
     if not W8A8_BUILDS:
-        pytest.skip("no AVX512_VNNI CPU: the W8A8 kernel does not run here")
+        pytest.skip("no AVX2 CPU (or no C compiler): the W8A8 kernel does not run here")
     cluster = start_cluster(cluster_logs / "quantized-w8a8", "llama", batch_size=8, worker_args=["--quantization", "w8a8_int8", "--block-size", str(BLOCK)])
     yield cluster
     cluster.stop()
@@ -196,6 +242,37 @@ def test_w8a8_greedy_tokens_equal_generate_with_int8_rows(w8a8_cluster):
     got = torch.tensor([entry.logprob for entry in served.logprobs])
     assert (got - w8a8_logprobs).abs().max() < 1e-3 < (got - weight_only_logprobs).abs().max()
     assert_nothing_held(w8a8_cluster)
+
+
+def test_w8a8_through_the_avx2_build_serves_the_same_tokens(cluster_logs):
+    """The service with every worker's W8A8 products through AVX2 alone (DISAGG_W8A8_KERNEL=avx2, what a CPU
+    without AVX512_VNNI chooses): the reference's greedy tokens, prompts sharing whole blocks included."""
+    if small_gemm.build_kernel("w8a8-avx2") is None:
+        pytest.skip("no AVX2 CPU (or no C compiler): the AVX2 W8A8 build does not run here")
+    import os
+    import pathlib
+
+    saved = os.environ.get("DISAGG_W8A8_KERNEL")
+    os.environ["DISAGG_W8A8_KERNEL"] = "avx2"  # each worker's own environment: the parts are given the launcher's
+    try:
+        cluster = start_cluster(cluster_logs / "quantized-w8a8-avx2", "llama", worker_args=["--quantization", "w8a8_int8", "--block-size", str(BLOCK)])
+    finally:
+        os.environ.pop("DISAGG_W8A8_KERNEL") if saved is None else os.environ.__setitem__("DISAGG_W8A8_KERNEL", saved)
+    try:
+        for part in ("decode-0", "prefill-0"):
+            assert "products: the w8a8-avx2 kernel (DISAGG_W8A8_KERNEL)" in pathlib.Path(cluster.log_path(part)).read_text(), part
+        ref = w8a8_reference("llama")
+        cases = [(CONTEXT + question, 10) for question in QUESTIONS] + [(" ".join(paragraphs()[3].split()[:20]), 14)]
+
+        async def run():
+            async with AsyncClient(cluster.router_address, timeout=120) as client:
+                return await asyncio.gather(*(client.complete(prompt, max_new_tokens=n) for prompt, n in cases))
+
+        for (prompt, n), result in zip(cases, asyncio.run(run())):
+            assert result.token_ids == ref.greedy(prompt, n), prompt
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()
 
 
 def weight_only(architecture: str) -> torch.nn.Module:

@@ -69,7 +69,7 @@ def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--quantization", choices=("int8", "fp8", "w8a8_int8"), default=None,
                        help="quantize the linear layers' weights to 8 bits at load, as NxDI's quantized=True with quantization_dtype "
                             "int8 or f8e4m3 (weight-only: activations stay in --dtype); w8a8_int8 (SGLang's name): int8 weights, and each "
-                            "linear's input rows quantized to int8 per row at run time (CPUs with AVX512_VNNI; not on Neuron); a "
+                            "linear's input rows quantized to int8 per row at run time (the CPU kernels: AVX512_VNNI, else AVX2; not on Neuron); a "
                             "pre-quantized checkpoint (compressed-tensors, NxDI's quantized state dict) is served as it is without this "
                             "flag (default: the checkpoint's own weights)")
     group.add_argument("--quantization-type", choices=("per_channel", "per_tensor"), default="per_channel",

@@ -248,12 +248,12 @@ class TorchBackend(Backend):
             memory.return_freed_memory()  # what loading and the checks freed, given back (1.35 GiB for Llama-3.2-1B quantized at load)
 
     def _check_w8a8_kernel(self) -> None:
-        """W8A8 on a CPU is served by its kernel (VPDPBUSD): refused at start-up where it does not run, rather
-        than served through full precision's products at full precision's memory."""
+        """W8A8 on a CPU is served by its kernel (VPDPBUSD, or AVX2's VPMADDUBSW): refused at start-up where it does
+        not run (no AVX2, no C compiler), rather than served through full precision's products at full precision's memory."""
         settings = self.config.quantization_settings()
         if settings.activations and self.device.type == "cpu" and self.config.prepack is not False:
             if small_gemm.quantized_kernel(torch.int8, self.dtype, settings.activations) is None:
-                raise ValueError(f"--quantization {settings.method}: its kernel needs a CPU with AVX512_VNNI and a C compiler, and does not "
+                raise ValueError(f"--quantization {settings.method}: its kernel needs a CPU with AVX2 and a C compiler, and does not "
                                  "run here; serve --quantization int8 (weight-only) on this host")
 
     def _prepack(self) -> None:

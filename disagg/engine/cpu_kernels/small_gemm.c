@@ -136,6 +136,66 @@ typedef signed char input_t;
 #define INPUT_K(K) (((K) + 7) & ~7L)
 #define INPUT_CHUNKS(K) ((INPUT_K(K) + KC - 1) / KC)
 #define INPUT_STRIDE(K) (PLANES * INPUT_K(K) + 4 + 4 * PLANES * INPUT_CHUNKS(K))
+#ifdef VNNI_AVX2
+/* Built with -DVNNI_AVX2 as well (`w8a8-avx2`, `w8a8-avx2-bf16`: any AVX2 CPU): the same rows and the same
+ * panels, through AVX2 alone. Why: a CPU without AVX512_VNNI (an AVX2-only EPYC) refused W8A8, and its int8
+ * weight-only products (widened to float32 FMAs) were slower than float32's from 8 rows on. The VPDPBUSD of the
+ * AVX-512 build becomes VPSIGNB, VPMADDUBSW and VPMADDWD over 32 bytes (avx2_dot): the same exact integer sums,
+ * so the same bits (tests/test_quantization_w8a8.py compares the two builds bit for bit). */
+#ifndef ACT_INT8
+#error "-DVNNI_AVX2 is built for W8A8 only (-DACT_INT8): the exact rows' three planes need VPDPBUSD"
+#endif
+/* The bits of row[k .. k + 8) (zeros past K), rounded to bf16 with -DROWS_BF16: row_bits' 8 lanes. */
+static inline __m256i row_bits8(const float *row, long K, long k) {
+    __m256i bits;
+    if (K - k >= 8) {
+        bits = _mm256_loadu_si256((const __m256i *)(row + k));
+    } else {
+        __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K > k ? K - k : 0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        bits = _mm256_castps_si256(_mm256_maskload_ps(row + k, in));
+    }
+#ifdef ROWS_BF16
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), _mm256_set1_epi32((int)0xffff0000u));
+#endif
+    return bits;
+}
+static unsigned row_top_bits(const float *row, long K) {
+    __m256i top = _mm256_setzero_si256();
+    for (long k = 0; k < K; k += 8)
+        top = _mm256_max_epu32(top, _mm256_and_si256(row_bits8(row, K, k), _mm256_set1_epi32(0x7fffffff)));
+    unsigned lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, top);
+    unsigned largest = 0;
+    for (int i = 0; i < 8; i++)
+        largest = lanes[i] > largest ? lanes[i] : largest;
+    return largest;
+}
+/* As the AVX-512 build's ACT_INT8 prepare_input, 8 values at a time (the same division, the same rounding,
+ * so the same digits); the chunks' corrections are not written: avx2_dot's sums are the weights' own q. */
+static void prepare_input(const float *x, long M, long K, input_t *out) {
+    long kp = INPUT_K(K), stride = INPUT_STRIDE(K);
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (long m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        input_t *o = out + m * stride;
+        unsigned top = row_top_bits(row, K);
+        union { unsigned u; float f; } largest = {top};
+        float scale = top >= 0x7f800000u ? __builtin_nanf("") : largest.f / 127.0f;
+        int finite = top < 0x7f800000u && top != 0;
+        memcpy(o + kp, &scale, sizeof scale);
+        __m256 divisor = _mm256_set1_ps(finite ? scale : 1.0f);
+        for (long k = 0; k < kp; k += 8) { /* kp is a multiple of 8 */
+            __m256 value = _mm256_castsi256_ps(row_bits8(row, K, k));
+            __m256i q = finite ? _mm256_cvtps_epi32(_mm256_div_ps(value, divisor)) : _mm256_setzero_si256(); /* nearest even */
+            q = _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
+            __m256i bytes = _mm256_shuffle_epi8(q, low_bytes); /* each lane's low byte, four a 128-bit half */
+            _mm_storel_epi64((__m128i *)(o + k), _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)));
+        }
+    }
+}
+#else
 /* The bits of row[k .. k + 16) (zeros past K), rounded to bf16 with -DROWS_BF16 (to nearest, ties to even, as
  * PyTorch's conversion; an infinity or a NaN stays one of the two, which makes the row's products NaN). */
 static inline __m512i row_bits(const float *row, long K, long k) {
@@ -225,6 +285,7 @@ static void prepare_input(const float *x, long M, long K, input_t *out) {
     }
 }
 #endif
+#endif /* VNNI_AVX2 */
 #elif defined(DOT_BF16)
 typedef unsigned short input_t;
 #define INPUT_K(K) (((K) + 3) & ~3L)
@@ -316,7 +377,72 @@ BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
 #define HIGH_HALF(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
 #endif
 
-#if defined(WEIGHT_VNNI)
+#if defined(WEIGHT_VNNI) && defined(VNNI_AVX2)
+/* acc + the sums of four products a 32-bit lane, as VPDPBUSD gives them: w the weights' bytes q + 128 (made q
+ * by flipping their top bit, once per load), d a row's broadcast digits. VPMADDUBSW multiplies unsigned by
+ * signed bytes into pairs' sums of 16 bits, which would saturate for q + 128 (255 x 127 x 2); so the
+ * magnitudes |q| (at most 128) are the unsigned side and the digits take q's sign (VPSIGNB; a digit is at most
+ * 127 in magnitude, so its negation fits): each pair's sum is within 2 x 128 x 127, exact. VPMADDWD by ones
+ * adds the pairs into the lane: sum(q d), an exact int32 (the AVX-512 build's plane less its correction). */
+static inline __attribute__((always_inline)) __m256i avx2_dot(__m256i acc, __m256i magnitudes, __m256i signs, __m256i d) {
+    __m256i pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(d, signs));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+/* A row's chunk sums (columns 0-7, 8-15, and 16-23's two quads a column, side by side) times the row's scale
+ * and the columns' scales, added into y: vnni_store's arithmetic on the same integers. */
+static inline __attribute__((always_inline)) void avx2_store(const input_t *row, long kp, __m256i s0, __m256i s1, __m256i t0, __m256i t1, float *y,
+                                                             const float *bias, int ncols, int first, const float *scales) {
+    float scale;
+    memcpy(&scale, row + kp, sizeof scale);
+    /* hadd: columns 16, 17, 20, 21 | 18, 19, 22, 23; the 64-bit pairs put back in order */
+    __m256i tail = _mm256_permute4x64_epi64(_mm256_hadd_epi32(t0, t1), 0xD8);
+    __m256 factor = _mm256_set1_ps(scale);
+    __m256 a0 = _mm256_mul_ps(_mm256_cvtepi32_ps(s0), factor), a1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s1), factor);
+    __m256 a2 = _mm256_mul_ps(_mm256_cvtepi32_ps(tail), factor);
+    store_row(SCALED(a0, 0), SCALED(a1, 1), SCALED(a2, 2), y, bias, ncols, first);
+}
+/* Up to 2 rows over a chunk of octs (the AVX-512 build's panels: see vnni_block): each of an oct's six runs of
+ * 32 bytes (columns 0-7 and 8-15 of k..k+3, of k+4..k+7, columns 16-19 and 20-23 of both quads) is loaded and
+ * split into magnitudes and signs once for the block's rows. A row's sums: s<row>0 and s<row>1 (columns 0-7, 8-15:
+ * both quads in one sum, exact integers in any order), t<row>0 and t<row>1 (16-19, 20-23, a lane a quad).
+ * Blocks of 2: 8 sums and the oct's run in AVX2's 16 registers. */
+#define AVX2_DECLARE(r) __m256i s##r##0 = _mm256_setzero_si256(), s##r##1 = _mm256_setzero_si256(), t##r##0 = _mm256_setzero_si256(), \
+                                t##r##1 = _mm256_setzero_si256();
+#define AVX2_LOAD(at)                                                                                   \
+    __m256i signs = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(w + (at))), flip); \
+    __m256i magnitudes = _mm256_abs_epi8(signs);
+#define BROADCAST4(p) _mm256_set1_epi32(*(const int *)(const void *)(p))
+#define BROADCAST8(p) _mm256_set1_epi64x(*(const long long *)(const void *)(p))
+#define AVX2_ROW(r, kind, half, broadcast, offset) \
+    kind##r##half = avx2_dot(kind##r##half, magnitudes, signs, broadcast(x + (r) * ldx + k0 + k + (offset)));
+#define AVX2_ONE_ROW(kind, half, broadcast, offset) AVX2_ROW(0, kind, half, broadcast, offset)
+#define AVX2_TWO_ROWS(kind, half, broadcast, offset) AVX2_ROW(0, kind, half, broadcast, offset) AVX2_ROW(1, kind, half, broadcast, offset)
+#define AVX2_OCT(each_row)                                                                                      \
+    { AVX2_LOAD(0) each_row(s, 0, BROADCAST4, 0) }                                                              \
+    { AVX2_LOAD(32) each_row(s, 1, BROADCAST4, 0) }                                                             \
+    { AVX2_LOAD(64) each_row(s, 0, BROADCAST4, 4) }                                                             \
+    { AVX2_LOAD(96) each_row(s, 1, BROADCAST4, 4) }                                                             \
+    { AVX2_LOAD(128) each_row(t, 0, BROADCAST8, 0) }                                                            \
+    { AVX2_LOAD(160) each_row(t, 1, BROADCAST8, 0) }
+#define AVX2_STORE(r) avx2_store(x + (r) * ldx, kp, s##r##0, s##r##1, t##r##0, t##r##1, y + (r) * ldy, bias, ncols, first, scales);
+#define AVX2_BLOCK(rows, declare, each_row, store)                                                                      \
+    static void avx2_block##rows(const input_t *x, long ldx, long kp, long k0, const weight_t *chunk, long kn, long ahead, float *y, \
+                                 long ldy, const float *bias, int ncols, int first, const float *scales) {             \
+        const __m256i flip = _mm256_set1_epi8((char)0x80);                                                               \
+        declare for (long k = 0; k < kn; k += 8) {                                                                       \
+            const weight_t *w = chunk + k * NR;                                                                          \
+            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);                                                        \
+            _mm_prefetch((const char *)(w + ahead + 64), _MM_HINT_T0);                                                   \
+            _mm_prefetch((const char *)(w + ahead + 128), _MM_HINT_T0);                                                  \
+            AVX2_OCT(each_row)                                                                                           \
+        }                                                                                                                \
+        store                                                                                                            \
+    }
+AVX2_BLOCK(2, AVX2_DECLARE(0) AVX2_DECLARE(1), AVX2_TWO_ROWS, AVX2_STORE(0) AVX2_STORE(1))
+AVX2_BLOCK(1, AVX2_DECLARE(0), AVX2_ONE_ROW, AVX2_STORE(0))
+#define BLOCK_CALL(rows) avx2_block##rows(xm - k0, ldx, kp, k0, chunk, kn, ahead, ym, N, b, ncols, k0 == 0, scales)
+#define BLOCK_ROWS 2
+#elif defined(WEIGHT_VNNI)
 /* Up to VNNI_ROWS rows over a chunk of octs of k, each oct 192 bytes: columns 0-15's k..k+3 (a 32-bit lane a
  * column), their k+4..k+7, then columns 16-23's two quads side by side (lane 2c: column 16 + c's k..k+3, lane
  * 2c + 1: its k+4..k+7), so that every product is a zmm VPDPBUSD: a row's digits of k..k+3 and of k+4..k+7 are

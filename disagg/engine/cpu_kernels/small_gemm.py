@@ -92,12 +92,19 @@ BUILDS = {
     # Tagged float8_e8m0fnu / float4_e2m1fn_x2, one-byte dtypes no other build reads.
     "w8a8-vnni": (torch.float8_e8m0fnu, (*VNNI_FLAGS, "-DACT_INT8"), VNNI_NEEDS),
     "w8a8-vnni-bf16": (torch.float4_e2m1fn_x2, (*VNNI_FLAGS, "-DACT_INT8", "-DROWS_BF16"), VNNI_NEEDS),
+    # The same panels and the same bits through AVX2 alone (small_gemm.c, VNNI_AVX2: VPSIGNB, VPMADDUBSW and
+    # VPMADDWD for each VPDPBUSD), for CPUs without AVX512_VNNI; a host runs one of the two (_w8a8_kernel).
+    "w8a8-avx2": (torch.float8_e8m0fnu, ("-DWEIGHT_VNNI", "-DACT_INT8", "-DVNNI_AVX2"), ()),
+    "w8a8-avx2-bf16": (torch.float4_e2m1fn_x2, ("-DWEIGHT_VNNI", "-DACT_INT8", "-DVNNI_AVX2", "-DROWS_BF16"), ()),
 }
+# A build that reads another's panels: the box's shared weights file is keyed by the panels' layout (SmallGemm.layout).
+SAME_PANELS = {"w8a8-avx2": "w8a8-vnni", "w8a8-avx2-bf16": "w8a8-vnni-bf16"}
 W8A8_DTYPES = (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
 QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz, *W8A8_DTYPES)
 VNNI_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz, *W8A8_DTYPES)
 # The builds whose panels carry a dtype of their own (a tag no other build reads), by that dtype.
-TAGGED = {BUILDS[name][0]: name for name in ("int8-dot", "fp8-dot", "int8-vnni", "int8-vnni-bf16", "w8a8-vnni", "w8a8-vnni-bf16")}
+# (W8A8's panels are read by the host's W8A8 build, _w8a8_kernel.)
+TAGGED = {BUILDS[name][0]: name for name in ("int8-dot", "fp8-dot", "int8-vnni", "int8-vnni-bf16")}
 SCALE_ROWS = 4  # an 8-bit panel's last rows: its 24 columns' float32 scales (96 bytes)
 PANEL = 24  # NR in small_gemm.c: output columns per panel
 # A row's product is shared between two cores from this weight size up: every one of
@@ -147,7 +154,7 @@ class SmallGemm:
 
     def __init__(self, library: ctypes.CDLL, name: str = "float32"):
         self.name = name
-        self.layout = name.removesuffix("-avx512")  # an -avx512 build reads its AVX2 build's panels
+        self.layout = SAME_PANELS.get(name, name.removesuffix("-avx512"))  # an -avx512 build reads its AVX2 build's panels
         self.weight_dtype = BUILDS[name][0]
         self.pairs = name.endswith("-dot")  # panels hold pairs of k; the rows are rounded to bf16
         self.bf16_rows = self.pairs or name.endswith("-bf16")  # its rows are rounded to bf16 (a bf16 model's) before the products
@@ -327,13 +334,14 @@ class SmallGemm:
 
 def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype, activations: str | None = None) -> SmallGemm | None:
     """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype. W8A8 (activations "int8"):
-    `w8a8-vnni` (`-bf16` for a bf16 model), None where the CPU lacks AVX512_VNNI. int8: the faster here of
+    `w8a8-vnni` (AVX512_VNNI) or `w8a8-avx2` (`-bf16` for a bf16 model's rows), the same bits, the faster here by
+    a short measured product at first use (`DISAGG_W8A8_KERNEL=vnni|avx2` names one). int8: the faster here of
     VPDPBUSD over the rows as exact integers (`int8-vnni`, `int8-vnni-bf16`: AVX512_VNNI CPUs) and, for a bf16
     model, VDPBF16PS (`int8-dot`: AVX512_BF16), else the weights widened to float32, by a short measured
     product at first use (`DISAGG_INT8_KERNEL=vnni|dot|widen` names one); fp8: VDPBF16PS for a bf16 model where
     the CPU has it (its rows are bf16 already: the products stay exact), else widened to float32."""
     if activations == "int8":
-        return build_kernel("w8a8-vnni-bf16" if rows_dtype == torch.bfloat16 else "w8a8-vnni") if values_dtype == torch.int8 else None
+        return _w8a8_kernel(rows_dtype == torch.bfloat16) if values_dtype == torch.int8 else None
     if values_dtype == torch.int8:
         return _int8_kernel(rows_dtype == torch.bfloat16)
     if values_dtype == torch.float8_e4m3fn and rows_dtype == torch.bfloat16 and build_kernel("fp8-dot") is not None:
@@ -348,6 +356,12 @@ def _int8_kernel(bf16_rows: bool) -> SmallGemm | None:
     if not bf16_rows:  # int8-dot rounds its rows to bf16: a float32 model's would lose their bits
         del builds["dot"]
     return chosen_build(f"int8 ({'bf16' if bf16_rows else 'float32'} rows)", "DISAGG_INT8_KERNEL", builds)
+
+
+@functools.cache
+def _w8a8_kernel(bf16_rows: bool) -> SmallGemm | None:
+    suffix = "-bf16" if bf16_rows else ""
+    return chosen_build(f"W8A8 ({'bf16' if bf16_rows else 'float32'} rows)", "DISAGG_W8A8_KERNEL", {"vnni": f"w8a8-vnni{suffix}", "avx2": f"w8a8-avx2{suffix}"})
 
 
 def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
@@ -368,6 +382,8 @@ CHOICES = {
 def _kernel(weight_dtype: torch.dtype) -> SmallGemm | None:
     if weight_dtype in CHOICES:
         return chosen_build(*CHOICES[weight_dtype])
+    if weight_dtype in W8A8_DTYPES:
+        return _w8a8_kernel(weight_dtype == BUILDS["w8a8-vnni-bf16"][0])
     if weight_dtype in TAGGED:
         return build_kernel(TAGGED[weight_dtype])
     if weight_dtype in QUANTIZED_DTYPES:
