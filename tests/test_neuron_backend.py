@@ -126,6 +126,11 @@ def test_a_quantized_compile_never_loads_for_an_unquantized_one(tmp_path):
     (dict(quantization="int8", quantization_type="per_tensor"), "per_tensor quantizes every linear"),  # the default skip: lm_head
     (dict(quantization="int8", extra={"on_cpu": True}), "CPU mode"),
     (dict(quantization="int8", extra={"quantized": True, "quantized_checkpoints_path": "/q"}), "quantized, quantized_checkpoints_path"),
+    # NxDI's fp8 activation quantization would take the MLPs' weights as fp8, which neither an unquantized nor an int8 checkpoint is.
+    (dict(extra={"activation_quantization_type": "dynamic"}), "activation_quantization_type .*fp8 activation quantization"),
+    (dict(quantization="int8", extra={"quantized_mlp_kernel_enabled": True}), "quantized_mlp_kernel_enabled"),
+    (dict(quantization="fp8", extra={"activation_quantization_type": "static", "rmsnorm_quantize_kernel_enabled": True}),
+     "activation_quantization_type, rmsnorm_quantize_kernel_enabled"),
 ])
 def test_quantization_nxdi_cannot_serve_as_asked_is_refused(bad, why):
     with pytest.raises(ValueError, match=why):

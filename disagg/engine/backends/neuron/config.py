@@ -27,6 +27,11 @@ QUANTIZATION_TYPES = {"per_channel": "per_channel_symmetric", "per_tensor": "per
 QUANTIZATION_FIELDS = ("quantization", "quantization_type", "quantization_skip")
 # NeuronConfig's own quantization arguments: set from `quantization`, never also through `extra`.
 NXDI_QUANTIZATION_KWARGS = ("quantized", "quantized_checkpoints_path", "quantization_dtype", "quantization_type", "modules_to_not_convert")
+# NxDI's fp8 activation quantization ("native quantization", its quantized MLP kernels): with any of these set,
+# NeuronConfig.is_mlp_quantized() forces quantization_dtype f8e4m3 per channel, and the MLPs take fp8 weights and
+# quantize their rows. Not mapped: the weights this backend prepares (full precision, or --quantization's own
+# quantized state dict) are not that, so they are refused in the pass-through settings rather than loaded wrong.
+NXDI_ACTIVATION_QUANTIZATION_KWARGS = ("activation_quantization_type", "quantized_mlp_kernel_enabled", "rmsnorm_quantize_kernel_enabled")
 
 # --speculative-method -> NeuronConfig's speculation switches. Both run the draft inside the target's
 # compiled step (NxDI's fused speculation, NeuronFusedSpecModel); eagle's draft is an EAGLE head
@@ -81,6 +86,10 @@ class NeuronOptions:
 
     def _check_quantization(self) -> None:
         object.__setattr__(self, "quantization_skip", tuple(self.quantization_skip))  # a JSON list -> a hashable, keyed tuple
+        activations = sorted(key for key in NXDI_ACTIVATION_QUANTIZATION_KWARGS if self.extra.get(key))
+        if activations:
+            raise ValueError(f"NeuronConfig's {', '.join(activations)} (NxDI's fp8 activation quantization) is not served: its MLPs would "
+                             "take weights this backend does not prepare; --quantization fp8 serves NxDI's fp8 weights, rows in --dtype")
         if self.quantization is None:
             return
         if self.quantization == "w8a8_int8":  # mapped here: NxDI's weight quantization (quantized=True), rows in the model's dtype
