@@ -126,7 +126,8 @@ def parse_kv_chunk(raw: bytes) -> tuple[wpb.KvChunk, memoryview | None] | Unpars
 
 
 def backend_options(config) -> dict:
-    neuron = {**config.neuron, "async_mode": config.async_mode, **config.quantization_options(), **config.neuron_speculation_options()}
+    neuron = {**config.neuron, "async_mode": config.async_mode, **config.quantization_options(), **config.neuron_speculation_options(),
+              **config.neuron_kv_cache_options()}
     torch_options = dict(
         compile=config.compile_choice(), prepack=config.prepack, native_step=config.native_step, share_weights=config.share_weights,
         batch_buckets=config.batch_buckets, token_buckets=config.token_buckets, verify_rows=config.verify_rows(),

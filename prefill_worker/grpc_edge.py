@@ -67,7 +67,7 @@ async def serve(config: PrefillWorkerConfig) -> None:
     reporter = startup.install(config.status_file)
     startup.report(startup.Phase.LOADING, f"prefill worker on port {server.port}: loading {config.model} ({config.backend} backend)")
     options = dict(model=config.model, dtype=config.dtype, device=config.device, max_seq_len=config.max_seq_len, global_topk=config.global_topk, batch_size=1,
-                   neuron={**config.neuron, **config.quantization_options(), **config.neuron_speculation_options()},
+                   neuron={**config.neuron, **config.quantization_options(), **config.neuron_speculation_options(), **config.neuron_kv_cache_options()},
                    torch=dict(prepack=config.prepack, native_step=config.native_step, share_weights=config.share_weights, **config.quantization_options(),
                               **config.kv_cache_options(config.block_size)))
     backend = await load_while_not_serving(server, lambda: load_backend(config.backend, **options))

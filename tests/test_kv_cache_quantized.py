@@ -280,9 +280,13 @@ def test_the_kv_dtype_is_refused_where_it_cannot_be_served():
     with pytest.raises(ValueError, match="--no-compile"):
         TorchBackendConfig(model="m", kv_cache_dtype="int8", compile=True)
     from decode_worker.config import DecodeWorkerConfig
+    from disagg.engine.backends.neuron.config import NeuronOptions
 
-    with pytest.raises(ValueError, match="torch backend only"):
-        DecodeWorkerConfig(model="m", backend="neuron", kv_cache_dtype="fp8").kv_cache_options(16)
+    # The neuron backend's KV dtype goes to NxDI (tests/test_neuron_kv_fp8.py), which quantizes KV to fp8 only.
+    neuron = DecodeWorkerConfig(model="m", backend="neuron", kv_cache_dtype="int8")
+    assert neuron.kv_cache_options(16) == {}
+    with pytest.raises(ValueError, match="NxDI's KV cache quantization is fp8"):
+        NeuronOptions(model="m", **neuron.neuron_kv_cache_options())
 
 
 # -- the whole service ----------------------------------------------------------------------------------

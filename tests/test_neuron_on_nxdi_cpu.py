@@ -46,11 +46,11 @@ def tiny_checkpoint(**spec) -> str:
     return str(ensure_tiny_model(TinyModelSpec(**spec), root=root))
 
 
-def run_backend(tmp_path: pathlib.Path, name: str, model: str, actions: list[dict], seq_len: int = SEQ_LEN) -> dict:
-    """One NeuronBackend in a fresh process running `actions`; their results."""
+def run_backend(tmp_path: pathlib.Path, name: str, model: str, actions: list[dict], seq_len: int = SEQ_LEN, **options) -> dict:
+    """One NeuronBackend in a fresh process running `actions` (options: NeuronOptions fields run_backend reads, kv_cache_dtype); their results."""
     import torch
 
-    job = {"nxdi_src": NXDI_SRC, "model": model, "seq_len": seq_len, "batch_size": BATCH, "actions": actions, "out": str(tmp_path / f"{name}.pt")}
+    job = {"nxdi_src": NXDI_SRC, "model": model, "seq_len": seq_len, "batch_size": BATCH, "actions": actions, "out": str(tmp_path / f"{name}.pt"), **options}
     job_file = tmp_path / f"{name}.json"
     job_file.write_text(json.dumps(job))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
@@ -126,6 +126,26 @@ def test_idle_slot_keeps_its_handed_off_kv_while_others_step(llama, tmp_path):
                       + [{"do": "decode", "rows": rows}, {"do": "line", "slot": 2, "length": len(prompt)}])
     for (keys, values), (sent_keys, sent_values) in zip(out["lines"][0], prefill["long"]["layers"]):
         assert keys.equal(sent_keys) and values.equal(sent_values)
+
+
+def test_an_fp8_kv_cache_hands_off_and_decodes_as_transformers_over_an_fp8_cache(llama, tmp_path):
+    """--kv-cache-dtype fp8 on NxDI's own KV cache manager (kv_cache_quant, kv_quant_config's direct cast): the
+    device state in e4m3, the prompt's lines handed off as the e4m3 values it holds, the steps after the hand-off
+    attending over them; tokens and lines as tests/fp8_kv_reference.py computes them over transformers."""
+    from fp8_kv_reference import fp8_lines_greedy, same_lines
+
+    prompt = PROMPTS["long"]
+    prefill = run_backend(tmp_path, "prefill", llama, [{"do": "shapes"}, {"do": "prefill", "name": "long", "prompt": prompt}], kv_cache_dtype="fp8")
+    assert {dtype for _, dtype in prefill["shapes"]} == {"torch.float8_e4m3fn"}
+    expected, lines, after = fp8_lines_greedy(Greedy(llama).model, prompt, STEPS["long"] + 1)
+    assert prefill["long"]["first"] == expected[0]
+    assert all(same_lines(got, want) for pair, ref in zip(prefill["long"]["layers"], lines) for got, want in zip(pair, ref))
+    rows = [{"slot": 1, "first": prefill["long"]["first"], "position": len(prompt), "steps": STEPS["long"]}]
+    decoded = run_backend(tmp_path, "decode", llama, [{"do": "write", "slot": 1, "kv": str(tmp_path / "prefill.pt"), "name": "long"},
+                                                      {"do": "decode", "rows": rows}, {"do": "line", "slot": 1, "length": len(prompt) + STEPS["long"]}],
+                          kv_cache_dtype="fp8")
+    assert decoded["decoded"][0][1] == expected
+    assert all(same_lines(got, want) for pair, ref in zip(decoded["lines"][0], after) for got, want in zip(pair, ref))
 
 
 @pytest.fixture(scope="module")

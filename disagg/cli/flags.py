@@ -82,7 +82,8 @@ def add_quantization_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                        help="the KV cache in 8 bits, as vLLM's --kv-cache-dtype: int8 or fp8 (e4m3) codes with a float32 scale per KV "
                             "block and head, computed by the prefill and carried with the KV to the decode worker (the same --kv-cache-gib "
-                            "holds about twice bf16's tokens; torch backend, paged cache); auto keeps it in --dtype (default: auto)")
+                            "holds about twice bf16's tokens; torch backend, paged cache); on the neuron backend fp8 is NxDI's fp8 KV cache "
+                            "(kv_cache_quant: each line cast to e4m3, no scales); auto keeps it in --dtype (default: auto)")
 
 
 def add_speculation_flags(group: argparse._ArgumentGroup) -> None:

@@ -98,11 +98,14 @@ class WorkerConfig:
         return speculation_options(spec.method, spec.num_tokens, self.draft_model)
 
     def kv_cache_options(self, block_size: int) -> dict:
-        """The torch backend's KV cache settings: an 8-bit cache's scales cover the worker's KV blocks."""
-        if self.kv_cache_dtype is None:
+        """The torch backend's KV cache settings: an 8-bit cache's scales cover the worker's KV blocks
+        (the neuron backend's are neuron_kv_cache_options)."""
+        if self.kv_cache_dtype is None or self.backend == "neuron":
             return {}
         if self.backend != "torch":
-            # NxDI's kv_cache_quant keeps fp8 KV with scales of its own in the device state, which this
-            # backend's KV line reads and writes do not carry yet.
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is served by the torch backend only, not {self.backend}")
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is served by the torch and neuron backends, not {self.backend}")
         return dict(kv_cache_dtype=self.kv_cache_dtype, kv_block_size=block_size)
+
+    def neuron_kv_cache_options(self) -> dict:
+        """The neuron backend's KV cache dtype (NeuronOptions.kv_cache_dtype: NxDI's fp8 KV cache), the same on both workers."""
+        return {"kv_cache_dtype": self.kv_cache_dtype} if self.backend == "neuron" and self.kv_cache_dtype is not None else {}

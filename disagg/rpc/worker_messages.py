@@ -140,13 +140,20 @@ def stopping_to_pb(stopping: Stopping) -> wpb.WorkerStopping:
 def finish_from_pb(value: int) -> FinishReason:
     return FinishReason(value)
 
+def kv_format(info) -> str:
+    """How a worker holds its KV, for the router's view of the pool: an 8-bit cache's dtype, a backend's
+    device-side dtype ("fp8 in the device state"), or "" (the model's dtype)."""
+    kv = getattr(info, "kv_cache_dtype", "")
+    device = getattr(info, "device_kv_dtype", "")
+    return kv or (f"{device} in the device state" if device else "")
+
 
 def worker_load(role: str, info, config, **counts) -> wpb.WorkerLoad:
     """GetLoad's answer: the model this worker serves and how (config: its WorkerConfig), and what it holds now (its memory included)."""
     memory = sampled_process_memory()
     return wpb.WorkerLoad(
         role=role, model_name=info.name, max_seq_len=info.max_seq_len, backend=info.backend, vocab_size=info.vocab_size, dtype=info.dtype,
-        kv_cache_dtype=getattr(info, "kv_cache_dtype", ""), speculation=speculation_to_pb(config),
+        kv_cache_dtype=kv_format(info), speculation=speculation_to_pb(config),
         resident_bytes=memory.resident_bytes, proportional_bytes=memory.proportional_bytes, shared_bytes=memory.shared_bytes, **counts,
     )
 

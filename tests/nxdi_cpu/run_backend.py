@@ -50,7 +50,7 @@ def load_backend(job: dict):
     seq_len = job["seq_len"]
     options = NeuronOptions(
         model=job["model"], dtype="float32", seq_len=seq_len, max_context_length=seq_len,  # CPU mode: max_context_length == seq_len
-        batch_size=job["batch_size"], global_topk=job.get("global_topk", 64), extra={"on_cpu": True},
+        batch_size=job["batch_size"], global_topk=job.get("global_topk", 64), extra={"on_cpu": True}, kv_cache_dtype=job.get("kv_cache_dtype"),
     )
     return NeuronBackend(options)
 
@@ -195,8 +195,8 @@ def run(job: dict) -> dict:
             results.setdefault("decoded", []).append(decode(backend, action["rows"]))
         elif action["do"] == "line":
             results.setdefault("lines", []).append(
-                [(backend.layout.read_line(backend._caches(layer, KvKind.KEY), action["slot"], action["length"]),
-                  backend.layout.read_line(backend._caches(layer, KvKind.VALUE), action["slot"], action["length"])) for layer in range(backend.info.num_layers)]
+                [(backend.read_line(layer, KvKind.KEY, action["slot"], action["length"]),
+                  backend.read_line(layer, KvKind.VALUE, action["slot"], action["length"])) for layer in range(backend.info.num_layers)]
             )
     return results
 

@@ -143,11 +143,28 @@ class _NeuronClassNamespace:
         return stub_module(f"torch.classes.neuron.{name}")
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _scatter_moving_fp8_as_bytes(scatter):
+    """torch.scatter for an fp8 tensor on the CPU, where PyTorch has no such kernel ("scatter_gather_tensor_cpu"
+    not implemented for 'Float8_e4m3fn'): the same elements moved, as their bytes. NxDI's fp8 KV cache scatters its
+    token-generation lines into the cache (KVCacheManager.update_kv_by_layer_id), which the device does in XLA."""
+
+    def wrapped(input, dim, index, src=None, *args, **kwargs):
+        if isinstance(src, torch.Tensor) and input.dtype in _FP8 and src.dtype == input.dtype and input.device.type == "cpu" and not args and not kwargs:
+            return scatter(input.view(torch.uint8), dim, index, src.view(torch.uint8)).view(input.dtype)
+        return scatter(input, dim, index, src, *args, **kwargs) if src is not None else scatter(input, dim, index, *args, **kwargs)
+
+    return wrapped
+
+
 def install() -> None:
     """Registers the shims once per process; call before importing NxDI or NxD."""
     if any(isinstance(finder, _ShimFinder) for finder in sys.meta_path):
         return
     sys.meta_path.insert(0, _ShimFinder())
+    torch.scatter = _scatter_moving_fp8_as_bytes(torch.scatter)
     for module_name, names in REAL.items():
         module = stub_module(module_name)
         for name, value in names.items():

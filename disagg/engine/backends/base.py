@@ -42,6 +42,10 @@ class ModelInfo:
     # float32 scale per block of kv_block_size positions and head; "" keeps it in `dtype`.
     kv_cache_dtype: str = ""
     kv_block_size: int = 0
+    # The KV's dtype in a backend's own device state where the hand-off carries it in `dtype` (the neuron
+    # backend's fp8 cache: "fp8", its e4m3 lines widened exactly); "" otherwise. Reported, so that a pool
+    # mixing caches is seen (router.core.model_facts).
+    device_kv_dtype: str = ""
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize

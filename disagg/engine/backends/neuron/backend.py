@@ -44,10 +44,11 @@ FUSED_TARGET_PREFIX = "target_model."
 # kv_cache_manager.KV_CACHE_PAD_FOR_SEQ_IDS_MASKING (NxDI 0.7-0.9): with apply_seq_ids_mask,
 # KVCacheManager._init_kv_shape adds this many positions, where padded rows write.
 SEQ_IDS_MASK_PAD = 128
-def refuse_unconvertible_layout(neuron_config, window: int | None) -> None:
+def refuse_unconvertible_layout(neuron_config, window: int | None, fp8_kv: bool = False) -> None:
     """What the loaded model's own config says about its KV cache, refused where the
     hand-off (canonical [kv_heads, tokens, head_dim] lines per slot) cannot carry it.
-    Pass-through settings (NeuronOptions.extra) can set any of these."""
+    Pass-through settings (NeuronOptions.extra) can set any of these. fp8_kv: --kv-cache-dtype
+    fp8 asked for NxDI's fp8 KV cache, a direct cast (lines read back exactly in the model's dtype)."""
     reasons = []
     if getattr(neuron_config, "k_cache_transposed", False):
         reasons.append("k_cache_transposed (K stored [head_dim, tokens])")
@@ -55,8 +56,14 @@ def refuse_unconvertible_layout(neuron_config, window: int | None) -> None:
         reasons.append("kv_cache_tiling (positions tiled by 128)")
     if getattr(neuron_config, "attention_dp_degree", 1) > 1:
         reasons.append(f"attention_dp_degree {neuron_config.attention_dp_degree} (slots split across data-parallel groups)")
-    if getattr(neuron_config, "kv_cache_quant", False) or getattr(neuron_config, "kv_quant_config", None):
-        reasons.append("a quantized KV cache")
+    quantized_kv = getattr(neuron_config, "kv_quant_config", None)
+    if not fp8_kv and (getattr(neuron_config, "kv_cache_quant", False) or quantized_kv):
+        reasons.append("a quantized KV cache not asked for with --kv-cache-dtype fp8")
+    elif quantized_kv is not None and (not getattr(quantized_kv, "direct_cast", True)
+                                       or getattr(quantized_kv, "quant_dtype", torch.float8_e4m3fn) != torch.float8_e4m3fn):
+        # A static scale per tensor, key head or channel (KVCacheManager's k_scales / v_scales) lives in the state, not in the lines.
+        reasons.append(f"a quantized KV cache of {getattr(quantized_kv, 'quant_dtype', '?')} with scales (direct_cast "
+                       f"{getattr(quantized_kv, 'direct_cast', '?')}): only e4m3 lines cast directly are carried")
     attention_dtype = getattr(neuron_config, "attention_dtype", None)
     if attention_dtype is not None and str(attention_dtype).removeprefix("torch.") != str(neuron_config.torch_dtype).removeprefix("torch."):
         reasons.append(f"attention_dtype {attention_dtype} (KV not in the model dtype)")
@@ -143,7 +150,7 @@ class NeuronBackend(Backend):
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         neuron_config = self.model.config.neuron_config  # what NxDI built, not what we asked for
         check_seq_ids_mask(neuron_config)
-        refuse_unconvertible_layout(neuron_config, getattr(self.model.config, "sliding_window", None))
+        refuse_unconvertible_layout(neuron_config, getattr(self.model.config, "sliding_window", None), fp8_kv=options.kv_cache_dtype == "fp8")
         heads = text.num_attention_heads
         self.layout = KvLayout(neuron_config.tp_degree, getattr(text, "num_key_value_heads", heads) or heads, heads)
         self.info = ModelInfo(
@@ -156,6 +163,7 @@ class NeuronBackend(Backend):
             vocab_size=text.vocab_size,
             eos_token_ids=eos_token_ids(options.model, text),
             max_seq_len=options.seq_len,
+            device_kv_dtype=options.kv_cache_dtype or "",
         )
         self.context_buckets = context_buckets(self.model, options.context_limit)
         self.pad_token_id = getattr(self.model.config, "pad_token_id", None) or 0
@@ -171,13 +179,23 @@ class NeuronBackend(Backend):
         max_length, plus the seq_ids mask's pad."""
         return (getattr(neuron_config, "max_length", None) or self.options.seq_len) + SEQ_IDS_MASK_PAD
 
+    def _cache_dtype(self) -> torch.dtype:
+        """The device state's KV dtype: e4m3 for NxDI's fp8 KV cache, else the model's."""
+        return torch.float8_e4m3fn if self.options.kv_cache_dtype == "fp8" else getattr(torch, DTYPES[self.options.dtype])
+
+    def read_line(self, layer: int, kind: KvKind, line: int, length: int) -> torch.Tensor:
+        """A line's first `length` positions, canonical, in the model's dtype: an fp8 cache's e4m3 values widened
+        (exactly: every e4m3 value is a bf16 and a float32), so the hand-off carries what the cache holds; the
+        receiving worker's write_line casts them back to its cache's dtype, the same values."""
+        return self.layout.read_line(self._caches(layer, kind), line, length).to(getattr(torch, DTYPES[self.options.dtype]))
+
     def _check_state(self, neuron_config) -> None:
         """Every rank's K and V for every layer is exactly [lines, heads_per_rank, positions,
         head_dim] in the model dtype, as NxDI builds it: the layout the KV conversion assumes."""
         if self.state.ranks != self.layout.tp_degree:
             raise UnsupportedLayout(f"NxDI holds {self.state.ranks} ranks of KV state, expected tp_degree {self.layout.tp_degree}")
         expected = (compiled_lines(self.options), self.layout.heads_per_rank, self.cache_positions(neuron_config), self.info.head_dim)
-        dtype = getattr(torch, DTYPES[self.options.dtype])
+        dtype = self._cache_dtype()
         for layer in range(self.info.num_layers):
             for kind in KvKind:
                 for rank, cache in enumerate(self._caches(layer, kind)):
@@ -198,8 +216,8 @@ class NeuronBackend(Backend):
         first = self._encode_context(token_ids, line, sampling)
         layers = []
         for layer in range(self.info.num_layers):
-            keys = self.layout.read_line(self._caches(layer, KvKind.KEY), line, length)
-            values = self.layout.read_line(self._caches(layer, KvKind.VALUE), line, length)
+            keys = self.read_line(layer, KvKind.KEY, line, length)
+            values = self.read_line(layer, KvKind.VALUE, line, length)
             layers.append((keys, values))
             if on_layer is not None:
                 on_layer(layer, keys, values)

@@ -111,15 +111,16 @@ def fused_spec_config(cls, config, options: NeuronOptions):
 def describe(options: NeuronOptions) -> str:
     model = pathlib.Path(options.model.rstrip("/")).name
     weights = f", {options.quantization} {options.quantization_type} weights" if options.quantization else ""
+    weights += ", fp8 KV cache" if options.kv_cache_dtype == "fp8" else ""
     draft = pathlib.Path(options.draft_model.rstrip("/")).name
     draft = f", {options.speculation} {draft} fused, {options.speculation_length} positions a step" if options.speculation else ""
     return f"{model} for Neuron (tp {options.tp_degree}, {compiled_lines(options)} KV lines, seq {options.seq_len}, {options.dtype}{weights}{draft})"
 
 
 def set_quantization_env(options: NeuronOptions) -> None:
-    """The environment an fp8 model compiles and runs under, as NxDI's inference_demo sets it
-    (values already in the environment are kept)."""
-    if options.quantization == "fp8":
+    """The environment an fp8 model (fp8 weights, or an fp8 KV cache) compiles and runs under, as NxDI's
+    inference_demo sets it (values already in the environment are kept)."""
+    if options.quantization == "fp8" or options.kv_cache_dtype == "fp8":
         for name, value in FP8_ENV.items():
             os.environ.setdefault(name, value)
 

@@ -32,6 +32,12 @@ NXDI_QUANTIZATION_KWARGS = ("quantized", "quantized_checkpoints_path", "quantiza
 # quantize their rows. Not mapped: the weights this backend prepares (full precision, or --quantization's own
 # quantized state dict) are not that, so they are refused in the pass-through settings rather than loaded wrong.
 NXDI_ACTIVATION_QUANTIZATION_KWARGS = ("activation_quantization_type", "quantized_mlp_kernel_enabled", "rmsnorm_quantize_kernel_enabled")
+# --kv-cache-dtype fp8 -> NxDI's fp8 KV cache: each K/V line cast to e4m3 as it is written, and back to the model's dtype
+# as it is read (KVCacheManager._quantize_cache / _dequantize_cache with a direct cast: no scales). kv_cache_quant is
+# NxDI 0.7's switch (and 0.8+'s for the compiler's fp8 option, ModelWrapper); kv_quant_config 0.8+'s (KVQuantizationConfig:
+# quant_dtype float8_e4m3fn, per tensor, direct_cast by default). 0.7 takes the second as an unexpected argument, logged.
+NXDI_FP8_KV = {"kv_cache_quant": True, "kv_quant_config": {"direct_cast": True}}
+KV_CACHE_DTYPES = ("fp8",)
 
 # --speculative-method -> NeuronConfig's speculation switches. Both run the draft inside the target's
 # compiled step (NxDI's fused speculation, NeuronFusedSpecModel); eagle's draft is an EAGLE head
@@ -69,6 +75,7 @@ class NeuronOptions:
     speculation: str | None = None  # NxDI's fused speculation with a draft checkpoint: draft or eagle (NXDI_SPECULATION); None: off
     speculation_length: int = 0  # NeuronConfig.speculation_length: the positions a fused step scores a row, guesses + 1
     draft_model: str = ""  # the draft checkpoint (FusedSpecNeuronConfig.draft_model_path), the target's architecture
+    kv_cache_dtype: str | None = None  # fp8: NxDI's fp8 KV cache (NXDI_FP8_KV); None: in dtype
     extra: dict = field(default_factory=dict)  # other NeuronConfig keyword arguments, passed through
 
     def __post_init__(self):
@@ -83,6 +90,17 @@ class NeuronOptions:
         self._check_buckets()
         self._check_quantization()
         self._check_speculation()
+        self._check_kv_cache()
+
+    def _check_kv_cache(self) -> None:
+        if self.kv_cache_dtype is None:
+            return
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: NxDI's KV cache quantization is fp8 (e4m3, a cast of each line); "
+                             "int8 KV is served by the torch backend")
+        both = sorted(key for key in NXDI_FP8_KV if key in self.extra)
+        if both:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} sets NeuronConfig's {', '.join(both)}: leave them out of the pass-through settings")
 
     def _check_quantization(self) -> None:
         object.__setattr__(self, "quantization_skip", tuple(self.quantization_skip))  # a JSON list -> a hashable, keyed tuple
@@ -235,6 +253,8 @@ def neuron_config_kwargs(options: NeuronOptions, on_device_sampling) -> dict:
         kwargs["token_generation_buckets"] = [*options.token_buckets[:-1], compiled_seq_len(options)]
     kwargs.update(quantization_kwargs(options))
     kwargs.update(speculation_kwargs(options))
+    if options.kv_cache_dtype == "fp8":
+        kwargs.update(NXDI_FP8_KV)
     kwargs.update(options.extra)
     return kwargs
 
@@ -307,6 +327,7 @@ def compiled_key_options(options: NeuronOptions) -> dict:
     settings only where quantization is on (unquantized keys stay as they were before them)."""
     skipped = {"async_mode"} | (set(QUANTIZATION_FIELDS) if options.quantization is None else set())
     skipped |= set(SPECULATION_FIELDS) if options.speculation is None else set()
+    skipped |= {"kv_cache_dtype"} if options.kv_cache_dtype is None else set()
     return {k: v for k, v in asdict(options).items() if k not in skipped}
 
 

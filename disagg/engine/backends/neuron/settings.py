@@ -71,6 +71,8 @@ NXDI_SPECULATION = {
     "enable_fused_speculation": lambda v: {"speculative_method": "draft"} if v else {},
     "enable_eagle_speculation": lambda v: {"speculative_method": "eagle"} if v else {},
 }
+# NxDI's fp8 KV cache switch (NeuronConfig.kv_cache_quant, inference_demo's --kv-cache-quant) -> ours.
+NXDI_KV = {"kv_cache_quant": lambda v: {"kv_cache_dtype": "fp8"} if v else {}}
 NXDI_SPECULATION_NOTES = {
     "enable_eagle_draft_input_norm": "read from the EAGLE head's checkpoint (whether its layers have input norms)",
     "is_eagle_draft": "set on the draft's config by disagg, as NxDI's inference_demo sets it",
@@ -116,6 +118,9 @@ def read_worker_config(path: str) -> tuple[dict, list[str]]:
             continue
         if key in NXDI_SPECULATION_NOTES:
             notes.append(f"{key}: {NXDI_SPECULATION_NOTES[key]}")
+            continue
+        if key in NXDI_KV:
+            settings.update(NXDI_KV[key](value))
             continue
         name = TNX_ALIASES.get(key, key)
         if name == "dtype":

@@ -67,6 +67,20 @@ def release() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+class KVQuantizationConfig:
+    """NxD's quantization_config.KVQuantizationConfig (0.8 on): per tensor, e4m3, a direct cast by default; a direct
+    cast asserts per-tensor keys and values (no scales to apply)."""
+
+    def __init__(self, **kwargs):
+        self.k_quant_method = kwargs.pop("k_quant_method", "per_tensor_symmetric")
+        self.v_quant_method = kwargs.pop("v_quant_method", "per_tensor_symmetric")
+        self.quant_dtype = kwargs.pop("quant_dtype", torch.float8_e4m3fn)
+        self.direct_cast = kwargs.pop("direct_cast", True)
+        if self.direct_cast:
+            assert self.k_quant_method == "per_tensor_symmetric" and self.v_quant_method == "per_tensor_symmetric", (
+                "When using direct cast both K and V quantization strategies must be PER_TENSOR_SYMMETRIC")
+
+
 def to_torch_dtype(name) -> torch.dtype:
     """NxDI's to_torch_dtype: "bfloat16" / "torch.bfloat16" -> torch.bfloat16."""
     return name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."))
@@ -130,6 +144,8 @@ class NeuronConfig:
         self.kv_cache_padding_size = kwargs.pop("kv_cache_padding_size", 0)
         self.kv_cache_quant = kwargs.pop("kv_cache_quant", False)
         self.kv_quant_config = kwargs.pop("kv_quant_config", None)
+        if type(self.kv_quant_config) is dict:  # NeuronConfig.__init__, "# KV Quantization" (0.8 on)
+            self.kv_quant_config = KVQuantizationConfig(**self.kv_quant_config)
         self.attention_dp_degree = kwargs.pop("attention_dp_degree", 1)
         self.kv_cache_tiling = kwargs.pop("kv_cache_tiling", False)
         self.k_cache_transposed = kwargs.pop("k_cache_transposed", False)

@@ -390,15 +390,18 @@ class StandInCausalLM(EagleFusedSpec):
 
     def _check_plain_layout(self):
         nc = self.neuron_config
-        if nc.kv_cache_tiling or nc.kv_cache_quant or nc.kv_quant_config or nc.attention_dp_degree > 1 or nc.k_cache_transposed:
+        if nc.kv_cache_tiling or nc.attention_dp_degree > 1 or nc.k_cache_transposed:
             raise NotImplementedError("the stand-in computes only NxDI's default KV layout")
+        if nc.kv_quant_config is not None and not nc.kv_quant_config.direct_cast:
+            raise NotImplementedError("the stand-in computes NxDI's fp8 KV cache cast directly only, not with static scales")
 
     def _gather(self, layer, is_key, slot, positions, part: KvLines | None = None):
         part = part or self.target
         out = torch.zeros(part.kv_heads, len(positions), part.head_dim, dtype=self.dtype)
         for rank in range(self.tp):
             for j in range(part.per_rank):
-                out[head_of(rank, j, part.kv_heads, self.tp)] = self._cache(layer, is_key, rank, part)[slot, j, positions]
+                # KVCacheManager._dequantize_cache (a direct cast): an fp8 cache's lines widened to the model's dtype
+                out[head_of(rank, j, part.kv_heads, self.tp)] = self._cache(layer, is_key, rank, part)[slot, j, positions].to(self.dtype)
         return out
 
     def _scatter(self, layer, is_key, slot, positions, lines, part: KvLines | None = None):
@@ -406,7 +409,9 @@ class StandInCausalLM(EagleFusedSpec):
         part = part or self.target
         for rank in range(self.tp):
             for j in range(part.per_rank):
-                self._cache(layer, is_key, rank, part)[slot, j, positions] = lines[head_of(rank, j, part.kv_heads, self.tp)]
+                cache = self._cache(layer, is_key, rank, part)
+                # KVCacheManager._quantize_cache before update_cache: the new lines cast to the cache's dtype (e4m3 for kv_cache_quant)
+                cache[slot, j, positions] = lines[head_of(rank, j, part.kv_heads, self.tp)].to(cache.dtype)
 
     def _check_seq_ids(self, seq):
         # ModelWrapper._forward_with_pad pads seq_ids with range(max_batch_size): an id
