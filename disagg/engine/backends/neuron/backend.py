@@ -191,7 +191,7 @@ class NeuronBackend(Backend):
 
     def _check_state(self, neuron_config) -> None:
         """Every rank's K and V for every layer is exactly [lines, heads_per_rank, positions,
-        head_dim] in the model dtype, as NxDI builds it: the layout the KV conversion assumes."""
+        head_dim] in the model dtype (e4m3 for an fp8 KV cache), as NxDI builds it: the layout the KV conversion assumes."""
         if self.state.ranks != self.layout.tp_degree:
             raise UnsupportedLayout(f"NxDI holds {self.state.ranks} ranks of KV state, expected tp_degree {self.layout.tp_degree}")
         expected = (compiled_lines(self.options), self.layout.heads_per_rank, self.cache_positions(neuron_config), self.info.head_dim)
