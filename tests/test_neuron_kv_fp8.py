@@ -52,6 +52,9 @@ def test_a_worker_config_s_kv_cache_quant_is_the_fp8_kv_cache(tmp_path):
     assert read_worker_config(str(path))[0] == {"kv_cache_dtype": "fp8", "tp_degree": 2}
     path.write_text('{"kv_cache_quant": false}')
     assert read_worker_config(str(path))[0] == {}
+    path.write_text('{"kv_cache_quant": "false"}')  # a string would read as on: refused naming the setting
+    with pytest.raises(ValueError, match=r"worker.json: kv_cache_quant 'false': true or false"):
+        read_worker_config(str(path))
 
 
 def test_the_workers_give_the_neuron_backend_the_kv_cache_dtype_and_the_torch_backend_nothing_of_it():

@@ -100,6 +100,7 @@ def test_the_avx2_build_gives_the_vnni_builds_bits_from_the_same_panels(avx2, vn
             assert torch.equal(a.product(x, panels, out_features, bias), v.product(x, panels, out_features, bias)), (avx2, out_features, in_features, rows)
 
 
+@needs_w8a8
 def test_a_host_runs_one_w8a8_build_for_both_its_panels_dtypes(monkeypatch):
     """The two builds read the same panels (one dtype each for float32 and bf16 rows), so the product a panel's
     dtype finds is the host's chosen build, or the one DISAGG_W8A8_KERNEL names."""

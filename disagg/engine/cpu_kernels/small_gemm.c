@@ -136,6 +136,18 @@ typedef signed char input_t;
 #define INPUT_K(K) (((K) + 7) & ~7L)
 #define INPUT_CHUNKS(K) ((INPUT_K(K) + KC - 1) / KC)
 #define INPUT_STRIDE(K) (PLANES * INPUT_K(K) + 4 + 4 * PLANES * INPUT_CHUNKS(K))
+#ifdef ACT_INT8
+static inline unsigned row_top_bits(const float *row, long K); /* the build's own (AVX2 or AVX-512), below */
+/* A W8A8 row's scale, max|x| / 127 in float32 (NaN for a row holding an infinity or a NaN, whose products are then
+ * NaN; 0 for an all-zero row), stored after its kp digits; returns whether its digits are computed (finite, not zero). */
+static inline int store_row_scale(const float *row, long K, input_t *o, long kp, float *scale) {
+    unsigned top = row_top_bits(row, K);
+    union { unsigned u; float f; } largest = {top};
+    *scale = top >= 0x7f800000u ? __builtin_nanf("") : largest.f / 127.0f;
+    memcpy(o + kp, scale, sizeof *scale);
+    return top < 0x7f800000u && top != 0;
+}
+#endif
 #ifdef VNNI_AVX2
 /* Built with -DVNNI_AVX2 as well (`w8a8-avx2`, `w8a8-avx2-bf16`: any AVX2 CPU): the same rows and the same
  * panels, through AVX2 alone. Why: a CPU without AVX512_VNNI (an AVX2-only EPYC) refused W8A8, and its int8
@@ -160,7 +172,7 @@ static inline __m256i row_bits8(const float *row, long K, long k) {
 #endif
     return bits;
 }
-static unsigned row_top_bits(const float *row, long K) {
+static inline unsigned row_top_bits(const float *row, long K) {
     __m256i top = _mm256_setzero_si256();
     for (long k = 0; k < K; k += 8)
         top = _mm256_max_epu32(top, _mm256_and_si256(row_bits8(row, K, k), _mm256_set1_epi32(0x7fffffff)));
@@ -180,11 +192,8 @@ static void prepare_input(const float *x, long M, long K, input_t *out) {
     for (long m = 0; m < M; m++) {
         const float *row = x + m * K;
         input_t *o = out + m * stride;
-        unsigned top = row_top_bits(row, K);
-        union { unsigned u; float f; } largest = {top};
-        float scale = top >= 0x7f800000u ? __builtin_nanf("") : largest.f / 127.0f;
-        int finite = top < 0x7f800000u && top != 0;
-        memcpy(o + kp, &scale, sizeof scale);
+        float scale;
+        int finite = store_row_scale(row, K, o, kp, &scale);
         __m256 divisor = _mm256_set1_ps(finite ? scale : 1.0f);
         for (long k = 0; k < kp; k += 8) { /* kp is a multiple of 8 */
             __m256 value = _mm256_castsi256_ps(row_bits8(row, K, k));
@@ -220,13 +229,9 @@ static void prepare_input(const float *x, long M, long K, input_t *out) {
     for (long m = 0; m < M; m++) {
         const float *row = x + m * K;
         input_t *o = out + m * stride;
-        unsigned top = row_top_bits(row, K);
-        union { unsigned u; float f; } largest = {top};
-        /* an infinity or NaN: the row's products are NaN; an all-zero row: zero digits, scale 0 */
-        float scale = top >= 0x7f800000u ? __builtin_nanf("") : largest.f / 127.0f;
-        int finite = top < 0x7f800000u && top != 0;
+        float scale;
+        int finite = store_row_scale(row, K, o, kp, &scale);
         int *corrections = (int *)(o + kp + 4);
-        memcpy(o + kp, &scale, sizeof scale);
         __m512 divisor = _mm512_set1_ps(finite ? scale : 1.0f);
         __m512i sum = _mm512_setzero_si512();
         for (long k = 0; k < kp; k += 16) {

@@ -71,8 +71,18 @@ NXDI_SPECULATION = {
     "enable_fused_speculation": lambda v: {"speculative_method": "draft"} if v else {},
     "enable_eagle_speculation": lambda v: {"speculative_method": "eagle"} if v else {},
 }
-# NxDI's fp8 KV cache switch (NeuronConfig.kv_cache_quant, inference_demo's --kv-cache-quant) -> ours.
-NXDI_KV = {"kv_cache_quant": lambda v: {"kv_cache_dtype": "fp8"} if v else {}}
+
+
+def nxdi_kv_cache_quant(value) -> dict:
+    """NxDI's fp8 KV cache switch (NeuronConfig.kv_cache_quant, inference_demo's --kv-cache-quant) -> --kv-cache-dtype fp8.
+    A boolean only: "false" as a string would read as on."""
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_cache_quant {value!r}: true or false")
+    return {"kv_cache_dtype": "fp8"} if value else {}
+
+
+# NxDI's settings that a worker config may give by NxDI's names -> ours.
+NXDI_SETTINGS = {**NXDI_SPECULATION, "kv_cache_quant": nxdi_kv_cache_quant}
 NXDI_SPECULATION_NOTES = {
     "enable_eagle_draft_input_norm": "read from the EAGLE head's checkpoint (whether its layers have input norms)",
     "is_eagle_draft": "set on the draft's config by disagg, as NxDI's inference_demo sets it",
@@ -107,9 +117,9 @@ def read_worker_config(path: str) -> tuple[dict, list[str]]:
     settings, notes = {}, []
     # enable_fused_speculation last: NxDI's EAGLE is fused too, so where both are given, EAGLE's method stays.
     for key, value in sorted(raw.items(), key=lambda item: item[0] == "enable_fused_speculation"):
-        if key in NXDI_SPECULATION:
+        if key in NXDI_SETTINGS:
             try:
-                mapped = NXDI_SPECULATION[key](value)
+                mapped = NXDI_SETTINGS[key](value)
             except ValueError as exc:
                 raise ValueError(f"{path}: {exc}") from None
             if "speculative_method" in settings:
@@ -118,9 +128,6 @@ def read_worker_config(path: str) -> tuple[dict, list[str]]:
             continue
         if key in NXDI_SPECULATION_NOTES:
             notes.append(f"{key}: {NXDI_SPECULATION_NOTES[key]}")
-            continue
-        if key in NXDI_KV:
-            settings.update(NXDI_KV[key](value))
             continue
         name = TNX_ALIASES.get(key, key)
         if name == "dtype":
