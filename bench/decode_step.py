@@ -25,7 +25,8 @@ slots are not one contiguous run. The roofline is the weights' bytes over the me
 bandwidth measured here (a sum over a buffer larger than the caches, on the
 same threads), the least time a batch-1 step can take; the weights are
 every parameter but the input embedding table, of which a step reads a row.
-An 8-bit variant's own roofline (its bytes as served) is taken over two cores'
+An 8-bit variant's own roofline (its bytes as served; a float32 model's too where its
+weights are held in bf16, disagg/engine/weight_storage.py) is taken over two cores'
 bandwidth sampled every few rounds among that batch's steps (the line ends with
 it): on a shared host the bandwidth moves between runs of a minute.
 
@@ -45,6 +46,7 @@ it): on a shared host the bandwidth moves between runs of a minute.
     python bench/decode_step.py --batch 1 --variants native-int8,native-int8-head   # the LM head in int8 too (--quantization-skip "")
     python bench/decode_step.py --batch 1,8,32 --variants native-int8@dot,native-int8@vnni   # int8 kernels named (DISAGG_INT8_KERNEL)
     python bench/decode_step.py --dtype float32 --batch 1,8,32 --variants native,native-w8a8@vnni,native-w8a8@avx2   # W8A8's builds (DISAGG_W8A8_KERNEL)
+    python bench/decode_step.py --dtype float32 --batch 1,8,32 --variants native@float32,native   # float32 weights held in float32, or in bf16
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native-paged,native-kv-int8,native-kv-fp8   # an 8-bit KV cache
     python bench/decode_step.py --batch 1,8 --context 1024 --variants native --kv-cache-dtype int8   # every variant's KV in 8 bits
 
@@ -262,6 +264,9 @@ def variant_options() -> dict[str, dict]:
 # builds it was made with).
 INT8_KERNELS = ("vnni", "dot", "widen")
 W8A8_KERNELS = ("vnni", "avx2")
+# A float32 variant's "@float32" or "@bf16" (native@float32): its weights held as DISAGG_F32_WEIGHTS says
+# (weight_storage: bf16 where every weight is a bf16 number, the default; float32 always).
+WEIGHT_STORAGES = ("bf16", "float32")
 
 
 def int8_kernel(name: str) -> tuple[str, str] | None:
@@ -269,6 +274,8 @@ def int8_kernel(name: str) -> tuple[str, str] | None:
     if "@" not in name:
         return None
     base, _, kernel = name.partition("@")
+    if kernel in WEIGHT_STORAGES:
+        return "DISAGG_F32_WEIGHTS", kernel
     variable, kernels = ("DISAGG_W8A8_KERNEL", W8A8_KERNELS) if base.startswith("native-w8a8") else ("DISAGG_INT8_KERNEL", INT8_KERNELS)
     if kernel not in kernels:
         raise SystemExit(f"{name}: the kernel after @ is one of {', '.join(kernels)}")
@@ -432,9 +439,11 @@ def main() -> None:
     roofline, result = roofline_result(args, device, path)
     vocab = backends[names[0]].info.vocab_size
     baseline = names[0]
-    # An 8-bit variant reads fewer bytes: its own roofline, over the bandwidth its step's cores read.
+    # An 8-bit variant, or a float32 one holding bf16 numbers in bf16 (weight_storage), reads fewer bytes: its own
+    # roofline, over the bandwidth its step's cores read.
     bandwidth = result.get("read_bandwidth_two_cores_gbs", result["read_bandwidth_gbs"]) * 1e9
-    rooflines = {name: served_weight_bytes(backend) / bandwidth for name, backend in backends.items() if backend.quantization_note}
+    rooflines = {name: served_weight_bytes(backend) / bandwidth for name, backend in backends.items()
+                 if backend.quantization_note or backend.weight_storage is not None}
     for name, seconds in rooflines.items():
         print(f"{name}: weights {served_weight_bytes(backends[name]) / 1e6:.0f} MB as served: roofline {seconds * 1e3:.2f} ms per step")
         result[f"{name}_roofline_ms"] = seconds * 1e3

@@ -133,8 +133,10 @@ def llama_ref() -> Reference:
     return reference("llama")
 
 
-def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, decode: int = 1, transport: str | None = None, compile: bool = False, **spec):
-    """A router and its workers as processes; transport: --kv-transport on every worker (None: the default).
+def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, decode: int = 1, transport: str | None = None, compile: bool = False,
+                  model: str | None = None, **spec):
+    """A router and its workers as processes; transport: --kv-transport on every worker (None: the default);
+    model: a checkpoint of the architecture's other than its tiny model.
 
     compile: the decode workers compile their step (their default on CUDA). The
     shared llama cluster (exactness, concurrency, every API test) runs compiled on
@@ -155,7 +157,8 @@ def start_cluster(tmp_root: pathlib.Path, architecture: str, prefill: int = 1, d
     if transport:
         spec["worker_args"] = [*spec.get("worker_args", ()), "--kv-transport", transport]
     cluster = LocalCluster(ClusterSpec(
-        model=tiny_model(architecture), prefill_workers=prefill, decode_workers=decode, dtype="float32", log_dir=str(tmp_root / name), compile=compile, **spec
+        model=model or tiny_model(architecture), prefill_workers=prefill, decode_workers=decode, dtype="float32", log_dir=str(tmp_root / name),
+        compile=compile, **spec
     ))
     try:
         return cluster.start(timeout=600.0 if compile else 180.0)  # compiling takes minutes on a loaded CI machine

@@ -306,7 +306,7 @@ def test_a_bf16_prompt_of_16_rows_or_more_attends_blocked_and_gives_the_float32_
             assert (a.float() - b).abs().max() <= 1e-2 * b.abs().max()
 
 
-@pytest.fixture(params=["widen", "dot"])
+@pytest.fixture(params=["widen", "widen-avx512", "dot"])
 def bf16_kernel(request, monkeypatch):
     """Each bf16 product kernel this CPU runs, named as DISAGG_BF16_KERNEL names it."""
     if small_gemm.build_kernel(f"bf16-{request.param}") is None:
@@ -322,7 +322,7 @@ def bf16_kernel(request, monkeypatch):
 # bf16, as it is written); dot: each product's input row is rounded too, as a bf16 model's
 # products take them. transformers' bf16 modules, which round every intermediate, are 5e-3 to
 # 9e-3 off on these models.
-BF16_STEP_TOLERANCE = {"widen": 4e-3, "dot": 8e-3}
+BF16_STEP_TOLERANCE = {"widen": 4e-3, "widen-avx512": 4e-3, "dot": 8e-3}
 
 
 @needs_bf16_packing

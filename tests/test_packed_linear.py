@@ -212,7 +212,7 @@ def test_the_float32_native_step_on_each_build_equals_transformers_step(name, f3
 
 
 @needs_kernel
-@pytest.mark.parametrize("build", ["bf16-widen", "bf16-dot"])
+@pytest.mark.parametrize("build", ["bf16-widen", "bf16-widen-avx512", "bf16-dot"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (1, 7), (30, 258)])
 def test_the_bf16_weight_kernels_compute_their_exact_products(out_features, in_features, bias, build):
@@ -333,7 +333,7 @@ def splittable(monkeypatch, helper_computes):
 @two_cpus
 @pytest.mark.parametrize("out_features, in_features", [(160, 96), (50, 600), (49, 7), (24, 256)])
 @pytest.mark.parametrize("caller_panels", [1, 0], ids=["helper-takes-the-rest", "as-the-threads-run"])
-@pytest.mark.parametrize("build", [*FLOAT32_BUILDS, "bf16-dot"])
+@pytest.mark.parametrize("build", [*FLOAT32_BUILDS, "bf16-widen-avx512", "bf16-dot"])
 def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, caller_panels, build, monkeypatch):
     # 24 outputs are one panel: nothing to share, the caller computes it alone. The avx512 build's
     # helper claims pairs of panels (its 17 and 64 rows read them two at a time), as bf16-dot's does

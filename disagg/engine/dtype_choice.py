@@ -5,6 +5,8 @@
   bf16 weight is half the bytes a decode step streams, and the native step
   widens it as it reads; without native bf16, PyTorch's bf16 products (a
   prefill's) emulate it, 4-5x slower than float32's on an AVX2-only EPYC.
+  A float32 model of a bf16 checkpoint still reads bf16's bytes: its weights
+  are held in bf16 and widened as they are multiplied (weight_storage.py).
 - CUDA: the checkpoint's own dtype (its config's), bfloat16 if it names none.
 - Neuron: bfloat16, NxD Inference's default.
 

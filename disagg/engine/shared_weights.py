@@ -51,13 +51,15 @@ class UnusableFile(ValueError):
     """A packed weights file that must not be served: its reason says why (and it is then rebuilt)."""
 
 
-def key_for(model: str, dtype: torch.dtype, quantization: str = "", quantized_values: tuple[torch.dtype, ...] = ()) -> str | None:
+def key_for(model: str, dtype: torch.dtype, quantization: str = "", quantized_values: tuple[torch.dtype, ...] = (),
+            storage: torch.dtype | None = None) -> str | None:
     """The file's key for this checkpoint and dtype, or None where nothing is shared: a checkpoint
     that is not a local directory of safetensors files, or a dtype the kernel does not pack.
     quantization: how its linears were quantized at load ("" for none; see TorchBackend);
-    quantized_values: their 8-bit values' dtypes, whose panels' layout is the build this host chose."""
+    quantized_values: their 8-bit values' dtypes, whose panels' layout is the build this host chose;
+    storage: the dtype the other linears' panels hold, where it is not the model's (weight_storage)."""
     root = pathlib.Path(model)
-    kernel = small_gemm.kernel(dtype)
+    kernel = small_gemm.kernel(storage or dtype)
     files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
     if kernel is None or not files or not (root / "config.json").is_file():
         return None
@@ -71,6 +73,8 @@ def key_for(model: str, dtype: torch.dtype, quantization: str = "", quantized_va
         "checkpoint": content, "dtype": str(dtype), "layout": [kernel.layout, small_gemm.PANEL], "format": FORMAT, "quantization": quantization,
         "disagg": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
     }
+    if storage is not None:
+        facts["storage"] = str(storage)
     if quantized_values:  # the 8-bit panels' layouts: the build this host chose (int8's is measured at start-up)
         chosen = (small_gemm.quantized_kernel(values, dtype) for values in sorted(set(quantized_values), key=str))
         facts["quantized_layouts"] = [k.layout if k is not None else None for k in chosen]

@@ -83,9 +83,11 @@ class TinyModelSpec:
 TRAINING_TEXTS = ("prose", "tool-chat", "recital")
 LATER_FIELDS = {"saved_dtype": "float32", "held_out_every": 0, "training_text": "prose", "learning_rate": 3e-3}
 
-# A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks.
+# A real small model's shape (SmolLM-135M's) with seeded, untrained weights: for benchmarks. Saved in bf16, as
+# the real checkpoint is (since 2026-11-28; float32 before, which a float32 server read at twice the bytes).
 SMOLLM_135M_SHAPE = TinyModelSpec(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, max_position_embeddings=2048, train_steps=0
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, max_position_embeddings=2048, train_steps=0,
+    saved_dtype="bfloat16",
 )
 # Llama-3.2-1B's shape (16 layers, 32 query and 8 KV heads of 64, an MLP of 8,192, 128,256
 # tokens), seeded and untrained: a real size for benchmarks. Its LM head is its own (the real

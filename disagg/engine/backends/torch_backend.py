@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from disagg.kv_transport.chunk_codec import KvKind, dtype_name
 from disagg.rpc import startup
 
-from .. import memory, shared_weights
+from .. import memory, shared_weights, weight_storage
 from ..cpu_kernels import native_step, prefill_attention, slot_attention, small_gemm
 from ..cpu_kernels.packed_linear import SMALL_ROWS, PackedLinear, can_prepack, group_shared_inputs, prepack_linears
 from ..faults import DeviceLost
@@ -190,6 +190,7 @@ class TorchBackend(Backend):
         self.dtype = DTYPES[config.dtype]
         self.loaded_here = model is None  # a model handed in is used as it is: its weights are not shared
         self.weights_note = "not shared"  # what became of the box's packed weights file (shared_weights.share)
+        self.weight_storage: torch.dtype | None = None  # bf16 panels for a float32 model of bf16 numbers (weight_storage), once packed
         # The model, its linears set to their dequantized values where they are 8-bit (`quantized`: those weights, by name).
         if model is None:  # before either loader (load_model, or a pre-quantized checkpoint's built from its config)
             architectures.check_verdict(AutoConfig.from_pretrained(config.model))
@@ -264,7 +265,11 @@ class TorchBackend(Backend):
         prompts = ([0], [0, 1, 2, 3], [0] * min(SMALL_ROWS + 1, self.info.max_seq_len))
         plain = [self.prefill_logits(prompt, lambda *kv: None) for prompt in prompts]
         values = tuple(q.values.dtype for q in self.quantized.values())
-        key = shared_weights.key_for(self.config.model, self.dtype, self.quantization_note, values) if self.config.share_weights and self.loaded_here else None
+        self.weight_storage, why = weight_storage.narrower_storage(self.model, self.dtype, self.device, set(self.quantized))
+        if why:
+            log.info("%s", why)
+        key = (shared_weights.key_for(self.config.model, self.dtype, self.quantization_note, values, self.weight_storage)
+               if self.config.share_weights and self.loaded_here else None)
         if key is None:
             self._pack_and_group(None)
         else:
@@ -282,7 +287,7 @@ class TorchBackend(Backend):
             architectures.refuse(self.model.config, "its logits change with prepacked linear layers (run with --no-prepack)")
 
     def _pack_and_group(self, panels: dict[str, torch.Tensor] | None) -> None:
-        log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model, panels, self.quantized))
+        log.info("prepacked %d linear layers for the CPU", prepack_linears(self.model, panels, self.quantized, self.weight_storage))
         groups = group_shared_inputs(self.model, lambda: self.prefill_logits([0], lambda *kv: None))
         if groups:
             log.info("%d groups of linear layers read the same input: each group is one product", groups)

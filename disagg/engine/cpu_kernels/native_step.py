@@ -284,7 +284,9 @@ def unserved(model, plans: list[LayerPlan]) -> str | None:
     dtype = inner.embed_tokens.weight.dtype
     if dtype not in MODEL_FLAGS:
         return f"it runs in {dtype}, not float32 or bfloat16"
-    if not all(isinstance(linear, PackedLinear) and linear.panels is not None and linear.panels.dtype in (dtype, *small_gemm.QUANTIZED_DTYPES)
+    # A float32 model's panels may hold bf16 (weight_storage): its widen build multiplies float32 rows by them.
+    narrower = (torch.bfloat16,) if dtype == torch.float32 else ()
+    if not all(isinstance(linear, PackedLinear) and linear.panels is not None and linear.panels.dtype in (dtype, *narrower, *small_gemm.QUANTIZED_DTYPES)
                for linear in linears):
         return f"its linears are not packed for the few-row kernel ({dtype} or 8-bit panels; {small_gemm.host_note(dtype)})"
     if any(plan.layer_type not in ("full_attention", "sliding_attention") for plan in plans):
@@ -308,14 +310,14 @@ def _grouped(members: list[PackedLinear]) -> SharedInput:
     return group
 
 
-def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int, keep: list) -> _Weights:
+def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int, keep: list, model_dtype: torch.dtype) -> _Weights:
     """A product's panels, with its bias as float32 (kept alive in `keep`): the kernel adds it to float32 sums."""
     if bias is not None:
         bias = bias.float().contiguous()
         keep.append(bias)
     shared = int(small_gemm.worth_sharing(panels))
     functions = (None, None, None)
-    if panels.dtype in small_gemm.QUANTIZED_DTYPES:  # the 8-bit build's products (the model's are its own dtype's)
+    if panels.dtype in small_gemm.QUANTIZED_DTYPES or panels.dtype != model_dtype:  # an 8-bit or bf16 build's products (the model's are its own dtype's)
         kernel = small_gemm.kernel(panels.dtype)
         functions = tuple(ctypes.cast(function, ctypes.c_void_p).value for function in (kernel._call, kernel._split, kernel._warm))
     return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, shared, *functions)
@@ -378,11 +380,11 @@ class NativeModel:
             self._keep += [qkv, gate_up, *norms]
             layers[i] = _Layer(
                 norms[0].data_ptr(), norms[1].data_ptr(),
-                _weights(qkv.panels, qkv.bias, qkv.width, self._keep),
+                _weights(qkv.panels, qkv.bias, qkv.width, self._keep, self.dtype),
                 attention.q_proj.shared_start, attention.k_proj.shared_start, attention.v_proj.shared_start,
-                _weights(attention.o_proj.panels, attention.o_proj.bias, attention.o_proj.out_features, self._keep),
-                _weights(gate_up.panels, gate_up.bias, gate_up.width, self._keep), mlp.gate_proj.shared_start, mlp.up_proj.shared_start,
-                _weights(mlp.down_proj.panels, mlp.down_proj.bias, mlp.down_proj.out_features, self._keep),
+                _weights(attention.o_proj.panels, attention.o_proj.bias, attention.o_proj.out_features, self._keep, self.dtype),
+                _weights(gate_up.panels, gate_up.bias, gate_up.width, self._keep, self.dtype), mlp.gate_proj.shared_start, mlp.up_proj.shared_start,
+                _weights(mlp.down_proj.panels, mlp.down_proj.bias, mlp.down_proj.out_features, self._keep, self.dtype),
                 (plan.window or 0) if plan.is_sliding else 0,
             )
         final_norm, lm_head = inner.norm.weight.detach().float().contiguous(), model.lm_head
@@ -393,7 +395,7 @@ class NativeModel:
         self.model = _Model(
             self.layers, config.hidden_size, q_heads, self.kv_heads, self.head_dim, mlp.gate_proj.out_features,
             inner.norm.variance_epsilon, first_attention.scaling,
-            self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.panels, lm_head.bias, self.vocab, self._keep),
+            self.embed.data_ptr(), final_norm.data_ptr(), _weights(lm_head.panels, lm_head.bias, self.vocab, self._keep, self.dtype),
             *pointers, layers,
         )
         self._blocked_prompts(q_heads, plans)

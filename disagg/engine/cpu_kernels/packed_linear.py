@@ -98,13 +98,16 @@ class PackedLinear(nn.Module):
     8-bit kernel reads; the linear's own weight then holds its dequantized values,
     which a CPU without the kernel keeps in oneDNN's layout (correct, not smaller)."""
 
-    def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None, quantized: QuantizedWeight | None = None):
+    def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None, quantized: QuantizedWeight | None = None,
+                 storage: torch.dtype | None = None):
         super().__init__()
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = weight.dtype  # the model's: what its rows and outputs are
         if quantized is not None:
             kernel = small_gemm.quantized_kernel(quantized.values.dtype, weight.dtype, quantized.activations)
+        elif storage is not None and storage != weight.dtype:  # a float32 weight of bf16 numbers (weight_storage): bf16 panels
+            kernel, weight = small_gemm.kernel(storage), weight.to(storage)
         else:
             kernel = small_gemm.kernel(weight.dtype)
         if kernel is None and quantized is not None and quantized.activations:  # TorchBackend refuses this before packing
@@ -118,7 +121,7 @@ class PackedLinear(nn.Module):
                 panels = kernel.pack(weight)
         # Buffers, not parameters: the model's own weights stay what was loaded. One of the two is kept.
         self.register_buffer("panels", panels, persistent=False)  # [ceil(out / 24), in, 24], or None
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if panels is None else None
+        onednn = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None) if panels is None else None
         self.register_buffer("onednn", onednn, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
@@ -315,16 +318,18 @@ def group_shared_inputs(model: nn.Module, run: Callable[[], object]) -> int:
     return len(distinct)
 
 
-def prepack_linears(model: nn.Module, panels: dict[str, torch.Tensor] | None = None, quantized: dict[str, QuantizedWeight] | None = None) -> int:
+def prepack_linears(model: nn.Module, panels: dict[str, torch.Tensor] | None = None, quantized: dict[str, QuantizedWeight] | None = None,
+                    storage: torch.dtype | None = None) -> int:
     """Replaces every `nn.Linear` of the model by a `PackedLinear`; returns how many. panels: each
     linear's panels by its name + ".panels" (the box's shared weights file), used where they fit;
     without them, the weights left as loaded are then copied out of the loader's storage (release_loaded_storage).
-    quantized: the 8-bit weights of the linears so named (their panels are the 8-bit kernel's)."""
+    quantized: the 8-bit weights of the linears so named (their panels are the 8-bit kernel's). storage: the
+    dtype the other linears' panels hold (weight_storage: bf16 for a float32 model of bf16 numbers), else the model's."""
     targets = [(parent, prefix, name, child) for prefix, parent in model.named_modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
     for parent, prefix, name, child in targets:
         full_name = f"{prefix}.{name}" if prefix else name
-        setattr(parent, name, PackedLinear(child, (panels or {}).get(f"{full_name}.panels"), (quantized or {}).get(full_name)))
+        setattr(parent, name, PackedLinear(child, (panels or {}).get(f"{full_name}.panels"), (quantized or {}).get(full_name), storage))
     if panels is None:
         release_loaded_storage(model)
     return len(targets)

@@ -27,7 +27,9 @@
  *
  * Built with -DWIDE_F32 -mavx512f -mavx512vl as well (small_gemm.py's
  * float32-avx512), the float32 blocks use 512-bit vectors over the same panels
- * (wide_block): the same sums in the same order, so the same bits.
+ * (wide_block): the same sums in the same order, so the same bits. With
+ * -DWEIGHT_BF16 too (bf16-widen-avx512), the same blocks read bf16 panels,
+ * each weight widened exactly as it is loaded: float32's bits over them.
  */
 #define _GNU_SOURCE /* pthread_getaffinity_np, pthread_setaffinity_np */
 #include <immintrin.h>
@@ -787,18 +789,29 @@ static inline __attribute__((always_inline)) void eight_bit_block(int rows, cons
  * y chunk by chunk: the AVX2 build's bits, whatever the rows, the block or the pairing. */
 #define WIDE_ROWS 8
 #define PAIR_ROWS 16
-static inline __m512 join_halves(const float *first, const float *second) {
+#ifdef WEIGHT_BF16
+/* bf16 weights (-DWEIGHT_BF16 too: bf16-widen-avx512), widened to float32 exactly as they are loaded: 16 at a
+ * time, and the two panels' 8-column tails joined as 16-bit values before the one widening. */
+static inline __m512 widen16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+static inline __m512 wide_load16(const weight_t *w) { return widen16(_mm256_loadu_si256((const __m256i *)w)); }
+static inline __m512 join_halves(const weight_t *first, const weight_t *second) {
+    return widen16(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)first)), _mm_loadu_si128((const __m128i *)second), 1));
+}
+#else
+static inline __m512 wide_load16(const weight_t *w) { return _mm512_loadu_ps(w); }
+static inline __m512 join_halves(const weight_t *first, const weight_t *second) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_load_ps(first))), _mm256_castps_pd(_mm256_load_ps(second)), 1));
 }
-static inline __attribute__((always_inline)) void wide_block(int rows, int pair, const float *x, long ldx, const float *chunk, long panel_stride, long kn,
+#endif
+static inline __attribute__((always_inline)) void wide_block(int rows, int pair, const float *x, long ldx, const weight_t *chunk, long panel_stride, long kn,
                                                              long ahead, float *y, long ldy, const float *bias, int ncols, int first) {
     __m512 low[WIDE_ROWS], next[WIDE_ROWS], high[WIDE_ROWS];
     __m256 tail[WIDE_ROWS];
     for (int r = 0; r < WIDE_ROWS; r++)
         low[r] = next[r] = high[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps();
-    const float *other = chunk + panel_stride; /* the second panel's same chunk */
+    const weight_t *other = chunk + panel_stride; /* the second panel's same chunk */
     for (long k = 0; k < kn; k++) {
-        const float *w = chunk + k * NR, *v = other + k * NR;
+        const weight_t *w = chunk + k * NR, *v = other + k * NR;
         {   /* one row too (AHEAD_BYTES) */
             _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + ahead + 16), _MM_HINT_T0);
@@ -807,9 +820,9 @@ static inline __attribute__((always_inline)) void wide_block(int rows, int pair,
                 _mm_prefetch((const char *)(v + ahead + 16), _MM_HINT_T0);
             }
         }
-        __m512 w0 = _mm512_loadu_ps(w);
+        __m512 w0 = wide_load16(w);
         if (pair) {
-            __m512 v0 = _mm512_loadu_ps(v), both = join_halves(w + 16, v + 16);
+            __m512 v0 = wide_load16(v), both = join_halves(w + 16, v + 16);
             for (int r = 0; r < rows; r++) {
                 __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
                 low[r] = _mm512_fmadd_ps(xr, w0, low[r]);
@@ -817,7 +830,7 @@ static inline __attribute__((always_inline)) void wide_block(int rows, int pair,
                 high[r] = _mm512_fmadd_ps(xr, both, high[r]);
             }
         } else {
-            __m256 w2 = _mm256_load_ps(w + 16);
+            __m256 w2 = load_weights(w + 16);
             for (int r = 0; r < rows; r++) {
                 __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
                 low[r] = _mm512_fmadd_ps(xr, w0, low[r]);
@@ -910,11 +923,12 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
     int pairs = M >= PAIR_ROWS;
     for (long p = first; p < last; p += 1 + pairs) {
         int pair = pairs && p + 1 < last, ncols = N - p * NR < (pair + 1) * NR ? (int)(N - p * NR) : (pair + 1) * NR;
-        const float *b = bias ? bias + p * NR : 0, *panel = panels + p * kp * NR;
+        const float *b = bias ? bias + p * NR : 0;
+        const weight_t *panel = panels + p * kp * NR;
         for (long k0 = 0; k0 < kp; k0 += KC) {
             long kn = kp - k0 < KC ? kp - k0 : KC;
-            const float *chunk = panel + k0 * NR;
-            long ahead = kn * NR > AHEAD_BYTES / 4 ? kn * NR : AHEAD_BYTES / 4;
+            const weight_t *chunk = panel + k0 * NR;
+            long ahead = kn * NR > AHEAD_BYTES / (long)sizeof(weight_t) ? kn * NR : AHEAD_BYTES / (long)sizeof(weight_t);
             for (long m = 0; m < M; m += WIDE_ROWS) {
                 const float *xm = x + m * ldx + k0;
                 float *ym = y + m * N + p * NR;
