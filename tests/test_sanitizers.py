@@ -16,7 +16,7 @@ from disagg.engine.dtype_choice import cpu_flags
 
 DRIVER = pathlib.Path(__file__).with_name("sanitize") / "split_driver.c"
 COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-BYTES_PER_WEIGHT = {"float32": 4, "float32-avx512": 4, "bf16-widen": 2, "bf16-dot": 2}
+BYTES_PER_WEIGHT = {"float32": 4, "float32-avx512": 4, "bf16-widen": 2, "bf16-widen-avx512": 2, "bf16-dot": 2}
 
 
 def sanitized_driver(tmp_path: pathlib.Path, sanitizer: str, build: str) -> pathlib.Path:
