@@ -241,7 +241,12 @@ def test_w8a8_greedy_tokens_equal_generate_with_int8_rows(w8a8_cluster):
         served = client.complete(prompt, max_new_tokens=8, logprobs=True)
     w8a8_logprobs, weight_only_logprobs = (chosen_logprobs(model, ref.ids(prompt), served.token_ids) for model in (ref.model, weight_only("llama")))
     got = torch.tensor([entry.logprob for entry in served.logprobs])
-    assert (got - w8a8_logprobs).abs().max() < 1e-3 < (got - weight_only_logprobs).abs().max()
+    # Near the reference's, and nearer it than the weight-only model's by twice over. Not a bound of 1e-3: the float32
+    # activations differ between the service and transformers in the last bits as sum orders differ by CPU, so a value
+    # at a rounding midpoint of its row's int8 grid can take the other digit. On an Ice Lake Xeon that moved these
+    # log-probabilities by up to 4.4e-3 from the reference (1.0e-3 on average; the weight-only model's were 1.8e-2, 3.5e-3).
+    to_w8a8, to_weight_only = (got - w8a8_logprobs).abs(), (got - weight_only_logprobs).abs()
+    assert to_w8a8.max() < 1e-2 and 2 * to_w8a8.sum() < to_weight_only.sum(), (to_w8a8, to_weight_only)
     assert_nothing_held(w8a8_cluster)
 
 
