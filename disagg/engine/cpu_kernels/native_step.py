@@ -317,7 +317,7 @@ def _weights(panels: torch.Tensor, bias: torch.Tensor | None, n: int, keep: list
         keep.append(bias)
     shared = int(small_gemm.worth_sharing(panels))
     functions = (None, None, None)
-    if panels.dtype in small_gemm.QUANTIZED_DTYPES or panels.dtype != model_dtype:  # an 8-bit or bf16 build's products (the model's are its own dtype's)
+    if panels.dtype != model_dtype:  # an 8-bit build's products, or bf16 panels' in a float32 model (the model's are its own dtype's)
         kernel = small_gemm.kernel(panels.dtype)
         functions = tuple(ctypes.cast(function, ctypes.c_void_p).value for function in (kernel._call, kernel._split, kernel._warm))
     return _Weights(panels.data_ptr(), None if bias is None else bias.data_ptr(), n, shared, *functions)

@@ -106,8 +106,8 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype  # the model's: what its rows and outputs are
         if quantized is not None:
             kernel = small_gemm.quantized_kernel(quantized.values.dtype, weight.dtype, quantized.activations)
-        elif storage is not None and storage != weight.dtype:  # a float32 weight of bf16 numbers (weight_storage): bf16 panels
-            kernel, weight = small_gemm.kernel(storage), weight.to(storage)
+        elif storage is not None:  # a float32 weight of bf16 numbers (weight_storage): bf16 panels
+            kernel = small_gemm.kernel(storage)
         else:
             kernel = small_gemm.kernel(weight.dtype)
         if kernel is None and quantized is not None and quantized.activations:  # TorchBackend refuses this before packing
@@ -118,10 +118,10 @@ class PackedLinear(nn.Module):
             elif quantized is not None:
                 panels = kernel.pack_quantized(quantized.values, quantized.scale)
             else:
-                panels = kernel.pack(weight)
+                panels = kernel.pack(weight.to(kernel.weight_dtype))  # a no-op but for a narrower storage's panels
         # Buffers, not parameters: the model's own weights stay what was loaded. One of the two is kept.
         self.register_buffer("panels", panels, persistent=False)  # [ceil(out / 24), in, 24], or None
-        onednn = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None) if panels is None else None
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if panels is None else None
         self.register_buffer("onednn", onednn, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
