@@ -71,7 +71,11 @@ case "$command" in
     if names_tests "$@"; then
       exec "$VENV/bin/python" -m pytest "$@"
     fi
-    "$VENV/bin/python" -m pytest "$@"
+    # The whole suite on two workers, a file to each at a time (a file's clusters and fixtures stay in one
+    # process): on two cores the tests, each waiting on its processes much of the time, keep one core busy.
+    parallel=()
+    [ "$(nproc)" -ge 2 ] && parallel=(-n 2 --dist loadfile)
+    "$VENV/bin/python" -m pytest ${parallel[@]+"${parallel[@]}"} "$@"
     echo "==> the neuron suite under transformers $NXDI_TRANSFORMERS (NxDI's pin), in $NXDI_VENV" >&2
     ensure_env "$NXDI_VENV" "test" "transformers==$NXDI_TRANSFORMERS"
     exec "$NXDI_VENV/bin/python" -m pytest "$@" "${NXDI_TESTS[@]}"

@@ -68,6 +68,8 @@ def pytest_sessionstart(session) -> None:
     import subprocess
     import sys
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # pytest-xdist's controller started the one builder
     missing = [name for name in BACKGROUND_ORDER if not checkpoint_path(TEST_MODELS[name], checkpoints_root()).exists()]
     if len(missing) > 1:  # one alone, the test that needs it trains as fast
         # One torch thread: on the core the tests leave idle; beside their processes a second OpenMP thread
@@ -76,6 +78,19 @@ def pytest_sessionstart(session) -> None:
                   f"import conftest; [conftest.tiny_model(n) for n in {missing!r}]; [conftest.eagle_head(n) for n in conftest.EAGLE_HEADS]")
         quiet = subprocess.DEVNULL  # a checkpoint it fails to make, the test that needs it makes, and says why
         _builder = subprocess.Popen([sys.executable, "-c", script], stdout=quiet, stderr=quiet, preexec_fn=lambda: os.nice(5))
+
+
+# The files that take longest (the chaos soak, the wheel in a fresh virtualenv, supervision's restarts,
+# the compiled steps), first: run.sh runs the whole suite on two pytest-xdist workers, a file to a
+# worker (--dist loadfile), and a long file handed out last would keep one worker busy while the
+# other has nothing left (a run here: the last 5% of the tests took a quarter of its time).
+LONGEST_FIRST = ("test_soak.py", "test_install.py", "test_supervision.py", "test_speculation.py", "test_compiled.py", "test_model_support.py",
+                 "test_step_failures.py", "test_sanitizers.py", "test_kv_nixl_faults.py", "test_quantization.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
 def pytest_sessionfinish(session) -> None:
