@@ -43,8 +43,8 @@ def checkpoints_root() -> pathlib.Path:
     return cache_dir() / "test-models"
 
 
-# On a machine that has none of them yet (CI), a second process trains the test
-# checkpoints while the first tests run, on the core they leave idle. In the order
+# On a machine that has none of them yet, a test run in one process has a second process
+# train the test checkpoints while the first tests run, on the core they leave idle. In the order
 # the suite first needs them, after llama, which the first test trains itself;
 # a test that needs one being trained waits for it (ensure_tiny_model's lock).
 BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama-held-out", "llama-tools", "llama", "llama-draft")
@@ -68,8 +68,11 @@ def pytest_sessionstart(session) -> None:
     import subprocess
     import sys
 
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # pytest-xdist's controller started the one builder
+    if os.environ.get("PYTEST_XDIST_WORKER") or getattr(session.config.option, "numprocesses", None):
+        # On pytest-xdist's workers the tests keep both cores busy: a niced builder got so little of them that
+        # tests waited on its lock for minutes (a gptj test 125 s). There each checkpoint is made, at full
+        # speed, by the first test that needs it (the others wait on ensure_tiny_model's lock).
+        return
     missing = [name for name in BACKGROUND_ORDER if not checkpoint_path(TEST_MODELS[name], checkpoints_root()).exists()]
     if len(missing) > 1:  # one alone, the test that needs it trains as fast
         # One torch thread: on the core the tests leave idle; beside their processes a second OpenMP thread
