@@ -71,13 +71,21 @@ case "$command" in
     if names_tests "$@"; then
       exec "$VENV/bin/python" -m pytest "$@"
     fi
-    # The whole suite on two workers, a file to each at a time (a file's clusters and fixtures stay in one
-    # process): on two cores the tests, each waiting on its processes much of the time, keep one core busy.
-    parallel=()
-    [ "$(nproc)" -ge 2 ] && parallel=(-n 2 --dist loadfile)
-    "$VENV/bin/python" -m pytest ${parallel[@]+"${parallel[@]}"} "$@"
+    # The neuron suite's virtualenv is installed meanwhile (a pip install of a minute or two, in the core the
+    # tests, each waiting on its processes much of the time, leave idle), its output kept for a failure.
+    nxdi_log="$(mktemp)"
+    ensure_env "$NXDI_VENV" "test" "transformers==$NXDI_TRANSFORMERS" >"$nxdi_log" 2>&1 &
+    nxdi_install=$!
+    status=0
+    "$VENV/bin/python" -m pytest "$@" || status=$?
+    if ! wait "$nxdi_install"; then
+      cat "$nxdi_log" >&2
+      echo "==> installing $NXDI_VENV failed" >&2
+      exit 1
+    fi
+    rm -f "$nxdi_log"
+    [ "$status" -eq 0 ] || exit "$status"
     echo "==> the neuron suite under transformers $NXDI_TRANSFORMERS (NxDI's pin), in $NXDI_VENV" >&2
-    ensure_env "$NXDI_VENV" "test" "transformers==$NXDI_TRANSFORMERS"
     exec "$NXDI_VENV/bin/python" -m pytest "$@" "${NXDI_TESTS[@]}"
     ;;
   *)

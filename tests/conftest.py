@@ -43,8 +43,8 @@ def checkpoints_root() -> pathlib.Path:
     return cache_dir() / "test-models"
 
 
-# On a machine that has none of them yet, a test run in one process has a second process
-# train the test checkpoints while the first tests run, on the core they leave idle. In the order
+# On a machine that has none of them yet (CI), a second process trains the test
+# checkpoints while the first tests run, on the core they leave idle. In the order
 # the suite first needs them, after llama, which the first test trains itself;
 # a test that needs one being trained waits for it (ensure_tiny_model's lock).
 BACKGROUND_ORDER = ("mistral-sw", "gemma2-sw", "gptj", "bloom", "qwen2", "mistral", "llama-held-out", "llama-tools", "llama", "llama-draft")
@@ -68,11 +68,6 @@ def pytest_sessionstart(session) -> None:
     import subprocess
     import sys
 
-    if os.environ.get("PYTEST_XDIST_WORKER") or getattr(session.config.option, "numprocesses", None):
-        # On pytest-xdist's workers the tests keep both cores busy: a niced builder got so little of them that
-        # tests waited on its lock for minutes (a gptj test 125 s). There each checkpoint is made, at full
-        # speed, by the first test that needs it (the others wait on ensure_tiny_model's lock).
-        return
     missing = [name for name in BACKGROUND_ORDER if not checkpoint_path(TEST_MODELS[name], checkpoints_root()).exists()]
     if len(missing) > 1:  # one alone, the test that needs it trains as fast
         # One torch thread: on the core the tests leave idle; beside their processes a second OpenMP thread
@@ -81,19 +76,6 @@ def pytest_sessionstart(session) -> None:
                   f"import conftest; [conftest.tiny_model(n) for n in {missing!r}]; [conftest.eagle_head(n) for n in conftest.EAGLE_HEADS]")
         quiet = subprocess.DEVNULL  # a checkpoint it fails to make, the test that needs it makes, and says why
         _builder = subprocess.Popen([sys.executable, "-c", script], stdout=quiet, stderr=quiet, preexec_fn=lambda: os.nice(5))
-
-
-# The files that take longest (the chaos soak, the wheel in a fresh virtualenv, supervision's restarts,
-# the compiled steps), first: run.sh runs the whole suite on two pytest-xdist workers, a file to a
-# worker (--dist loadfile), and a long file handed out last would keep one worker busy while the
-# other has nothing left (a run here: the last 5% of the tests took a quarter of its time).
-LONGEST_FIRST = ("test_soak.py", "test_install.py", "test_supervision.py", "test_speculation.py", "test_compiled.py", "test_model_support.py",
-                 "test_step_failures.py", "test_sanitizers.py", "test_kv_nixl_faults.py", "test_quantization.py")
-
-
-def pytest_collection_modifyitems(session, config, items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
 def pytest_sessionfinish(session) -> None:
