@@ -4,10 +4,9 @@ over a closed loop of --streams streams (64-token prompts, 32 tokens out, greedy
 
     python bench/cpu_per_token.py [--streams 1] [--requests 16] [--shape smollm-135m]
 
-On a host where the decode step splits its products over every core, any CPU another
-thread or process takes while a step runs is time the step's helper loses: the step's
-own time in process (`bench/decode_step.py`) plus this table's CPU beside it is about
-the service's ITL at one stream.
+On a host where the decode step splits its products over every core, the CPU any other
+thread or process takes while a step runs is taken from the products' `SCHED_IDLE`
+helper: this table says whose it is.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from disagg.tools.local_cluster import ClusterSpec, LocalCluster, decode_nice  #
 from disagg.tools.tinymodel import BENCH_SHAPES, ensure_tiny_model  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+PROMPT_LEN, OUTPUT_LEN = 64, 32
 
 
 def thread_times(pid: int) -> dict[str, float]:
@@ -53,13 +53,14 @@ def client_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def run(address: str, args) -> tuple[dict, float]:
+async def run(address: str, args) -> tuple[dict, int]:
+    """The closed loop's summary, and the output tokens its requests received."""
     async with AsyncClient(address, timeout=900) as client:
-        specs = workload(args.requests, 64, 32, seed=args.streams)
+        specs = workload(args.requests, PROMPT_LEN, OUTPUT_LEN, seed=args.streams)
         await closed_loop(client, specs[: args.streams], args.streams, NoBar())  # warm-up
         started = time.perf_counter()
         results = await closed_loop(client, specs, args.streams, NoBar())
-        return summarize(results, time.perf_counter() - started, 1e9, 1e9), time.perf_counter() - started
+        return summarize(results, time.perf_counter() - started, 1e9, 1e9), sum(r.output_tokens for r in results if r.ok)
 
 
 def main() -> int:
@@ -76,11 +77,10 @@ def main() -> int:
         pids = {p.name: p.popen.pid for p in cluster.processes}
         before = {name: thread_times(pid) for name, pid in pids.items()}
         client_before = client_seconds()
-        summary, seconds = asyncio.run(run(cluster.router_address, args))
+        summary, tokens = asyncio.run(run(cluster.router_address, args))
         after = {name: thread_times(pid) for name, pid in pids.items()}
         client_used = client_seconds() - client_before
-    tokens = summary["ok"] * 32
-    print(f"{args.streams} streams, {summary['ok']} requests, {tokens} tokens in {seconds:.2f} s: {summary['output_tokens_per_second']:.1f} tok/s, "
+    print(f"{args.streams} streams, {summary['ok']} requests, {tokens} tokens in {summary['seconds']:.2f} s: {summary['output_tokens_per_second']:.1f} tok/s, "
           f"ITL p50 {summary['itl']['p50'] * 1e3:.2f} ms")
     print(f"{'process / thread':40s} {'CPU ms per token':>16s}")
     for name in pids:
