@@ -3,6 +3,7 @@
 over a closed loop of --streams streams (64-token prompts, 32 tokens out, greedy).
 
     python bench/cpu_per_token.py [--streams 1] [--requests 16] [--shape smollm-135m]
+    python bench/cpu_per_token.py --quantization int8 --quantization-skip ''   # int8 weights, the LM head too
 
 On a host where the decode step splits its products over every core, the CPU any other
 thread or process takes while a step runs is taken from the products' `SCHED_IDLE`
@@ -69,10 +70,15 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--shape", default="smollm-135m", choices=sorted(BENCH_SHAPES))
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", choices=["int8", "fp8", "w8a8_int8"], default=None, help="both workers' --quantization (default: none)")
+    parser.add_argument("--quantization-skip", default=None, help="both workers' --quantization-skip ('': the LM head quantized too)")
     parser.add_argument("--log-dir", default="/tmp/disagg-cpu-per-token-logs")
     args = parser.parse_args()
     model = str(ensure_tiny_model(BENCH_SHAPES[args.shape]))
-    spec = ClusterSpec(model=model, dtype=args.dtype, batch_size=0, log_dir=args.log_dir, nice=decode_nice())
+    quantization = ["--quantization", args.quantization] if args.quantization else []
+    if args.quantization_skip is not None:
+        quantization += ["--quantization-skip", args.quantization_skip]
+    spec = ClusterSpec(model=model, dtype=args.dtype, batch_size=0, log_dir=args.log_dir, nice=decode_nice(), worker_args=quantization)
     with LocalCluster(spec) as cluster:
         pids = {p.name: p.popen.pid for p in cluster.processes}
         before = {name: thread_times(pid) for name, pid in pids.items()}

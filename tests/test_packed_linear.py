@@ -533,9 +533,11 @@ def test_a_packed_linear_on_one_thread_uses_the_kernel_up_to_64_rows(one_thread,
 @needs_kernel
 @two_cpus
 def test_a_prefill_s_rows_go_through_the_kernel_in_shared_blocks_of_64(one_thread, monkeypatch, helper_computes):
-    """Where the kernel shares a weight with its helper, a prefill's 65 or more rows are
-    blocks of 64 through it (each on two cores), with each row's bits as 64 rows alone give."""
+    """Where the kernel shares a weight with its helper, a prefill's 65 or more rows (up to
+    SHARED_DERIVED_MIN_ROWS) are blocks of 64 through it (each on two cores), with each row's
+    bits as 64 rows alone give."""
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # the test's weight is smaller than a real model's
+    monkeypatch.setattr(packed_linear, "SHARED_DERIVED_MIN_ROWS", 1000)  # blocks, not MKL (the next test)
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 160)
     packed = PackedLinear(linear)
@@ -556,6 +558,47 @@ def test_a_prefill_s_rows_go_through_the_kernel_in_shared_blocks_of_64(one_threa
         calls.clear()
         packed(x)  # a thread that does not share: the same blocks, on its own core
         assert calls == [64, 64, 22]
+    finally:
+        kernel.split_here(shares)
+
+
+@needs_kernel
+@two_cpus
+@pytest.mark.parametrize("method", [None, "int8"])
+def test_a_long_float32_prefill_s_shared_products_go_to_mkl_over_the_derived_weight(one_thread, monkeypatch, method):
+    """From SHARED_DERIVED_MIN_ROWS float32 rows, a product the kernel would share with its helper is
+    F.linear over the float32 weight unpacked from the panels (an 8-bit one's dequantized values), not
+    the kernel's blocks; fewer rows, bf16 rows, or a caller of one core keep their paths."""
+    from disagg.engine.quantization.schemes import quantize
+
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # the test's weight is smaller than a real model's
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160)
+    quantized = None
+    if method is not None:
+        quantized = quantize(linear.weight, method)
+        with torch.no_grad():
+            linear.weight.copy_(quantized.dequantized(torch.float32))
+    packed = PackedLinear(linear, quantized=quantized)
+    kernel = small_gemm.kernel(packed.panels.dtype)
+    products, linears = [], []
+    monkeypatch.setattr(kernel, "product", lambda *args, **kw: products.append(args[0].shape[0]) or type(kernel).product(kernel, *args, **kw))
+    real_linear = packed_linear.F.linear
+    monkeypatch.setattr(packed_linear.F, "linear", lambda x, w, b=None: linears.append((x.shape[0], tuple(w.shape), w.dtype)) or real_linear(x, w, b))
+    shares = kernel.splits_here()
+    try:
+        kernel.split_here(True)
+        rows = packed_linear.SHARED_DERIVED_MIN_ROWS
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(packed(x), real_linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+        assert products == [] and linears == [(rows, (160, 96), torch.float32)]
+        linears.clear()
+        packed(x[: rows - 1])  # one row fewer: the kernel's blocks
+        assert linears == [] and products == [64] * ((rows - 1) // 64) + ([(rows - 1) % 64] if (rows - 1) % 64 else [])
+        products.clear()
+        kernel.split_here(False)
+        packed(x)  # a caller of one core: the kernel's blocks below DERIVED_MIN_ROWS
+        assert linears == [] and products
     finally:
         kernel.split_here(shares)
 

@@ -27,7 +27,9 @@ One layout per weight (the weights once per box): each linear keeps the kernel's
 panels (float32 or bf16; an AVX2 CPU with a C compiler), which every product
 reads, or, where the kernel does not run, oneDNN's packed weight alone. Rows of
 a prefill go through the panels SMALL_ROWS at a time, shared with the kernel's
-helper threads where the caller may use more than one core; from
+helper threads where the caller may use more than one core (from
+SHARED_DERIVED_MIN_ROWS float32 rows there, MKL over the float32 weight derived
+from the panels for that product: faster on many rows, measured); from
 DERIVED_MIN_ROWS rows on a caller of one core, the product derives oneDNN's
 layout from the panels for that product alone (an unpack and a reorder, a pass
 over the weight) and lets oneDNN compute, which on many rows is faster than the
@@ -158,6 +160,17 @@ def fits_panels(panels: torch.Tensor | None, kernel: small_gemm.SmallGemm, weigh
 # From this many rows, a caller that keeps to one core derives oneDNN's layout for the
 # product (see the module's text): at 256 rows the kernel was still faster, at 1,024 not.
 DERIVED_MIN_ROWS = 512
+# From this many float32 rows, a caller whose kernel shares the product with its helper (two
+# cores) hands it to MKL (F.linear, on torch's threads) over the float32 weight derived from the
+# panels. Why: the kernel's blocks of 64 rows re-read every chunk of the weight for each 8 rows,
+# and MKL's products on many rows keep more of the FMA units busy. Measured on an Ice Lake Xeon
+# (2 cores, AVX-512 without BF16; SmolLM-135M's shape, float32 with its weights held in bf16
+# panels, a whole prefill through the modules, two torch threads, medians of 5): 128 / 256 / 512 /
+# 900 rows in 448 / 800 / 1,397 / 2,257 ms through the kernel, 399 / 558 / 1,037 / 1,605 through
+# MKL (oneDNN over a reordered layout: 1,787 at 900); the derivation (a pass over the weight) is in
+# those figures. Beside 4 running streams (bench/long_prompts.py), 900-token prompts' TTFT mean
+# 2,453 and 1,979 ms against 2,668 and 2,437 (two runs each way). docs/benchmarks.md has the runs.
+SHARED_DERIVED_MIN_ROWS = 128
 
 
 def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torch.Tensor | None, bias: torch.Tensor | None,
@@ -165,7 +178,9 @@ def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torc
     """[n, in] x the weight -> [n, out] through its one layout: oneDNN's where that is
     all it has; else the kernel's panels, up to SMALL_ROWS rows in one call and more
     (a prefill's) in blocks of SMALL_ROWS, or, from DERIVED_MIN_ROWS rows where the
-    kernel would compute alone, oneDNN over the layout derived for this product.
+    kernel would compute alone, oneDNN over the layout derived for this product, and
+    from SHARED_DERIVED_MIN_ROWS float32 rows where it would share them, MKL over the
+    float32 weight derived for this product (an 8-bit one's dequantized values).
     The kernel takes and gives float32: bf16 rows are widened (exactly) and the float32
     sums rounded once to bf16, as oneDNN's bf16 product rounds its float32 accumulators."""
     if panels is None:
@@ -175,6 +190,8 @@ def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torc
     if n >= DERIVED_MIN_ROWS and panels.dtype in small_gemm.W8A8_DTYPES and not kernel.shares(panels):
         # W8A8's rows quantized as its kernel quantizes them; the product in float32 over the exact dequantized weight.
         return F.linear(quantize_rows(rows), kernel.unpack(panels, out_features, rows.shape[1]), None if bias is None else bias.float()).to(rows.dtype)
+    if n >= SHARED_DERIVED_MIN_ROWS and rows.dtype == torch.float32 and panels.dtype not in small_gemm.W8A8_DTYPES and kernel.shares(panels):
+        return F.linear(rows, kernel.unpack(panels, out_features, rows.shape[1]).float(), None if bias is None else bias.float())
     if n >= DERIVED_MIN_ROWS and not kernel.shares(panels):
         derived = torch.ops.mkldnn._reorder_linear_weight(kernel.unpack(panels, out_features, rows.shape[1]).to(rows.dtype).contiguous(), None)
         return torch.ops.mkldnn._linear_pointwise(rows, derived, bias, "none", [], "")
