@@ -515,19 +515,26 @@ def test_a_packed_linear_on_one_thread_uses_the_kernel_up_to_64_rows(one_thread,
     calls = []
     kernel = small_gemm.kernel()
     monkeypatch.setattr(kernel, "product", lambda *args, **kw: calls.append(args[0].shape[0]) or type(kernel).product(kernel, *args, **kw))
-    derived = []
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-    monkeypatch.setattr(packed_linear.torch.ops.mkldnn, "_reorder_linear_weight", lambda *args: derived.append(args[0].shape) or reorder(*args))
+    derived, reordered = [], []
+    real_linear, reorder = packed_linear.F.linear, torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(packed_linear.F, "linear", lambda x, w, b=None: derived.append((x.shape[0], tuple(w.shape), w.dtype)) or real_linear(x, w, b))
+    monkeypatch.setattr(packed_linear.torch.ops.mkldnn, "_reorder_linear_weight", lambda *args: reordered.append(args[0].shape) or reorder(*args))
     shares = kernel.splits_here()
     try:
         kernel.split_here(False)
         for rows in (1, 8, 64, 65, packed_linear.DERIVED_MIN_ROWS):
             x = torch.randn(rows, 96)
-            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed(x), real_linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+        assert calls == [1, 8, 64, 64, 1] and derived == [(packed_linear.DERIVED_MIN_ROWS, (160, 96), torch.float32)] and reordered == []
+        bf16 = PackedLinear(torch.nn.Linear(96, 160).to(torch.bfloat16)) if can_prepack(CPU, torch.bfloat16) else None
+        if bf16 is not None and bf16.panels is not None:  # bf16 rows: oneDNN over its layout derived from the panels
+            derived.clear(), calls.clear()
+            bf16(torch.randn(packed_linear.DERIVED_MIN_ROWS, 96).to(torch.bfloat16))
+            assert reordered == [(160, 96)] and derived == []
     finally:
         kernel.split_here(shares)
-    # 65 rows (a short prefill's) in blocks of 64 through the kernel; from DERIVED_MIN_ROWS, oneDNN over a derived layout.
-    assert calls == [1, 8, 64, 64, 1] and derived == [(160, 96)]
+    # 65 rows (a short prefill's) in blocks of 64 through the kernel; from DERIVED_MIN_ROWS, float32 rows go to MKL over
+    # the float32 weight derived from the panels.
 
 
 @needs_kernel
@@ -568,7 +575,8 @@ def test_a_prefill_s_rows_go_through_the_kernel_in_shared_blocks_of_64(one_threa
 def test_a_long_float32_prefill_s_shared_products_go_to_mkl_over_the_derived_weight(one_thread, monkeypatch, method):
     """From SHARED_DERIVED_MIN_ROWS float32 rows, a product the kernel would share with its helper is
     F.linear over the float32 weight unpacked from the panels (an 8-bit one's dequantized values), not
-    the kernel's blocks; fewer rows, bf16 rows, or a caller of one core keep their paths."""
+    the kernel's blocks; with fewer rows the blocks stay, and a caller of one core keeps them up to
+    DERIVED_MIN_ROWS."""
     from disagg.engine.quantization.schemes import quantize
 
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # the test's weight is smaller than a real model's
@@ -597,8 +605,12 @@ def test_a_long_float32_prefill_s_shared_products_go_to_mkl_over_the_derived_wei
         assert linears == [] and products == [64] * ((rows - 1) // 64) + ([(rows - 1) % 64] if (rows - 1) % 64 else [])
         products.clear()
         kernel.split_here(False)
-        packed(x)  # a caller of one core: the kernel's blocks below DERIVED_MIN_ROWS
+        packed(x)  # a caller of one core: the kernel's blocks below DERIVED_MIN_ROWS, MKL from there
         assert linears == [] and products
+        products.clear()
+        x = torch.randn(packed_linear.DERIVED_MIN_ROWS, 96)
+        torch.testing.assert_close(packed(x), real_linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+        assert products == [] and linears == [(packed_linear.DERIVED_MIN_ROWS, (160, 96), torch.float32)]
     finally:
         kernel.split_here(shares)
 

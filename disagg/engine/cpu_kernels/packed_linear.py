@@ -33,7 +33,9 @@ from the panels for that product: faster on many rows, measured); from
 DERIVED_MIN_ROWS rows on a caller of one core, the product derives oneDNN's
 layout from the panels for that product alone (an unpack and a reorder, a pass
 over the weight) and lets oneDNN compute, which on many rows is faster than the
-kernel on one core by more than the derivation costs. Measured here (AMD EPYC,
+kernel on one core by more than the derivation costs (float32 rows: MKL over the
+unpacked float32 weight, faster still; SHARED_DERIVED_MIN_ROWS says where it was
+measured). Measured here (AMD EPYC,
 AVX-512 with AVX512_BF16, one thread, 30 SmolLM-135M layers' linears, `python
 bench/linears.py --rows 1,8,64,256,1024 --paths kernel,onednn,reordered`):
 
@@ -160,16 +162,20 @@ def fits_panels(panels: torch.Tensor | None, kernel: small_gemm.SmallGemm, weigh
 # From this many rows, a caller that keeps to one core derives oneDNN's layout for the
 # product (see the module's text): at 256 rows the kernel was still faster, at 1,024 not.
 DERIVED_MIN_ROWS = 512
-# From this many float32 rows, a caller whose kernel shares the product with its helper (two
-# cores) hands it to MKL (F.linear, on torch's threads) over the float32 weight derived from the
-# panels. Why: the kernel's blocks of 64 rows re-read every chunk of the weight for each 8 rows,
-# and MKL's products on many rows keep more of the FMA units busy. Measured on an Ice Lake Xeon
-# (2 cores, AVX-512 without BF16; SmolLM-135M's shape, float32 with its weights held in bf16
-# panels, a whole prefill through the modules, two torch threads, medians of 5): 128 / 256 / 512 /
-# 900 rows in 448 / 800 / 1,397 / 2,257 ms through the kernel, 399 / 558 / 1,037 / 1,605 through
-# MKL (oneDNN over a reordered layout: 1,787 at 900); the derivation (a pass over the weight) is in
-# those figures. Beside 4 running streams (bench/long_prompts.py), 900-token prompts' TTFT mean
-# 2,453 and 1,979 ms against 2,668 and 2,437 (two runs each way). docs/benchmarks.md has the runs.
+# Float32 rows go to MKL (F.linear, on torch's threads) over the float32 weight derived from the
+# panels from DERIVED_MIN_ROWS rows on a caller whose kernel computes alone, and from this many where
+# it would share each product with its helper (two cores); bf16 rows to oneDNN over its reordered
+# layout, from DERIVED_MIN_ROWS on a caller alone. Why: the kernel's blocks of 64 rows re-read every
+# chunk of the weight for each 8 rows, and MKL's products on many rows keep more of the FMA units
+# busy. Measured on an Ice Lake Xeon (2 cores, AVX-512 without BF16; SmolLM-135M's shape, float32
+# with its weights held in bf16 panels, a whole prefill through the modules on two torch threads,
+# medians of 5): 128 / 256 / 512 / 900 rows in 448 / 800 / 1,397 / 2,257 ms through the kernel's
+# shared blocks, 399 / 558 / 1,037 / 1,605 through MKL, 1,787 at 900 through oneDNN's reordered
+# layout (each derivation, a pass over the weight, included). A prefill worker's modules run on a
+# caller kept to one CPU (threads.on_the_teams_cpu), whose kernel computes alone: there a 900-token
+# prompt's TTFT on an idle `disagg serve`, 7 in a row, twice each way alternately: median 1,688 and
+# 1,690 ms through MKL, 1,932 and 2,094 through oneDNN's reordered layout. docs/benchmarks.md has
+# the runs.
 SHARED_DERIVED_MIN_ROWS = 128
 
 
@@ -178,9 +184,9 @@ def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torc
     """[n, in] x the weight -> [n, out] through its one layout: oneDNN's where that is
     all it has; else the kernel's panels, up to SMALL_ROWS rows in one call and more
     (a prefill's) in blocks of SMALL_ROWS, or, from DERIVED_MIN_ROWS rows where the
-    kernel would compute alone, oneDNN over the layout derived for this product, and
-    from SHARED_DERIVED_MIN_ROWS float32 rows where it would share them, MKL over the
-    float32 weight derived for this product (an 8-bit one's dequantized values).
+    kernel would compute alone, oneDNN over the layout derived for this product (float32
+    rows: MKL over the float32 weight derived for it, an 8-bit one's dequantized values),
+    and MKL so from SHARED_DERIVED_MIN_ROWS float32 rows where the kernel would share them.
     The kernel takes and gives float32: bf16 rows are widened (exactly) and the float32
     sums rounded once to bf16, as oneDNN's bf16 product rounds its float32 accumulators."""
     if panels is None:
@@ -190,9 +196,11 @@ def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torc
     if n >= DERIVED_MIN_ROWS and panels.dtype in small_gemm.W8A8_DTYPES and not kernel.shares(panels):
         # W8A8's rows quantized as its kernel quantizes them; the product in float32 over the exact dequantized weight.
         return F.linear(quantize_rows(rows), kernel.unpack(panels, out_features, rows.shape[1]), None if bias is None else bias.float()).to(rows.dtype)
-    if n >= SHARED_DERIVED_MIN_ROWS and rows.dtype == torch.float32 and panels.dtype not in small_gemm.W8A8_DTYPES and kernel.shares(panels):
+    shares = kernel.shares(panels)
+    if rows.dtype == torch.float32 and panels.dtype not in small_gemm.W8A8_DTYPES and n >= (SHARED_DERIVED_MIN_ROWS if shares else DERIVED_MIN_ROWS):
+        # MKL over the float32 weight (an 8-bit one's dequantized values): faster than oneDNN's reordered layout (below).
         return F.linear(rows, kernel.unpack(panels, out_features, rows.shape[1]).float(), None if bias is None else bias.float())
-    if n >= DERIVED_MIN_ROWS and not kernel.shares(panels):
+    if n >= DERIVED_MIN_ROWS and not shares:
         derived = torch.ops.mkldnn._reorder_linear_weight(kernel.unpack(panels, out_features, rows.shape[1]).to(rows.dtype).contiguous(), None)
         return torch.ops.mkldnn._linear_pointwise(rows, derived, bias, "none", [], "")
     kernel_bias = None if bias is None else bias.float()
