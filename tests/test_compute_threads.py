@@ -87,6 +87,42 @@ def test_the_prefill_workers_compute_threads_are_bound_only_with_a_thread_per_cp
     assert pinned_to_one == f"[-1, {low}]"  # --device-cpus one CPU: pinned there, as before, not bound one per CPU
 
 
+@TWO_CPUS
+def test_a_thread_whose_first_product_is_inside_on_the_teams_cpu_still_shares_its_products_across_two_cores():
+    """The few-row kernel decides once per thread whether its products use two cores, and gives its helper the
+    CPUs of the thread that first shares one. A prefill worker whose first prompt is long (transformers' modules,
+    inside on_the_teams_cpu, the caller on one CPU) must settle both from the thread's own CPUs: else every later
+    prefill's products stay on one core, or the helper sits on the caller's CPU."""
+    out = run_python("""
+        import os, threading, time, torch
+        from disagg.engine.threads import on_the_teams_cpu, start_compute_thread
+        from disagg.engine.cpu_kernels import small_gemm
+
+        kernel = small_gemm.kernel(torch.float32)
+        if kernel is None:
+            print("no kernel")
+            raise SystemExit
+        torch.set_num_threads(2)
+        panels = kernel.pack(torch.randn(24 * 64, 576))  # shared: over SPLIT_MIN_BYTES
+        seen = []
+        def run():
+            cpus = sorted(os.sched_getaffinity(0))[:2]
+            start_compute_thread(frozenset(cpus), True)
+            with on_the_teams_cpu():
+                pinned = sorted(os.sched_getaffinity(0))
+                kernel.product(torch.randn(1, 576), panels, 24 * 64, None)  # the thread's first product
+            deadline = time.monotonic() + 30  # the helper takes its CPUs as it takes a job: poll, not sleep
+            while sorted(kernel.helper_cpus()) != cpus and time.monotonic() < deadline:
+                kernel.product(torch.randn(1, 576), panels, 24 * 64, None)
+            seen.append((len(pinned), kernel.splits_here(), sorted(kernel.helper_cpus()) == cpus))
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        print(seen)
+    """)
+    assert out in ("[(1, True, True)]", "no kernel"), out
+
+
 def test_a_lowered_priority_covers_the_threads_and_the_scheduling_group():
     from disagg.tools.local_cluster import AUTOGROUP, lower_priority
 

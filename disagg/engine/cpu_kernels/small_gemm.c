@@ -1543,6 +1543,15 @@ void small_gemm_limit_caller_panels(long panels) { caller_panel_limit = panels >
 /* The helper threads a split product is shared with (1 to MAX_HELPERS); takes effect when they start, at the first split. */
 void small_gemm_set_helpers(long count) { helper_count = count < 1 ? 1 : count > MAX_HELPERS ? MAX_HELPERS : count; }
 
+/* The calling thread's CPUs to the helper now (give_helper_my_cpus), before the thread narrows them for a while
+ * (disagg.engine.threads.on_the_teams_cpu): the helper would otherwise take the narrowed set at the thread's first
+ * shared product, and keep it, beside the caller on one CPU. */
+void small_gemm_meet_caller(void) {
+    pthread_mutex_lock(&caller_lock);
+    give_helper_my_cpus();
+    pthread_mutex_unlock(&caller_lock);
+}
+
 /* How many products the helper threads have computed a share of (for tests). */
 long small_gemm_helper_jobs(void) { return atomic_load(&helper_jobs); }
 

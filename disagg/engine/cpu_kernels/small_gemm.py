@@ -57,6 +57,7 @@ import torch
 
 from disagg.engine.cache_dir import cache_dir
 from disagg.engine.dtype_choice import cpu_flags
+from disagg.engine.threads import before_pinning
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,9 @@ class SmallGemm:
         self._late_panels = library.small_gemm_late_panels
         self._late_panels.argtypes, self._late_panels.restype = [], ctypes.c_long
         self._thread = threading.local()  # per calling thread: whether it may run on more than one CPU
+        self._meet_caller = library.small_gemm_meet_caller
+        self._meet_caller.argtypes, self._meet_caller.restype = [], None
+        BUILT.append(self)
 
     def helper_jobs(self) -> int:
         """How many products the helper thread has computed a share of so far."""
@@ -235,6 +239,12 @@ class SmallGemm:
         """The CPUs (below 64) the helper thread may run on: its last caller's; empty before it starts."""
         mask = self._helper_cpus()
         return {cpu for cpu in range(64) if mask >> cpu & 1}
+
+    def meet_this_thread(self) -> None:
+        """Settles, from the calling thread's CPUs as they are now, whether its products use two cores and
+        which CPUs the helper runs on (see meet_threads_before_pinning)."""
+        self.splits_here()
+        self._meet_caller()
 
     def split_here(self, allowed: bool) -> None:
         """Overrides, for the calling thread, whether its single rows use two cores (benchmarks, tests)."""
@@ -338,6 +348,20 @@ class SmallGemm:
         call = self._split if n <= SPLIT_MAX_ROWS and self.shares(panels) else self._call
         call(rows.data_ptr(), n, in_features, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
+
+
+BUILT: list[SmallGemm] = []  # every kernel loaded in this process
+
+
+@before_pinning
+def meet_threads_before_pinning() -> None:
+    """Before threads.on_the_teams_cpu keeps the calling thread on one CPU: each kernel decides once per thread
+    whether its products use two cores, and gives its helper the CPUs of the thread that first shares one, both
+    from the CPUs the thread has at that moment. A prefill worker whose first prompt is long (transformers'
+    modules, inside on_the_teams_cpu) would otherwise keep every later prefill's products on one core, or its
+    helper on the caller's one CPU."""
+    for kernel in BUILT:
+        kernel.meet_this_thread()
 
 
 def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype, activations: str | None = None) -> SmallGemm | None:
