@@ -172,12 +172,12 @@ DERIVED_MIN_ROWS = 512
 # medians of 5): 128 / 256 / 512 / 900 rows in 448 / 800 / 1,397 / 2,257 ms through the kernel's
 # shared blocks, 399 / 558 / 1,037 / 1,605 through MKL, 1,787 at 900 through oneDNN's reordered
 # layout (each derivation, a pass over the weight, included). A prefill worker's modules run on a
-# caller kept to one CPU (threads.on_the_teams_cpu); whether its kernel shares was decided by the
-# thread's first product (SmallGemm.splits_here: after a short prompt's native prefill it shares, after
-# a long prompt first it computes alone), so either threshold may apply there. Computing alone, a
-# 900-token prompt's TTFT on an idle `disagg serve`, 7 in a row, twice each way alternately: median
-# 1,688 and 1,690 ms through MKL, 1,932 and 2,094 through oneDNN's reordered layout.
-# docs/benchmarks.md has the runs.
+# caller kept to one CPU (threads.on_the_teams_cpu) whose kernel shares (it settles that from the
+# thread's own CPUs first: small_gemm.meet_threads_before_pinning), so the shared threshold applies
+# there. Until 2026-11-29 a prefill worker whose first prompt was long read one CPU there and computed
+# alone for good; so measured, a 900-token prompt's TTFT on an idle `disagg serve`, 7 in a row, twice
+# each way alternately: median 1,688 and 1,690 ms through MKL, 1,932 and 2,094 through oneDNN's
+# reordered layout. docs/benchmarks.md has the runs.
 SHARED_DERIVED_MIN_ROWS = 128
 
 
