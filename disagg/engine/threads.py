@@ -11,15 +11,6 @@ import threading
 log = logging.getLogger(__name__)
 # The CPU the calling thread's bound team leaves it (bind_compute_threads), per thread.
 _team = threading.local()
-# Called on the calling thread by on_the_teams_cpu before it narrows the thread's CPUs (small_gemm's kernels register).
-_before_pinning: list = []
-
-
-def before_pinning(hook):
-    """Registers hook() to run on a thread each time on_the_teams_cpu is about to keep it on one CPU: for state
-    read once per thread from its CPUs, which must be read from the thread's own, not the narrowed ones."""
-    _before_pinning.append(hook)
-    return hook
 
 
 def pin_this_thread(cpus: frozenset[int] | None) -> None:
@@ -72,9 +63,10 @@ def on_the_teams_cpu():
     if cpu is None:
         yield
         return
+    from .cpu_kernels import small_gemm
+
+    small_gemm.meet_this_thread()  # what the kernels read once per thread from its CPUs: from its own, not the one below
     allowed = os.sched_getaffinity(0)
-    for hook in _before_pinning:
-        hook()
     os.sched_setaffinity(0, {cpu})
     try:
         yield

@@ -172,12 +172,11 @@ DERIVED_MIN_ROWS = 512
 # medians of 5): 128 / 256 / 512 / 900 rows in 448 / 800 / 1,397 / 2,257 ms through the kernel's
 # shared blocks, 399 / 558 / 1,037 / 1,605 through MKL, 1,787 at 900 through oneDNN's reordered
 # layout (each derivation, a pass over the weight, included). A prefill worker's modules run on a
-# caller kept to one CPU (threads.on_the_teams_cpu) whose kernel shares (it settles that from the
-# thread's own CPUs first: small_gemm.meet_threads_before_pinning), so the shared threshold applies
-# there. Until 2026-11-29 a prefill worker whose first prompt was long read one CPU there and computed
-# alone for good; so measured, a 900-token prompt's TTFT on an idle `disagg serve`, 7 in a row, twice
-# each way alternately: median 1,688 and 1,690 ms through MKL, 1,932 and 2,094 through oneDNN's
-# reordered layout. docs/benchmarks.md has the runs.
+# caller kept to one CPU (threads.on_the_teams_cpu) whose kernel shares (settled from the thread's own
+# CPUs first: small_gemm.meet_this_thread), so the shared threshold applies there. On a caller alone,
+# a 900-token prompt's TTFT on an idle `disagg serve` (7 in a row, twice each way, alternately): median
+# 1,688 and 1,690 ms through MKL, 1,932 and 2,094 through oneDNN's reordered layout.
+# docs/benchmarks.md has the runs.
 SHARED_DERIVED_MIN_ROWS = 128
 
 
@@ -186,19 +185,18 @@ def packed_product(rows: torch.Tensor, panels: torch.Tensor | None, onednn: torc
     """[n, in] x the weight -> [n, out] through its one layout: oneDNN's where that is
     all it has; else the kernel's panels, up to SMALL_ROWS rows in one call and more
     (a prefill's) in blocks of SMALL_ROWS, or, from DERIVED_MIN_ROWS rows where the
-    kernel would compute alone, oneDNN over the layout derived for this product (float32
-    rows: MKL over the float32 weight derived for it, an 8-bit one's dequantized values),
-    and MKL so from SHARED_DERIVED_MIN_ROWS float32 rows where the kernel would share them.
+    kernel would compute alone, oneDNN over the layout derived for this product; float32
+    rows go instead to MKL over the float32 weight derived for it (an 8-bit one's
+    dequantized values), from SHARED_DERIVED_MIN_ROWS rows where the kernel would share them.
     The kernel takes and gives float32: bf16 rows are widened (exactly) and the float32
     sums rounded once to bf16, as oneDNN's bf16 product rounds its float32 accumulators."""
     if panels is None:
         return torch.ops.mkldnn._linear_pointwise(rows, onednn, bias, "none", [], "")
     kernel = small_gemm.kernel(panels.dtype)
-    n = rows.shape[0]
-    if n >= DERIVED_MIN_ROWS and panels.dtype in small_gemm.W8A8_DTYPES and not kernel.shares(panels):
+    n, shares = rows.shape[0], kernel.shares(panels)
+    if n >= DERIVED_MIN_ROWS and panels.dtype in small_gemm.W8A8_DTYPES and not shares:
         # W8A8's rows quantized as its kernel quantizes them; the product in float32 over the exact dequantized weight.
         return F.linear(quantize_rows(rows), kernel.unpack(panels, out_features, rows.shape[1]), None if bias is None else bias.float()).to(rows.dtype)
-    shares = kernel.shares(panels)
     if rows.dtype == torch.float32 and panels.dtype not in small_gemm.W8A8_DTYPES and n >= (SHARED_DERIVED_MIN_ROWS if shares else DERIVED_MIN_ROWS):
         # MKL over the float32 weight (an 8-bit one's dequantized values): faster than oneDNN's reordered layout (below).
         return F.linear(rows, kernel.unpack(panels, out_features, rows.shape[1]).float(), None if bias is None else bias.float())

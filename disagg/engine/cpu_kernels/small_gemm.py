@@ -57,7 +57,6 @@ import torch
 
 from disagg.engine.cache_dir import cache_dir
 from disagg.engine.dtype_choice import cpu_flags
-from disagg.engine.threads import before_pinning
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +241,7 @@ class SmallGemm:
 
     def meet_this_thread(self) -> None:
         """Settles, from the calling thread's CPUs as they are now, whether its products use two cores and
-        which CPUs the helper runs on (see meet_threads_before_pinning)."""
+        which CPUs the helper runs on (see meet_this_thread below)."""
         self.splits_here()
         self._meet_caller()
 
@@ -353,8 +352,7 @@ class SmallGemm:
 BUILT: list[SmallGemm] = []  # every kernel loaded in this process
 
 
-@before_pinning
-def meet_threads_before_pinning() -> None:
+def meet_this_thread() -> None:
     """Before threads.on_the_teams_cpu keeps the calling thread on one CPU: each kernel decides once per thread
     whether its products use two cores, and gives its helper the CPUs of the thread that first shares one, both
     from the CPUs the thread has at that moment. A prefill worker whose first prompt is long (transformers'
