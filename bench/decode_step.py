@@ -263,7 +263,7 @@ def variant_options() -> dict[str, dict]:
 # (native-w8a8@avx2): DISAGG_W8A8_KERNEL's. Its backend is built with that choice alone (a native step keeps the
 # builds it was made with).
 INT8_KERNELS = ("vnni", "dot", "widen")
-W8A8_KERNELS = ("vnni", "avx2")
+W8A8_KERNELS = ("vnni", "avxvnni", "avx2")
 # A float32 variant's "@float32" or "@bf16" (native@float32): its weights held as DISAGG_F32_WEIGHTS says
 # (weight_storage: bf16 where every weight is a bf16 number, the default; float32 always).
 WEIGHT_STORAGES = ("bf16", "float32")

@@ -21,9 +21,27 @@ from disagg.engine.cpu_kernels.packed_linear import PackedLinear
 from disagg.engine.quantization import QuantizationSettings, quantize, quantize_model
 from disagg.tools.tinymodel import paragraphs
 
-# VPDPBUSD's builds (AVX512_VNNI CPUs) and AVX2's (any AVX2 CPU: forced here on an AVX-512 host too).
-W8A8_BUILDS = [name for name in ("w8a8-vnni", "w8a8-vnni-bf16", "w8a8-avx2", "w8a8-avx2-bf16") if small_gemm.build_kernel(name) is not None]
-VNNI_PAIRS = [(name, name.replace("-avx2", "-vnni")) for name in ("w8a8-avx2", "w8a8-avx2-bf16") if {name, name.replace("-avx2", "-vnni")} <= set(W8A8_BUILDS)]
+
+@functools.cache
+def w8a8_kernel(name: str) -> small_gemm.SmallGemm | None:
+    """A W8A8 build, or None where it does not run here. An AVX-VNNI build (`w8a8-avxvnni`) on a CPU without
+    AVX-VNNI but with AVX512_VNNI and AVX512VL: the same source with its VPDPBUSD in the EVEX form, the same
+    instruction's arithmetic on the same 256-bit vectors, so what the build computes where it runs."""
+    flags = small_gemm.cpu_flags()
+    if not name.startswith("w8a8-avxvnni") or "avx_vnni" in flags:
+        return small_gemm.build_kernel(name)
+    if not {"avx512vl", "avx512_vnni"} <= flags:
+        return None
+    stand_in = tuple(flag for flag in small_gemm.BUILDS[name][1] if flag != "-mavxvnni") + ("-mavx512vl", "-mavx512vnni")
+    library = small_gemm.load_library(small_gemm.SOURCE, small_gemm.FLAGS + stand_in, (), f"{name}'s EVEX stand-in not used")
+    return None if library is None else small_gemm.SmallGemm(library, name)
+
+
+# VPDPBUSD's builds (AVX512_VNNI CPUs), AVX-VNNI's (or its stand-in) and AVX2's (any AVX2 CPU: forced here on an AVX-512 host too).
+W8A8_BUILDS = [f"w8a8-{isa}{rows}" for isa in ("vnni", "avxvnni", "avx2") for rows in ("", "-bf16") if w8a8_kernel(f"w8a8-{isa}{rows}") is not None]
+# Each build that reads VPDPBUSD's panels some other way, and a build it must give the bits of.
+SAME_BITS = [(name, reference) for name, reference in small_gemm.SAME_PANELS.items() if {name, reference} <= set(W8A8_BUILDS)]
+SAME_BITS += [(f"w8a8-avxvnni{rows}", f"w8a8-avx2{rows}") for rows in ("", "-bf16") if {f"w8a8-avxvnni{rows}", f"w8a8-avx2{rows}"} <= set(W8A8_BUILDS)]
 needs_w8a8 = pytest.mark.skipif(not W8A8_BUILDS, reason="no AVX2 CPU (or no C compiler): the W8A8 kernel does not run here")
 
 
@@ -41,7 +59,7 @@ def rows_int8(x: torch.Tensor) -> torch.Tensor:
 @needs_w8a8
 @pytest.mark.parametrize("build", W8A8_BUILDS)
 def test_the_w8a8_kernel_multiplies_the_quantized_rows_by_the_dequantized_weight(build):
-    kernel = small_gemm.build_kernel(build)
+    kernel = w8a8_kernel(build)
     generator = torch.Generator().manual_seed(11)
     for out_features, in_features in ((50, 300), (24, 8), (97, 576), (30, 1000)):  # a partial panel, one panel, several chunks of K
         q = quantize(torch.randn(out_features, in_features, generator=generator), "int8")
@@ -61,7 +79,7 @@ def test_the_w8a8_kernel_multiplies_the_quantized_rows_by_the_dequantized_weight
 @needs_w8a8
 @pytest.mark.parametrize("build", W8A8_BUILDS)
 def test_a_w8a8_row_is_the_same_bits_alone_and_in_a_batch_and_zero_and_nan_rows_hold(build):
-    kernel = small_gemm.build_kernel(build)
+    kernel = w8a8_kernel(build)
     generator = torch.Generator().manual_seed(12)
     q = quantize(torch.randn(72, 600, generator=generator), "int8")
     panels = kernel.pack_quantized(q.values, q.scale)
@@ -75,13 +93,14 @@ def test_a_w8a8_row_is_the_same_bits_alone_and_in_a_batch_and_zero_and_nan_rows_
         assert kernel.product(row, panels, 72, None).isnan().all()
 
 
-@pytest.mark.skipif(not VNNI_PAIRS, reason="no AVX512_VNNI CPU: the AVX2 builds have no VPDPBUSD build to agree with here")
-@pytest.mark.parametrize("avx2,vnni", VNNI_PAIRS)
-def test_the_avx2_build_gives_the_vnni_builds_bits_from_the_same_panels(avx2, vnni):
-    """w8a8-avx2 computes each chunk's exact integer sums with VPSIGNB / VPMADDUBSW / VPMADDWD where w8a8-vnni uses
-    VPDPBUSD, then the same float epilogue: the same bits, for any rows (weights of -127 and 127 included, and a
-    row whose largest value is the one quantized to -127: the 16-bit pairs' extremes)."""
-    a, v = small_gemm.build_kernel(avx2), small_gemm.build_kernel(vnni)
+@pytest.mark.skipif(not SAME_BITS, reason="no AVX512_VNNI or AVX-VNNI CPU: the AVX2 builds have no VPDPBUSD build to agree with here")
+@pytest.mark.parametrize("avx2,vnni", SAME_BITS)
+def test_the_avx2_and_avx_vnni_builds_give_the_vnni_builds_bits_from_the_same_panels(avx2, vnni):
+    """w8a8-avx2 computes each chunk's exact integer sums with VPSIGNB / VPMADDUBSW / VPMADDWD, w8a8-avxvnni with
+    VPSIGNB and a 256-bit VPDPBUSD, where w8a8-vnni uses a 512-bit VPDPBUSD, then the same float epilogue: the same
+    bits, for any rows (weights of -127 and 127 included, and a row whose largest value is the one quantized to -127:
+    the 16-bit pairs' extremes)."""
+    a, v = w8a8_kernel(avx2), w8a8_kernel(vnni)
     assert a.layout == v.layout and a.weight_dtype == v.weight_dtype
     generator = torch.Generator().manual_seed(14)
     for out_features, in_features in ((50, 300), (24, 8), (97, 576), (30, 1000), (200, 1536)):
@@ -105,13 +124,13 @@ def test_a_host_runs_one_w8a8_build_for_both_its_panels_dtypes(monkeypatch):
     """The two builds read the same panels (one dtype each for float32 and bf16 rows), so the product a panel's
     dtype finds is the host's chosen build, or the one DISAGG_W8A8_KERNEL names."""
     try:
-        for named in ("avx2", "vnni"):
+        for named in ("avx2", "avxvnni", "vnni"):
             monkeypatch.setenv("DISAGG_W8A8_KERNEL", named)
             small_gemm._w8a8_kernel.cache_clear(), small_gemm._kernel.cache_clear()
             for rows_dtype in (torch.float32, torch.bfloat16):
                 chosen = small_gemm.quantized_kernel(torch.int8, rows_dtype, "int8")
                 if chosen is None:
-                    assert named == "vnni" and "avx512_vnni" not in small_gemm.cpu_flags()
+                    assert {"vnni": "avx512_vnni", "avxvnni": "avx_vnni"}[named] not in small_gemm.cpu_flags()
                     continue
                 assert chosen.name.startswith(f"w8a8-{named}") and chosen.bf16_rows == (rows_dtype == torch.bfloat16)
                 assert small_gemm.kernel(chosen.weight_dtype) is chosen

@@ -391,10 +391,26 @@ BLOCK(1, LOAD_W, DECLARE(0), ACCUMULATE(0), STORE(0))
  * magnitudes |q| (at most 128) are the unsigned side and the digits take q's sign (VPSIGNB; a digit is at most
  * 127 in magnitude, so its negation fits): each pair's sum is within 2 x 128 x 127, exact. VPMADDWD by ones
  * adds the pairs into the lane: sum(q d), an exact int32 (the AVX-512 build's plane less its correction). */
+#ifdef AVX_VNNI
+/* Built with -DAVX_VNNI as well (`w8a8-avxvnni`, `w8a8-avxvnni-bf16`: CPUs with AVX-VNNI, the VEX-encoded VPDPBUSD
+ * on 256-bit vectors, among them those without AVX-512 (Alder Lake and later Intel cores, Sierra Forest)): the
+ * same magnitudes and signed digits, the three instructions' sum one VPDPBUSD. Its 32-bit lanes add the four
+ * products exactly (no 16-bit pairs to saturate), so the same integers and the same bits. Without -mavxvnni
+ * (a test on an AVX512_VNNI CPU, which has no AVX-VNNI) the same instruction in its EVEX form (AVX512_VNNI with
+ * AVX512VL): the same arithmetic, the same source. */
+static inline __attribute__((always_inline)) __m256i avx2_dot(__m256i acc, __m256i magnitudes, __m256i signs, __m256i d) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, magnitudes, _mm256_sign_epi8(d, signs));
+#else
+    return _mm256_dpbusd_epi32(acc, magnitudes, _mm256_sign_epi8(d, signs));
+#endif
+}
+#else
 static inline __attribute__((always_inline)) __m256i avx2_dot(__m256i acc, __m256i magnitudes, __m256i signs, __m256i d) {
     __m256i pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(d, signs));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+#endif
 /* A row's chunk sums (columns 0-7, 8-15, and 16-23's two quads a column, side by side) times the row's scale
  * and the columns' scales, added into y: vnni_store's arithmetic on the same integers. */
 static inline __attribute__((always_inline)) void avx2_store(const input_t *row, long kp, __m256i s0, __m256i s1, __m256i t0, __m256i t1, float *y,

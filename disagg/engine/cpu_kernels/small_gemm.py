@@ -64,6 +64,7 @@ SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 VNNI_FLAGS = ("-DWEIGHT_VNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
 VNNI_NEEDS = ("avx512f", "avx512vl", "avx512bw", "avx512_vnni")
+AVXVNNI_FLAGS = ("-DWEIGHT_VNNI", "-DACT_INT8", "-DVNNI_AVX2", "-DAVX_VNNI", "-mavxvnni")
 # Each build: its weights' dtype, its flags, the CPU features (/proc/cpuinfo's names) it needs
 # beyond AVX2 and FMA. Each is a library of its own, helper thread included.
 BUILDS = {
@@ -104,9 +105,14 @@ BUILDS = {
     # VPMADDWD for each VPDPBUSD), for CPUs without AVX512_VNNI; a host runs one of the two (_w8a8_kernel).
     "w8a8-avx2": (torch.float8_e8m0fnu, ("-DWEIGHT_VNNI", "-DACT_INT8", "-DVNNI_AVX2"), ()),
     "w8a8-avx2-bf16": (torch.float4_e2m1fn_x2, ("-DWEIGHT_VNNI", "-DACT_INT8", "-DVNNI_AVX2", "-DROWS_BF16"), ()),
+    # The same panels and bits through AVX-VNNI (small_gemm.c, AVX_VNNI: one VEX VPDPBUSD on 256-bit vectors where
+    # w8a8-avx2 takes three), for CPUs that have it, with AVX-512 or without (Intel's cores from Alder Lake, Sierra
+    # Forest; Sapphire Rapids and Zen 5 have both it and AVX512_VNNI, and the measured choice takes the faster).
+    "w8a8-avxvnni": (torch.float8_e8m0fnu, AVXVNNI_FLAGS, ("avx_vnni",)),
+    "w8a8-avxvnni-bf16": (torch.float4_e2m1fn_x2, (*AVXVNNI_FLAGS, "-DROWS_BF16"), ("avx_vnni",)),
 }
 # A build that reads another's panels: the box's shared weights file is keyed by the panels' layout (SmallGemm.layout).
-SAME_PANELS = {"w8a8-avx2": "w8a8-vnni", "w8a8-avx2-bf16": "w8a8-vnni-bf16"}
+SAME_PANELS = {f"w8a8-{isa}{rows}": f"w8a8-vnni{rows}" for isa in ("avx2", "avxvnni") for rows in ("", "-bf16")}
 W8A8_DTYPES = (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
 QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz, *W8A8_DTYPES)
 VNNI_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz, *W8A8_DTYPES)
@@ -364,8 +370,9 @@ def meet_this_thread() -> None:
 
 def quantized_kernel(values_dtype: torch.dtype, rows_dtype: torch.dtype, activations: str | None = None) -> SmallGemm | None:
     """The kernel for 8-bit weights multiplied by rows of a model of rows_dtype. W8A8 (activations "int8"):
-    `w8a8-vnni` (AVX512_VNNI) or `w8a8-avx2` (`-bf16` for a bf16 model's rows), the same bits, the faster here by
-    a short measured product at first use (`DISAGG_W8A8_KERNEL=vnni|avx2` names one). int8: the faster here of
+    `w8a8-vnni` (AVX512_VNNI), `w8a8-avxvnni` (AVX-VNNI) or `w8a8-avx2` (`-bf16` for a bf16 model's rows), the same
+    bits, the fastest here by a short measured product at first use (`DISAGG_W8A8_KERNEL=vnni|avxvnni|avx2` names
+    one). int8: the faster here of
     VPDPBUSD over the rows as exact integers (`int8-vnni`, `int8-vnni-bf16`: AVX512_VNNI CPUs) and, for a bf16
     model, VDPBF16PS (`int8-dot`: AVX512_BF16), else the weights widened to float32, by a short measured
     product at first use (`DISAGG_INT8_KERNEL=vnni|dot|widen` names one); fp8: VDPBF16PS for a bf16 model where
@@ -391,7 +398,8 @@ def _int8_kernel(bf16_rows: bool) -> SmallGemm | None:
 @functools.cache
 def _w8a8_kernel(bf16_rows: bool) -> SmallGemm | None:
     suffix = "-bf16" if bf16_rows else ""
-    return chosen_build(f"W8A8 ({'bf16' if bf16_rows else 'float32'} rows)", "DISAGG_W8A8_KERNEL", {"vnni": f"w8a8-vnni{suffix}", "avx2": f"w8a8-avx2{suffix}"})
+    builds = {isa: f"w8a8-{isa}{suffix}" for isa in ("vnni", "avxvnni", "avx2")}
+    return chosen_build(f"W8A8 ({'bf16' if bf16_rows else 'float32'} rows)", "DISAGG_W8A8_KERNEL", builds)
 
 
 def kernel(weight_dtype: torch.dtype = torch.float32) -> SmallGemm | None:
@@ -452,7 +460,8 @@ def host_note(weight_dtype: torch.dtype) -> str:
     if chosen is None:
         return f"no build for {weight_dtype} runs here: it needs AVX2, FMA and a C compiler"
     needs = BUILDS[chosen.name][2]
-    return f"the {chosen.name} build here, " + ("AVX512_BF16" if "avx512_bf16" in needs else "AVX-512" if "avx512f" in needs else "AVX2")
+    instructions = "AVX512_BF16" if "avx512_bf16" in needs else "AVX-512" if "avx512f" in needs else "AVX-VNNI" if "avx_vnni" in needs else "AVX2"
+    return f"the {chosen.name} build here, {instructions}"
 
 
 @functools.cache
