@@ -152,6 +152,30 @@ def test_each_float32_build_equals_torch_s_product_and_the_avx2_build_s_bits(out
         assert torch.equal(got, avx2.product(x, panels, out_features, bias_values)), rows
 
 
+@needs_kernel
+@pytest.mark.parametrize("build, avx2_build", [("float32-avx512", "float32"), ("bf16-widen-avx512", "bf16-widen")])
+def test_the_avx512_float32_blocks_give_the_same_bits_whichever_rows_they_pair_panels_from(build, avx2_build):
+    """Where the AVX-512 float32 blocks read two panels at a time is measured at first use (small_gemm.PAIR_FROM:
+    from 2 rows or from 16, the faster here); either way each column is the same chain of FMAs, so the AVX2
+    build's bits, at every row count, with a last panel left without a partner (97 outputs: 5 panels)."""
+    kernel, avx2 = build_or_skip(build), small_gemm.build_kernel(avx2_build)
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(97, 600, generator=generator).to(kernel.weight_dtype)
+    bias = torch.randn(97, generator=generator)
+    panels = kernel.pack(weight)
+    xs = {rows: torch.randn(rows, 600, generator=generator) for rows in (1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64)}
+    want = {rows: avx2.product(x, panels, 97, bias) for rows, x in xs.items()}
+    try:
+        for pair_from in small_gemm.PAIR_FROM:
+            kernel.pair_from(pair_from)
+            for rows, x in xs.items():
+                assert torch.equal(kernel.product(x, panels, 97, bias), want[rows]), (pair_from, rows)
+    finally:
+        small_gemm.choose_pairing(kernel)
+    with pytest.raises(ValueError, match="does not pair"):
+        avx2.pair_from(2)
+
+
 @pytest.fixture(params=["avx2", "avx512"])
 def f32_kernel(request, monkeypatch):
     """kernel(torch.float32) as DISAGG_F32_KERNEL names it (skipped where that build cannot run)."""

@@ -794,17 +794,21 @@ static inline __attribute__((always_inline)) void eight_bit_block(int rows, cons
 
 #ifdef WIDE_F32
 /* The float32 build for AVX-512 (-DWIDE_F32 -mavx512f -mavx512vl): the same panels of 24 columns and
- * blocks of up to WIDE_ROWS = 8 rows. A product of PAIR_ROWS rows or more reads the panels two at a
+ * blocks of up to WIDE_ROWS = 8 rows. A product of pair_rows rows or more reads the panels two at a
  * time, each row's 48 columns in three 16-float vectors (columns 0-15 of either panel, then 16-23 of
  * both, the two 8-float halves joined as they are loaded): 8 rows' 24 accumulators, the 3 weight
  * vectors and a broadcast fill the 32 registers, 24 FMAs of 16 lanes per 3 weight loads and 8
  * broadcasts (the AVX2 block: 12 FMAs of 8 lanes per 3 loads and 4 broadcasts). Fewer rows read one
- * panel at a time (a 16-float and an 8-float vector a row), as does a last panel without a partner:
- * measured on a Zen 5 EPYC, pairs at 4 and 8 rows were 6-30% slower than single panels, at 32 and 64
- * rows 6-19% faster. Each column is still one chain of FMAs over k within a chunk of KC, added into
- * y chunk by chunk: the AVX2 build's bits, whatever the rows, the block or the pairing. */
+ * panel at a time (a 16-float and an 8-float vector a row), as does a last panel without a partner.
+ * Which is faster from how many rows depends on the CPU: on a Zen 5 EPYC pairs at 4 and 8 rows were
+ * 6-30% slower than single panels, at 32 and 64 rows 6-19% faster; on an Ice Lake Xeon pairs were
+ * faster from 2 rows (1.06x at 2-3 rows, 1.10-1.21x at 4-12, SmolLM-135M's products). So small_gemm.py
+ * measures at first use and sets pair_rows (small_gemm_pair_from). Each column is still one chain of
+ * FMAs over k within a chunk of KC, added into y chunk by chunk: the AVX2 build's bits, whatever the
+ * rows, the block or the pairing. */
 #define WIDE_ROWS 8
-#define PAIR_ROWS 16
+static atomic_long pair_rows = 16; /* read by the caller and the helper alike: either pairing gives the same bits */
+void small_gemm_pair_from(long rows) { atomic_store_explicit(&pair_rows, rows < 2 ? 2 : rows, memory_order_relaxed); }
 #ifdef WEIGHT_BF16
 /* bf16 weights (-DWEIGHT_BF16 too: bf16-widen-avx512), widened to float32 exactly as they are loaded: 16 at a
  * time, and the two panels' 8-column tails joined as 16-bit values before the one widening. */
@@ -936,7 +940,7 @@ static void pair_range(const input_t *x, long ldx, long M, long kp, const weight
 static void panel_range(const input_t *x, long M, long K, const weight_t *panels, long N, const float *bias, float *y, long first, long last) {
     long ldx = INPUT_STRIDE(K), kp = INPUT_K(K);
 #ifdef WIDE_F32
-    int pairs = M >= PAIR_ROWS;
+    int pairs = M >= atomic_load_explicit(&pair_rows, memory_order_relaxed);
     for (long p = first; p < last; p += 1 + pairs) {
         int pair = pairs && p + 1 < last, ncols = N - p * NR < (pair + 1) * NR ? (int)(N - p * NR) : (pair + 1) * NR;
         const float *b = bias ? bias + p * NR : 0;

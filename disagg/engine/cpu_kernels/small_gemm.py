@@ -205,6 +205,10 @@ class SmallGemm:
         self._thread = threading.local()  # per calling thread: whether it may run on more than one CPU
         self._meet_caller = library.small_gemm_meet_caller
         self._meet_caller.argtypes, self._meet_caller.restype = [], None
+        # The AVX-512 float32 blocks' (WIDE_F32) rows from which a product reads its panels in pairs; None: other builds.
+        self._pair_from = getattr(library, "small_gemm_pair_from", None)
+        if self._pair_from is not None:
+            self._pair_from.argtypes, self._pair_from.restype = [ctypes.c_long], None
         BUILT.append(self)
 
     def helper_jobs(self) -> int:
@@ -250,6 +254,12 @@ class SmallGemm:
         which CPUs the helper runs on (see meet_this_thread below)."""
         self.splits_here()
         self._meet_caller()
+
+    def pair_from(self, rows: int) -> None:
+        """The AVX-512 float32 builds: products of this many rows or more read the panels in pairs (the same bits either way)."""
+        if self._pair_from is None:
+            raise ValueError(f"small_gemm: the {self.name} build does not pair its panels")
+        self._pair_from(rows)
 
     def split_here(self, allowed: bool) -> None:
         """Overrides, for the calling thread, whether its single rows use two cores (benchmarks, tests)."""
@@ -479,7 +489,37 @@ def build_kernel(name: str) -> SmallGemm | None:
     # (one at least: a worker on one torch thread still takes an idle second core).
     library.small_gemm_set_helpers.argtypes, library.small_gemm_set_helpers.restype = [ctypes.c_long], None
     library.small_gemm_set_helpers(max(1, torch.get_num_threads() - 1))
-    return SmallGemm(library, name)
+    built = SmallGemm(library, name)
+    if built._pair_from is not None:
+        choose_pairing(built)
+    return built
+
+
+# Where the AVX-512 float32 blocks start reading panels in pairs (small_gemm.c, WIDE_F32): from 2 rows, or from
+# 16. Measured on SmolLM-135M's products, the same bits either way: on a Zen 5 EPYC pairs at 4 and 8 rows were
+# 6-30% slower than single panels; on an Ice Lake Xeon 1.06x faster at 2-3 rows and 1.10-1.21x at 4-12.
+PAIR_FROM = (2, 16)
+
+
+def choose_pairing(candidate: SmallGemm) -> None:
+    """Sets the rows from which this build pairs its panels: `DISAGG_PAIR_FROM`, else the faster of PAIR_FROM
+    over 8 rows (logged with both times)."""
+    named = os.environ.get("DISAGG_PAIR_FROM")
+    if named:
+        if not named.isdigit() or int(named) < 2:
+            raise ValueError(f"DISAGG_PAIR_FROM must be a number of rows, 2 or more, not {named!r}")
+        candidate.pair_from(int(named))
+        log.info("%s products: panels in pairs from %s rows (DISAGG_PAIR_FROM)", candidate.name, named)
+        return
+    times, inputs = {}, choice_inputs(candidate)
+    for _ in range(2):  # alternately: a shared host's speed moves within the measurement
+        for rows in PAIR_FROM:
+            candidate.pair_from(rows)
+            times[rows] = min(times.get(rows, float("inf")), measured_seconds(candidate, (8,), inputs))
+    chosen = min(PAIR_FROM, key=lambda rows: times[rows])
+    candidate.pair_from(chosen)
+    log.info("%s products: panels in pairs from %d rows, faster here at 8 rows (%s)", candidate.name, chosen,
+             ", ".join(f"from {rows}: {seconds * 1e3:.2f} ms" for rows, seconds in times.items()))
 
 
 # The start-up measurement's weight: larger than the caches' share a core gets (weights stream
@@ -487,23 +527,28 @@ def build_kernel(name: str) -> SmallGemm | None:
 CHOICE_SHAPE = (4096, 1024)
 
 
-def measured_seconds(candidate: SmallGemm) -> float:
-    """The best of three: one row, then 16, through this kernel on this thread alone (an 8-bit build's
-    over int8 values and their scales)."""
+def measured_seconds(candidate: SmallGemm, counts: tuple[int, ...] = (1, 16), inputs: tuple | None = None) -> float:
+    """The best of three: one row, then 16 (or `counts` rows), through this kernel on this thread alone (an
+    8-bit build's over int8 values and their scales); `inputs` from choice_inputs, made here if not given."""
+    panels, rows, out = inputs or choice_inputs(candidate)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for count in counts:
+            candidate._call(rows.data_ptr(), count, CHOICE_SHAPE[1], panels.data_ptr(), CHOICE_SHAPE[0], None, out.data_ptr())
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def choice_inputs(candidate: SmallGemm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CHOICE_SHAPE weight packed for this build, 16 rows and their output."""
     generator = torch.Generator().manual_seed(0)
     if candidate.scale_rows:
         values = torch.randint(-127, 128, CHOICE_SHAPE, dtype=torch.int8, generator=generator)
         panels = candidate.pack_quantized(values, torch.rand(CHOICE_SHAPE[0], generator=generator) / 64)
     else:
         panels = candidate.pack(torch.randn(CHOICE_SHAPE, generator=generator).to(candidate.weight_dtype))
-    rows, out = torch.randn(16, CHOICE_SHAPE[1], generator=generator), torch.empty(16, CHOICE_SHAPE[0])
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        for count in (1, 16):
-            candidate._call(rows.data_ptr(), count, CHOICE_SHAPE[1], panels.data_ptr(), CHOICE_SHAPE[0], None, out.data_ptr())
-        best = min(best, time.perf_counter() - started)
-    return best
+    return panels, torch.randn(16, CHOICE_SHAPE[1], generator=generator), torch.empty(16, CHOICE_SHAPE[0])
 
 
 def load_library(source: pathlib.Path, flags: tuple[str, ...], libraries: tuple[str, ...], unused: str) -> ctypes.CDLL | None:
