@@ -359,9 +359,9 @@ def splittable(monkeypatch, helper_computes):
 @pytest.mark.parametrize("caller_panels", [1, 0], ids=["helper-takes-the-rest", "as-the-threads-run"])
 @pytest.mark.parametrize("build", [*FLOAT32_BUILDS, "bf16-widen-avx512", "bf16-dot"])
 def test_a_product_on_two_cores_gives_the_bits_of_one_core(out_features, in_features, caller_panels, build, monkeypatch):
-    # 24 outputs are one panel: nothing to share, the caller computes it alone. The avx512 build's
-    # helper claims pairs of panels (its 17 and 64 rows read them two at a time), as bf16-dot's does
-    # from 9 rows (dot_pair_block); a row alone reads single panels.
+    # 24 outputs are one panel: nothing to share, the caller computes it alone. The avx512 builds'
+    # helper claims pairs of panels (read two at a time from 2 or 16 rows, as measured at first use:
+    # small_gemm.choose_pairing), as bf16-dot's does from 9 rows (dot_pair_block); a row alone reads single panels.
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)  # these weights are smaller than a real model's
     monkeypatch.setattr(small_gemm, "SPLIT_MAX_ROWS", 64)  # the C side shares any number of rows
     torch.manual_seed(0)
