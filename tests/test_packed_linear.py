@@ -5,6 +5,8 @@ import functools
 import mmap
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -174,6 +176,23 @@ def test_the_avx512_float32_blocks_give_the_same_bits_whichever_rows_they_pair_p
         small_gemm.choose_pairing(kernel)
     with pytest.raises(ValueError, match="does not pair"):
         avx2.pair_from(2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("variable, value, message", [
+    ("DISAGG_PAIR_FROM", "1", "DISAGG_PAIR_FROM must be a number of rows, 2 or more, not '1'"),
+    ("DISAGG_F32_KERNEL", "sse", "DISAGG_F32_KERNEL must be avx512 or avx2, not 'sse'"),
+])
+def test_a_kernel_setting_no_build_takes_ends_a_workers_start_up_in_one_line(variable, value, message):
+    """A worker started with a kernel variable holding a value no build takes exits with status 2 and one line
+    naming the variable and its value, as for a flag, not a traceback."""
+    if variable == "DISAGG_PAIR_FROM" and small_gemm.build_kernel("float32-avx512") is None:
+        pytest.skip("no AVX-512 float32 build here: nothing reads DISAGG_PAIR_FROM")
+    command = [sys.executable, "-m", "decode_worker", "--model", tiny_model("llama"), "--port", "0", "--metrics-port", "-1", "--dtype", "float32"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, variable: value})
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == f"decode_worker: {message}"
+    assert "Traceback" not in run.stderr
 
 
 @pytest.fixture(params=["avx2", "avx512"])

@@ -315,8 +315,9 @@ def refusals(backend: str) -> tuple[type[Exception], ...]:
 
         return UnsupportedModel, NixlUnavailable, UnsupportedLayout, NeuronPackagesMissing, UnsupportedNxdi
     from disagg.engine.backends.compiled import BadBuckets
+    from disagg.engine.cpu_kernels.small_gemm import BadKernelSetting
 
-    return UnsupportedModel, NixlUnavailable, BadBuckets
+    return UnsupportedModel, NixlUnavailable, BadBuckets, BadKernelSetting
 
 
 MEMORY_HINTS = "lower --kv-cache-gib or --batch-size (decode), --prefix-cache-gib (prefill) or --max-seq-len, or use --dtype bfloat16"
@@ -355,7 +356,7 @@ def run_worker(prog: str, serve, config) -> None:
     except refused as e:
         if isinstance(e, NixlUnavailable):
             print(f"{prog}: --kv-transport nixl: {e}", file=sys.stderr)
-        elif type(e).__name__ == "BadBuckets":  # a flag's fault, not the model's
+        elif type(e).__name__ in ("BadBuckets", "BadKernelSetting"):  # a flag's or the environment's fault, not the model's
             print(f"{prog}: {e}", file=sys.stderr)
         else:
             print(f"{prog}: refusing {config.model}: {e}", file=sys.stderr)

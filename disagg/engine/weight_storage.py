@@ -44,7 +44,7 @@ def narrower_storage(model: nn.Module, dtype: torch.dtype, device: torch.device,
     if dtype != torch.float32 or device.type != "cpu":
         return None, ""
     if os.environ.get(VARIABLE, "") not in ("", "bf16", "float32"):
-        raise ValueError(f"{VARIABLE} must be bf16 or float32, not {os.environ[VARIABLE]!r}")
+        raise small_gemm.BadKernelSetting(f"{VARIABLE} must be bf16 or float32, not {os.environ[VARIABLE]!r}")
     if os.environ.get(VARIABLE) == "float32":
         return None, f"weights held in float32 ({VARIABLE})"
     widen = small_gemm.kernel(torch.bfloat16)

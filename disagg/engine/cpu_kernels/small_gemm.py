@@ -60,6 +60,11 @@ from disagg.engine.dtype_choice import cpu_flags
 
 log = logging.getLogger(__name__)
 
+
+class BadKernelSetting(ValueError):
+    """An environment variable that names a kernel or its settings (DISAGG_F32_KERNEL, DISAGG_PAIR_FROM, ...) holds a
+    value no build takes: a worker refuses it at start-up in one line, as it does a flag."""
+
 SOURCE = pathlib.Path(__file__).with_name("small_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 VNNI_FLAGS = ("-DWEIGHT_VNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
@@ -445,7 +450,7 @@ def chosen_build(products: str, variable: str, builds: dict[str, str]) -> SmallG
     named = os.environ.get(variable)
     if named:
         if named not in builds:
-            raise ValueError(f"{variable} must be {' or '.join(builds)}, not {named!r}")
+            raise BadKernelSetting(f"{variable} must be {' or '.join(builds)}, not {named!r}")
         chosen = build_kernel(builds[named])
         log.info("%s products: %s", products, f"the {builds[named]} kernel ({variable})" if chosen else f"{builds[named]} cannot run here")
         return chosen
@@ -507,7 +512,7 @@ def choose_pairing(candidate: SmallGemm) -> None:
     named = os.environ.get("DISAGG_PAIR_FROM")
     if named:
         if not named.isdigit() or int(named) < 2:
-            raise ValueError(f"DISAGG_PAIR_FROM must be a number of rows, 2 or more, not {named!r}")
+            raise BadKernelSetting(f"DISAGG_PAIR_FROM must be a number of rows, 2 or more, not {named!r}")
         candidate.pair_from(int(named))
         log.info("%s products: panels in pairs from %s rows (DISAGG_PAIR_FROM)", candidate.name, named)
         return
