@@ -119,6 +119,20 @@ QUICK = (
 )
 
 
+# The CPU kernels' overrides: environment variables, not flags (each worker reads them at its first product; a
+# value no build takes ends its start-up in one line, small_gemm.BadKernelSetting). Each: (variable, values, what).
+KERNEL_VARIABLES = (
+    ("DISAGG_F32_KERNEL", "avx512, avx2", "the float32 panels' build; default: the faster here at first use"),
+    ("DISAGG_BF16_KERNEL", "dot, widen-avx512, widen", "the bf16 panels' build; default: the fastest here that the CPU runs"),
+    ("DISAGG_INT8_KERNEL", "vnni, dot, widen", "`--quantization int8`'s build; default: the fastest here"),
+    ("DISAGG_W8A8_KERNEL", "vnni, avxvnni, avx2", "`--quantization w8a8_int8`'s build; default: the fastest here"),
+    ("DISAGG_PAIR_FROM", "a number of rows, 2 or more", "where the AVX-512 float32 blocks read their panels two at a time; "
+     "default: from 2 or from 16, the faster here over 8 rows (the same bits either way)"),
+    ("DISAGG_F32_WEIGHTS", "bf16, float32", "a float32 model whose weights are all bf16 numbers holds them in bf16 "
+     "(the same products from half the bytes) unless float32"),
+)
+
+
 @dataclass(frozen=True)
 class Flag:
     names: str  # as the table shows them: `--prefix-caching`, `--no-prefix-caching`
@@ -245,6 +259,12 @@ def generate() -> str:
         for flag, programs in group:
             lines.append(f"| {flag.names} | {cell(flag.values)} | {flag.default} | {', '.join(programs)} | {cell(flag.help)} |")
         lines.append("")
+    lines += ["## CPU kernels (environment variables)", "",
+              "Which build of the CPU kernels the workers use is measured at each worker's first product and logged; these name one "
+              "instead (benchmarks, a host where the measurement misleads). A value no build takes ends the worker's start-up with one line.",
+              "", "| variable | values | what it sets |", "|---|---|---|"]
+    lines += [f"| `{variable}` | {cell(values)} | {cell(what)} |" for variable, values, what in KERNEL_VARIABLES]
+    lines.append("")
     return "\n".join(lines)
 
 
