@@ -16,6 +16,12 @@ token at step k+1, which is dropped. Length limits are known in advance and
 cost no extra step. A slot is handed back (`on_retired`) only once no step in
 flight still touches it, so a new request's KV can never be overwritten.
 
+Step k's host work waits until step k+1 has launched: on a CPU, until k+1's Python is
+done and its one call into native_step.c runs without the GIL (Backend.signals_launch).
+Otherwise this thread's and the event loop's Python (publishing k's tokens) hold the GIL
+while k+1 takes its turns to start, and k+1 waits; at one stream on two cores that wait was
+1-3 ms of a 15 ms step.
+
 A request admitted (or evicted) while step k runs still joins (or leaves)
 step k+1: until k ends, k+1 only waits on the device thread, and is cancelled
 and built again with the new rows (`_take_in_arrivals`).
@@ -121,6 +127,7 @@ class _Step:
     output: Future  # -> SampleOutput of one row per sequence and guess
     guesses: list[list[int]]  # per sequence, its guesses this step (rows after its input token's)
     first_row: list[int]  # per sequence, its input token's row in the output
+    launched: threading.Event  # set once the step no longer needs the GIL, or has ended
 
     @property
     def speculative(self) -> bool:
@@ -249,6 +256,8 @@ class DecodeLoop:
             step = self._submit(rows, in_flight) if rows else None
             if in_flight is not None:
                 step = self._take_in_arrivals(step, in_flight)
+                if step is not None:
+                    step.launched.wait()  # k+1 first: it is set at the latest when k+1 ends (_device_step)
                 self._process(in_flight)  # host work of step k while step k+1 runs
             if step is not None and not self.async_mode:
                 self._process(step)
@@ -463,9 +472,11 @@ class DecodeLoop:
         # A speculating row's matcher on each of its rows: advanced by its input token, then by each guess in turn.
         matchers = [rows[i].matcher for i, count in enumerate(counts) for _ in range(count)]
         matchers = matchers if any(m is not None for m in matchers) else None
+        launched = threading.Event()
+        inputs.on_launch = launched.set
         output = self._device.submit(self._device_step, inputs, torch.tensor(row_from_prev), self._resumed_from_idle, matchers)
         self._resumed_from_idle = False
-        return _Step(rows, output, guesses, first_row)
+        return _Step(rows, output, guesses, first_row, launched)
 
     def _guesses(self, rows: list[Sequence], from_prev: list[int]) -> list[list[int]]:
         """Each sequence's guesses: only where its input token is on the host (the guesses follow
@@ -504,6 +515,14 @@ class DecodeLoop:
         return self._device.submit(self.proposer.propose, wanted).result()
 
     def _device_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool, matchers: list[RowMatcher | None] | None) -> SampleOutput:
+        if not self.backend.signals_launch:
+            inputs.on_launch()
+        try:
+            return self._run_step(inputs, from_prev, after_idle, matchers)
+        finally:
+            inputs.on_launch()  # a step that failed before it launched, or a backend that did not say
+
+    def _run_step(self, inputs: StepInputs, from_prev: torch.Tensor, after_idle: bool, matchers: list[RowMatcher | None] | None) -> SampleOutput:
         # Runs on the device thread, in submission order, so _last_output is the
         # previous step's output whenever from_prev points into it.
         start = time.perf_counter()

@@ -112,6 +112,43 @@ def test_async_mode_drops_exactly_the_extra_tokens_after_eos():
     assert stats.dropped_tokens == 1  # one async step past EOS, never more
 
 
+def test_a_steps_tokens_are_published_once_the_next_step_has_launched_into_native_step_c():
+    """Async mode: the host work of step k (its tokens out) starts only once step k+1 has made its one
+    call into native_step.c, so that the loop's and the event loop's Python never hold k+1 back at the GIL."""
+    ref = reference("llama")
+    backend = load_backend("torch", model=tiny_model("llama"), dtype="float32")
+    backend.allocate_slots(2)
+    assert backend.native is not None and backend.signals_launch, "the llama float32 step must run natively on CPU"
+    order, steps, inside, done = [], iter(range(1000)), threading.local(), threading.Event()
+
+    def decode_step(inputs):
+        number, launch = next(steps), inputs.on_launch
+
+        def launched():  # the backend's call, inside its decode_step, then the decode loop's own once the step ends
+            if not any(what == "launched" and n == number for what, n, _ in order):
+                order.append(("launched", number, getattr(inside, "step", None) == number))
+            launch()
+
+        inputs.on_launch, inside.step = launched, number
+        try:
+            return backend.decode_step(inputs)
+        finally:
+            inside.step = None
+
+    published = iter(range(1000))
+    decode_loop = DecodeLoop(backend, lambda events: order.append(("published", next(published), None)), lambda keys: done.set(), decode_step=decode_step)
+    decode_loop.start()
+    ids = ref.ids(PROMPTS[0])
+    result = prefill_into_slot(backend, ids, 0, Sampling())
+    decode_loop.admit(Sequence("0", 0, len(ids), result.first_token, Sampling(), Stopping(12)))
+    assert done.wait(60)
+    decode_loop.stop()
+    launches = [(number, by_backend) for what, number, by_backend in order if what == "launched"]
+    assert [number for number, _ in launches] == list(range(11)) and all(by_backend for _, by_backend in launches), order
+    for k in range(10):  # step k's tokens out only after step k+1 launched (step 10, the last, has no next)
+        assert order.index(("launched", k + 1, True)) < order.index(("published", k, None)), order
+
+
 def test_bf16_is_the_default_and_allocates_the_slot_cache_once():
     backend = load_backend("torch", model=tiny_model("llama"))
     assert backend.info.dtype == "bfloat16"

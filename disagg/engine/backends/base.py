@@ -98,6 +98,9 @@ class StepInputs:
     # input token; j: guess j), the rows of a sequence consecutive; None: one row a sequence. Penalties then count a
     # row's earlier guesses as generated, and only the tokens the sequence keeps join the slot's counts.
     guess_index: torch.Tensor | None = None
+    # Called on the device thread once the step's own Python is done and the rest runs without the GIL (native_step.c's
+    # one call) by a backend whose signals_launch is true: the decode loop's host work waits for it (decode_loop.py).
+    on_launch: Callable[[], None] | None = None
 
 
 class Backend(abc.ABC):
@@ -178,6 +181,12 @@ class Backend(abc.ABC):
         """The most tokens a decode step returns a row. Above 1 (speculation inside the step): token_ids is
         [rows, tokens_per_step], each row's kept tokens first, then -1."""
         return 1
+
+    @property
+    def signals_launch(self) -> bool:
+        """Whether decode_step calls inputs.on_launch where the rest of its step no longer holds the GIL (else the
+        decode loop takes the step as launched when it starts)."""
+        return False
 
     @abc.abstractmethod
     def decode_step(self, inputs: StepInputs) -> SampleOutput:

@@ -645,6 +645,10 @@ class TorchBackend(Backend):
         log.info("decode steps run natively (native_step.c): one call per step")
         return self.native_model
 
+    @property
+    def signals_launch(self) -> bool:
+        return self.native is not None and self.compiled is None  # the native step's one call releases the GIL
+
     def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step over the active slots (with keep_hidden, the rows'
         final hidden states in step_hidden)."""
@@ -659,7 +663,8 @@ class TorchBackend(Backend):
         if self.native is not None:
             hidden = [] if self.keep_hidden else None
             guesses = None if inputs.guess_index is None else inputs.guess_index > 0
-            logits = self.native.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len, hidden, guesses)
+            logits = self.native.decode_logits(self._tables(inputs), inputs.positions, inputs.input_ids, inputs.kv_len, hidden, guesses,
+                                               inputs.on_launch)
             self.step_hidden = hidden[0] if hidden else None
             return logits
         if not self.keep_hidden:

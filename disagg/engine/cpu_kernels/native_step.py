@@ -34,6 +34,7 @@ import ctypes
 import functools
 import logging
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -447,13 +448,14 @@ class NativeModel:
         self.undo = None
 
     def decode_logits(self, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, kv_len: int, hidden: list | None = None,
-                      guesses: torch.Tensor | None = None) -> torch.Tensor:
+                      guesses: torch.Tensor | None = None, on_launch: Callable[[], None] | None = None) -> torch.Tensor:
         """[n, vocab]: the next-token logits of one step; row i is token input_ids[i] at
         positions[i] of the sequence whose block table is tables[i] ([n, blocks]; [n]: slots,
         one block each), its K/V line written there; its earlier positions hold its K/V.
         hidden: where given, gets the rows' final hidden states [n, hidden] (float32, after the final norm).
         guesses: [n] bool, a verify step's guess rows (a sequence's rows consecutive, in order): over an
-        8-bit cache their appends are logged, to be undone by roll_back where not kept."""
+        8-bit cache their appends are logged, to be undone by roll_back where not kept.
+        on_launch: called just before the step's one call into native_step.c, which runs without the GIL."""
         tables, positions, input_ids = (_longs(t) for t in (tables, positions, input_ids))
         table_width = tables.shape[1] if tables.dim() == 2 else 1
         positions_below = self._check_rows(tables, positions, input_ids, self.slot_shape[0], min(kv_len, table_width * self.slot_shape[2]))
@@ -462,7 +464,8 @@ class NativeModel:
         log_struct = self.undo.struct() if logged else None  # alive for the call: the C side points at it
         self.slot_cache.undo = ctypes.addressof(log_struct) if logged else None
         try:
-            return self._run(self.slot_cache, tables, positions, input_ids, positions_below, 0, None, self.step_library, self.step_model, hidden)
+            return self._run(self.slot_cache, tables, positions, input_ids, positions_below, 0, None, self.step_library, self.step_model, hidden,
+                             on_launch)
         finally:
             self.slot_cache.undo = None
 
@@ -555,7 +558,7 @@ class NativeModel:
         return self.work
 
     def _run(self, cache: _KvCache, slots, positions, input_ids, kv_len: int, logit_from: int, layer_done, library=None, model=None,
-             hidden: list | None = None) -> torch.Tensor:
+             hidden: list | None = None, on_launch: Callable[[], None] | None = None) -> torch.Tensor:
         """slots: [n] (each row's one block) or [n, blocks] block tables. library, model: the build and model struct
         that run it (default: over a cache in the model's dtype; a decode step's: its cache's). hidden: where given,
         gets the final-normed rows the LM head multiplied: native_step leaves them in its workspace, after x."""
@@ -570,6 +573,8 @@ class NativeModel:
         logits = torch.empty(n - logit_from, self.vocab, dtype=torch.float32)
         work = self._workspace(library.native_step_workspace(ctypes.byref(model), n, kv_len), layer_done is None and hidden is None)
         model.blocked_threads = max(1, torch.get_num_threads())  # a blocked prompt's attention runs on torch's threads
+        if on_launch is not None:
+            on_launch()
         library.native_step(
             ctypes.byref(model), ctypes.byref(cache), n, input_ids.data_ptr(), slots.data_ptr(), table_stride,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), int(self.angles is not None),
