@@ -33,6 +33,32 @@ def test_greedy_and_top_k_one_are_argmax():
     assert draw(lg, [Sampling(temperature=1.5, top_k=1, seed=s) for s in range(4)]) == expected
 
 
+def test_greedy_c_gives_torch_argmax_on_ties_signed_zeros_nans_and_strided_rows():
+    from disagg.engine.cpu_kernels import greedy
+
+    if greedy._library() is None:
+        pytest.skip("greedy.c cannot be built here (no AVX2 or no compiler)")
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(n, generator=g) for n in (1, 7, 8, 9, 31, 49152, 49157)]
+    tied = torch.randn(49152, generator=g)
+    tied[[9, 4000, 49150]] = 50.0  # the first of three equal maxima, none at a vector's start
+    quantized = torch.randint(0, 4, (1000,), generator=g).float()  # many ties
+    zeros = torch.tensor([-1.0, -0.0, -3.0, 0.0, -0.0] + [-2.0] * 11)  # -0.0 == +0.0: the first
+    nans = torch.randn(100, generator=g)
+    nans[[37, 90]] = float("nan")  # the first NaN wins, as in torch
+    tail_nan = torch.randn(21, generator=g)
+    tail_nan[20] = float("nan")  # past the last whole vector
+    minus_inf = torch.full((40,), float("-inf"))
+    for row in [*rows, tied, quantized, zeros, nans, tail_nan, minus_inf]:
+        assert greedy.greedy_ids(row[None]).tolist() == row[None].argmax(dim=-1).tolist(), row
+    batch = torch.randn(6, 3000, generator=g)
+    batch[2, 100:200] = 9.0
+    view = batch[:, 5:2005]  # rows 3,000 apart, 2,000 read: the row stride honoured
+    assert greedy.greedy_ids(view).tolist() == view.argmax(dim=-1).tolist()
+    assert greedy.greedy_ids(batch).tolist() == batch.argmax(dim=-1).tolist()
+    assert greedy.greedy_ids(batch.to(torch.bfloat16)).tolist() == batch.to(torch.bfloat16).argmax(dim=-1).tolist()  # torch's own
+
+
 def test_seeded_row_is_independent_of_its_batch():
     lg = logits(batch=9)
     target = Sampling(temperature=1.0, seed=1234)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .cpu_kernels.greedy import greedy_ids as first_maxima
 from .requests import Sampling
 
 _MASK32 = 0xFFFFFFFF
@@ -152,7 +153,7 @@ def sample(
         logits = apply_bitmask(logits, bitmask)
     if counts is not None:
         logits = apply_penalties(logits.float(), params, counts, in_prompt)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = first_maxima(logits)  # logits.argmax(dim=-1)'s indices (greedy.c on CPU)
     if greedy and top_logprobs < 0:
         return SampleOutput(greedy_ids)
     top_k, top_p, temperature, min_p = params[:, TOP_K], params[:, TOP_P], params[:, TEMPERATURE], params[:, MIN_P]

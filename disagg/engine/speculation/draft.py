@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, StepInputs
+from ..cpu_kernels.greedy import greedy_ids
 from ..requests import Sampling
 from ..sampler import params_row
 from .rows import RowSpeculation
@@ -102,4 +103,4 @@ class DraftProposer:
         for _, tokens, _ in feeds:
             end += len(tokens)
             last_rows.append(end - 1)
-        return logits[torch.tensor(last_rows)].argmax(dim=-1).tolist()
+        return greedy_ids(logits[torch.tensor(last_rows)]).tolist()

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..backends import Backend
+from ..cpu_kernels.greedy import greedy_ids
 from . import MAX_SPECULATIVE_TOKENS
 from .rows import RowSpeculation
 
@@ -297,4 +298,4 @@ class EagleProposer:
         return self.head.cached(features, slots, torch.tensor(positions), self.cache)
 
     def _greedy(self, features: torch.Tensor) -> list[int]:
-        return self.lm_head(features.to(self.backend.device, self.dtype)).argmax(dim=-1).tolist()
+        return greedy_ids(self.lm_head(features.to(self.backend.device, self.dtype))).tolist()
