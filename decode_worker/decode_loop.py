@@ -20,7 +20,8 @@ Step k's host work waits until step k+1 has launched: on a CPU, until k+1's Pyth
 done and its one call into native_step.c runs without the GIL (Backend.signals_launch).
 Otherwise this thread's and the event loop's Python (publishing k's tokens) hold the GIL
 while k+1 takes its turns to start, and k+1 waits; at one stream on two cores that wait was
-1-3 ms of a 15 ms step.
+1-3 ms of a 15 ms step. Other device work queued ahead of k+1 (`run_on_device`: a colocated
+prefill) releases the wait as it starts, so k's tokens never wait for it.
 
 A request admitted (or evicted) while step k runs still joins (or leaves)
 step k+1: until k ends, k+1 only waits on the device thread, and is cancelled
@@ -184,6 +185,9 @@ class DecodeLoop:
         self._active: dict[int, Sequence] = {}  # slot -> sequence
         self._retiring: list[Sequence] = []
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device", initializer=pin_this_thread, initargs=(device_cpus,))
+        self._launch_lock = threading.Lock()  # guards the two below, shared by the loop and the device thread
+        self._awaited: threading.Event | None = None  # the queued step's launch the loop waits for
+        self._other_work = False  # run_on_device work runs on the device thread now
         self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-masks")  # the only thread that steps matchers
         self._masks_inline = str(getattr(backend, "device", "cpu")) == "cpu"
         self._last_output: torch.Tensor | None = None  # touched only on the device thread
@@ -216,7 +220,19 @@ class DecodeLoop:
 
     def run_on_device(self, fn, *args):
         """Runs fn on the device thread between steps (colocated prefill); a concurrent future."""
-        return self._device.submit(fn, *args)
+        return self._device.submit(self._other_work_on_device, fn, *args)
+
+    def _other_work_on_device(self, fn, *args):
+        # A step queued behind this work counts as launched: the host work of the step before it goes on now.
+        with self._launch_lock:
+            self._other_work = True
+            if self._awaited is not None:
+                self._awaited.set()
+        try:
+            return fn(*args)
+        finally:
+            with self._launch_lock:
+                self._other_work = False
 
     @property
     def active_count(self) -> int:
@@ -257,7 +273,7 @@ class DecodeLoop:
             if in_flight is not None:
                 step = self._take_in_arrivals(step, in_flight)
                 if step is not None:
-                    step.launched.wait()  # k+1 first: it is set at the latest when k+1 ends (_device_step)
+                    self._wait_for_launch(step)
                 self._process(in_flight)  # host work of step k while step k+1 runs
             if step is not None and not self.async_mode:
                 self._process(step)
@@ -267,6 +283,17 @@ class DecodeLoop:
         if in_flight is not None:
             self._process(in_flight)
         self._retire(everything=True)
+
+    def _wait_for_launch(self, step: _Step) -> None:
+        """Until step (k+1) has launched (set at the latest when it ends, _device_step), unless other
+        device work runs ahead of it (_other_work_on_device)."""
+        with self._launch_lock:
+            if self._other_work:
+                return
+            self._awaited = step.launched
+        step.launched.wait()
+        with self._launch_lock:
+            self._awaited = None
 
     def _guessing_next(self, in_flight: _Step) -> bool:
         """Whether the next step should wait for in_flight's tokens: it guessed (its rows' tokens
