@@ -550,6 +550,37 @@ def test_a_caller_takes_back_the_panels_of_a_helper_that_lost_its_core(monkeypat
 
 
 @needs_kernel
+@two_cpus
+def test_a_caller_takes_back_a_unit_its_helper_started_and_then_lost_its_core_in(monkeypatch):
+    """A helper asleep in the middle of a unit (marked started): the caller waits about a unit's time for it, then
+    computes it itself and returns with the product's bits (the helper's late result is dropped, so it is counted
+    late); the caller does not wait for the sleeping helper (half a second a unit) to finish."""
+    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
+    kernel = small_gemm.kernel()
+    torch.manual_seed(0)
+    weight = torch.randn(240, 64)  # ten panels
+    panels = kernel.pack(weight)
+
+    def product(x, split: bool):
+        kernel.split_here(split)
+        return kernel.product(x, panels, 240, None)
+
+    late_before = kernel.late_panels()
+    kernel.stall_started_helper(0.5)
+    kernel.await_helper_claim(True)  # so that the helper surely holds a unit when it falls asleep
+    try:
+        x = torch.randn(5, 64)
+        assert torch.equal(in_new_thread(lambda: product(x, True)), in_new_thread(lambda: product(x, False)))
+    finally:
+        kernel.await_helper_claim(False)
+        kernel.stall_started_helper(0)
+    deadline = time.monotonic() + 30
+    while kernel.late_panels() == late_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kernel.late_panels() > late_before  # the caller computed the unit the helper had started
+
+
+@needs_kernel
 def test_a_packed_linear_on_one_thread_uses_the_kernel_up_to_64_rows(one_thread, monkeypatch):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 160)

@@ -42,6 +42,7 @@
 
 #define NR 24
 #define KC 256
+
 /* How far ahead of its reads a block prefetches the panels (bytes; a chunk at least): they are one stream
  * through memory, and a prefetch one chunk ahead (6 KB of int8, 12 of bf16) came too late for one row.
  * Measured on a Zen 5 EPYC over SmolLM-135M's one-row products in a step's order (int8 layers, a bf16 LM
@@ -823,8 +824,23 @@ static inline __m512 join_halves(const weight_t *first, const weight_t *second) 
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_load_ps(first))), _mm256_castps_pd(_mm256_load_ps(second)), 1));
 }
 #endif
+#define WIDENED_PAIR_K 48 /* floats a k of a pair's widened chunk: its three vectors (see wide_block) */
+#ifdef WEIGHT_BF16
+/* From WIDEN_PAIRS_FROM rows, the first block of rows over a pair's chunk keeps the floats it widens here, and the
+ * product's other blocks over that chunk read them. Why: widening a vector is two uops on the FMA ports (the zero
+ * extension on port 5, the shift on port 0), 7 beside each k's 24 FMAs in a block of 8 rows, paid again by every
+ * block; read back, the widened chunk costs loads alone, as float32 panels do. The same floats in the same order:
+ * the same bits. Measured on an Ice Lake Xeon, SmolLM-135M's products (30 layers' and the LM head) on one core,
+ * interleaved: 16 rows the same, 32 rows 1.08-1.09x, 64 rows 1.14-1.26x. A separate pass widening each chunk
+ * before the blocks measured slower (0.83-0.87x at 16 rows): it waits on memory with no FMA beside it. */
+#define WIDEN_PAIRS_FROM 16
+static __thread float widened_pair[KC * WIDENED_PAIR_K] __attribute__((aligned(64))); /* 48 KB */
+#endif
+
+/* pair: 0 one panel; 1 two panels; 2 two panels read from their chunk as a first block widened it (widened); 3 two
+ * panels, widened as they are read and kept in widened for the blocks after it (WIDEN_PAIRS_FROM). */
 static inline __attribute__((always_inline)) void wide_block(int rows, int pair, const float *x, long ldx, const weight_t *chunk, long panel_stride, long kn,
-                                                             long ahead, float *y, long ldy, const float *bias, int ncols, int first) {
+                                                             long ahead, float *y, long ldy, const float *bias, int ncols, int first, float *widened) {
     __m512 low[WIDE_ROWS], next[WIDE_ROWS], high[WIDE_ROWS];
     __m256 tail[WIDE_ROWS];
     for (int r = 0; r < WIDE_ROWS; r++)
@@ -832,6 +848,17 @@ static inline __attribute__((always_inline)) void wide_block(int rows, int pair,
     const weight_t *other = chunk + panel_stride; /* the second panel's same chunk */
     for (long k = 0; k < kn; k++) {
         const weight_t *w = chunk + k * NR, *v = other + k * NR;
+        if (pair == 2) { /* its lines were asked for by the first block (the next chunk's among them) */
+            const float *at = widened + k * WIDENED_PAIR_K;
+            __m512 w0 = _mm512_load_ps(at), v0 = _mm512_load_ps(at + 16), both = _mm512_load_ps(at + 32);
+            for (int r = 0; r < rows; r++) {
+                __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
+                low[r] = _mm512_fmadd_ps(xr, w0, low[r]);
+                next[r] = _mm512_fmadd_ps(xr, v0, next[r]);
+                high[r] = _mm512_fmadd_ps(xr, both, high[r]);
+            }
+            continue;
+        }
         {   /* one row too (AHEAD_BYTES) */
             _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + ahead + 16), _MM_HINT_T0);
@@ -843,6 +870,10 @@ static inline __attribute__((always_inline)) void wide_block(int rows, int pair,
         __m512 w0 = wide_load16(w);
         if (pair) {
             __m512 v0 = wide_load16(v), both = join_halves(w + 16, v + 16);
+            if (pair == 3) { /* the first block of rows keeps what it widens for the others (widened) */
+                float *keep = widened + k * WIDENED_PAIR_K;
+                _mm512_store_ps(keep, w0), _mm512_store_ps(keep + 16, v0), _mm512_store_ps(keep + 32, both);
+            }
             for (int r = 0; r < rows; r++) {
                 __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
                 low[r] = _mm512_fmadd_ps(xr, w0, low[r]);
@@ -949,12 +980,19 @@ static void panel_range(const input_t *x, long M, long K, const weight_t *panels
             long kn = kp - k0 < KC ? kp - k0 : KC;
             const weight_t *chunk = panel + k0 * NR;
             long ahead = kn * NR > AHEAD_BYTES / (long)sizeof(weight_t) ? kn * NR : AHEAD_BYTES / (long)sizeof(weight_t);
+            float *widened = 0;
+#ifdef WEIGHT_BF16
+            if (pair && M >= WIDEN_PAIRS_FROM)
+                widened = widened_pair;
+#endif
             for (long m = 0; m < M; m += WIDE_ROWS) {
                 const float *xm = x + m * ldx + k0;
                 float *ym = y + m * N + p * NR;
                 int rows = M - m >= WIDE_ROWS ? WIDE_ROWS : (int)(M - m);
-#define WIDE_CALL(r) pair ? wide_block(r, 1, xm, ldx, chunk, kp * NR, kn, ahead, ym, N, b, ncols, k0 == 0) \
-                          : wide_block(r, 0, xm, ldx, chunk, kp * NR, kn, ahead, ym, N, b, ncols, k0 == 0)
+#define WIDE_CALL(r) widened && m == 0 ? wide_block(r, 3, xm, ldx, chunk, kp * NR, kn, ahead, ym, N, b, ncols, k0 == 0, widened) \
+                   : widened        ? wide_block(r, 2, xm, ldx, chunk, kp * NR, kn, ahead, ym, N, b, ncols, k0 == 0, widened) \
+                   : pair           ? wide_block(r, 1, xm, ldx, chunk, kp * NR, kn, ahead, ym, N, b, ncols, k0 == 0, 0)       \
+                                    : wide_block(r, 0, xm, ldx, chunk, kp * NR, kn, ahead, ym, N, b, ncols, k0 == 0, 0)
                 switch (rows) {
                 case 8: WIDE_CALL(8); break;
                 case 7: WIDE_CALL(7); break;
@@ -1075,12 +1113,13 @@ void small_gemm(const float *x, long M, long K, const weight_t *panels, long N, 
  * claim while many are left (claim): the caller from the front, the helper
  * from the back, until they meet. Both claims and the job's number (its ticket)
  * live in one 64-bit word, changed by compare-and-swap: a claim made for a
- * finished job fails. The caller never waits for the helper, which may be
- * preempted at any moment: the helper computes into a buffer of its own and
- * marks each unit READY in the unit's state word (ticket and state, by
- * compare-and-swap); the caller, once no unit is left to claim, copies every
- * READY unit into y and computes any other the helper claimed (TAKEN), so a
- * helper that lost its core costs at most one unit computed twice. A helper
+ * finished job fails. The helper, which may be preempted at any moment,
+ * computes into a buffer of its own and marks each unit STARTED, then READY, in
+ * the unit's state word (ticket and state, by compare-and-swap); the caller, once
+ * no unit is left to claim, copies every READY unit into y, waits for a STARTED
+ * one at most a little longer than a unit takes it (await_started_unit), and
+ * computes any other the helper claimed (TAKEN), so a helper that lost its core
+ * costs at most that wait and one unit computed twice. A helper
  * that resumes late on a finished job writes only to its own buffer and its
  * compare-and-swap fails; it reads the input from a copy that stays mapped (x
  * may be freed once the caller returns) and weights that live as long as the
@@ -1107,15 +1146,18 @@ void small_gemm(const float *x, long M, long K, const weight_t *panels, long N, 
 #define FRONT(w) (((w) >> PANEL_BITS) & MAX_PANELS)
 #define BACK(w) ((w) & MAX_PANELS)
 #define CLAIMS(ticket, front, back) (((unsigned long long)(ticket) << (2 * PANEL_BITS)) | ((unsigned long long)(front) << PANEL_BITS) | (unsigned long long)(back))
-/* A panel's state word: the low 24 bits of its job's ticket, then OPEN, READY or TAKEN.
+/* A panel's state word: the low 24 bits of its job's ticket, then OPEN, STARTED, READY or TAKEN.
  * Tickets wrap at 2^24: a helper would have to be held off between reading a ticket
  * and its claim for 16M products (hours at a decode step's ~2,000 a second, while
  * SCHED_IDLE still gets a slice of each scheduling period) to take one job for another. */
-enum { OPEN = 0, READY = 1, TAKEN = 2 };
+enum { OPEN = 0, READY = 1, TAKEN = 2, STARTED = 3 };
 #define STATE(ticket, state) ((unsigned)(((ticket) & 0xFFFFFFu) << 8) | (unsigned)(state))
-/* READY, with the helper whose buffer holds the panel (bits 2-7 of the state byte). */
+/* READY or STARTED (a helper computes it now), with the helper whose buffer holds the panel (bits 2-7 of the state byte). */
 #define READY_BY(helper) (READY | ((unsigned)(helper) << 2))
+#define STARTED_BY(helper) (STARTED | ((unsigned)(helper) << 2))
 #define READY_HELPER(word) (((word) & 0xFFu) >> 2)
+#define IS_STARTED(word) (((word) & 3u) == STARTED)
+#define IS_READY(word) (((word) & 3u) == READY)
 
 #define MAX_HELPERS 63 /* a helper's number fits the state byte's 6 bits */
 /* The job, as the caller publishes it: every field atomic (relaxed), since a helper reads
@@ -1206,6 +1248,7 @@ static int helper_state; /* 0: not started, 1: running, -1: could not start */
 static atomic_int helper_priority; /* 1: the helper runs as SCHED_IDLE; -1: it could not (normal priority); 0: not yet known */
 static long caller_panel_limit = MAX_PANELS; /* tests: the caller leaves the rest to the helper */
 static atomic_long helper_stall_ns; /* tests: the helper sleeps this long after each claim */
+static atomic_long helper_started_stall_ns; /* tests: the helper sleeps this long once it has started a unit */
 static atomic_int caller_awaits_claim; /* tests: the caller starts once the helper has claimed a panel */
 static atomic_long late_panels;     /* units the helper claimed and found taken back by the caller */
 static pthread_t helper_thread; /* the first helper (tests read its CPUs) */
@@ -1339,10 +1382,13 @@ static void *helper(void *number) {
              * own takes the helper's back from the last down, so the two meet in the middle, one unit
              * computed twice at most. */
             for (long u = first; u < first + n; u++) {
-                unsigned open = STATE(seen, OPEN);
-                if (atomic_load_explicit(&mine.states[u], memory_order_acquire) == open) {
+                unsigned open = STATE(seen, OPEN), started = STATE(seen, STARTED_BY(index));
+                if (atomic_compare_exchange_strong(&mine.states[u], &open, started)) { /* the caller waits a while for a started unit */
+                    long started_stall = atomic_load_explicit(&helper_started_stall_ns, memory_order_relaxed);
+                    if (started_stall) /* tests: a helper that loses its core in the middle of a unit */
+                        nanosleep(&(struct timespec){started_stall / 1000000000L, started_stall % 1000000000L}, 0);
                     job_unit(mine.rows, mine.x, mine.M, mine.K, mine.panels, mine.N, mine.bias, mine.helper_y, u, unit);
-                    if (atomic_compare_exchange_strong(&mine.states[u], &open, STATE(seen, READY_BY(index)))) {
+                    if (atomic_compare_exchange_strong(&mine.states[u], &started, STATE(seen, READY_BY(index)))) {
                         computed++;
                         continue;
                     }
@@ -1430,6 +1476,24 @@ static void job_alone(row_fn rows, const float *x, long M, long K, const weight_
         small_gemm(x, M, K, panels, N, bias, y);
 }
 
+/* A unit's state once it is not STARTED, or STARTED still after `patience_ns` (-1: for ever). A helper computing a unit
+ * when its caller runs out of its own usually finishes it within a unit's time: waiting for it, rather than taking it
+ * back at once and computing it again, saves the caller that unit. A helper that lost its core costs the wait.
+ * Measured on an Ice Lake Xeon, SmolLM-135M's bf16 products of 8-64 rows on two cores: taking each started unit back
+ * at once, 26-122 of 150 products computed a unit twice; waiting, 0-8. The whole step, interleaved in one process:
+ * 1.00-1.04x at 1-32 rows (within the host's noise). */
+static unsigned await_started_unit(_Atomic unsigned *state, long patience_ns) {
+    unsigned word = atomic_load_explicit(state, memory_order_acquire);
+    long until = patience_ns < 0 ? -1 : now_ns() + patience_ns;
+    for (long spins = 1; IS_STARTED(word); spins++) {
+        _mm_pause();
+        if (spins % 16 == 0 && until >= 0 && now_ns() > until) /* a clock read every microsecond or so: a one-row unit takes a few */
+            break;
+        word = atomic_load_explicit(state, memory_order_acquire);
+    }
+    return word;
+}
+
 /* A split job (a product, or with `rows` a job of M rows whose blob is `blob_bytes` at x) shared with the
  * helper as small_gemm_split describes; returns 1 if the helper was offered a share, 0 if the caller
  * computed it alone. */
@@ -1486,12 +1550,13 @@ static int split_job(const float *x, long M, long K, const weight_t *panels, lon
     for (long spins = 1; atomic_load_explicit(&caller_awaits_claim, memory_order_relaxed) && BACK(atomic_load(&claims)) == (unsigned long long)count; spins++)
         if (spins % SPIN_CHECK == 0) /* tests: until the helper holds a panel */
             sched_yield();
-    long first, n, mine = 0;
+    long first, n, mine = 0, claims_from = now_ns();
     while (mine < caller_panel_limit && (first = claim(ticket, 0, caller_panel_limit - mine, &n)) >= 0) {
         for (long u = first; u < first + n; u++)
             job_unit(rows, x_copy, M, K, panels, N, bias, y, u, unit);
         mine += n;
     }
+    long unit_ns = mine ? (now_ns() - claims_from) / mine : 0; /* how long a unit takes here: the wait for one the helper started */
     int patient = caller_panel_limit < MAX_PANELS; /* tests: wait for the helper's panels, never take them */
     unsigned long long word;
     for (long spins = 1; word = atomic_load_explicit(&claims, memory_order_acquire), FRONT(word) < BACK(word); spins++) {
@@ -1504,10 +1569,18 @@ static int split_job(const float *x, long M, long K, const weight_t *panels, lon
         for (long spins = 1; patient && atomic_load_explicit(&panel_states[p], memory_order_acquire) == open; spins++)
             if (spins % SPIN_CHECK == 0)
                 sched_yield();
-        if (atomic_compare_exchange_strong(&panel_states[p], &open, STATE(ticket, TAKEN)))
-            job_unit(rows, x_copy, M, K, panels, N, bias, y, p, unit);
-        else /* READY: open now holds the state word, naming the helper whose buffer has it */
-            copy_unit(rows, helper_ys[READY_HELPER(open)], y, M, N, p, unit);
+        long patience = patient ? -1 : unit_ns + unit_ns / 4;
+        unsigned state = await_started_unit(&panel_states[p], patience);
+        while (!IS_READY(state)) { /* OPEN, or STARTED still after the wait: taken back, unless the helper moves it on first */
+            if (atomic_compare_exchange_strong(&panel_states[p], &state, STATE(ticket, TAKEN))) {
+                job_unit(rows, x_copy, M, K, panels, N, bias, y, p, unit);
+                break;
+            }
+            if (IS_STARTED(state)) /* the helper started it since: a unit's wait again */
+                state = await_started_unit(&panel_states[p], patience);
+        }
+        if (IS_READY(state)) /* state names the helper whose buffer has it */
+            copy_unit(rows, helper_ys[READY_HELPER(state)], y, M, N, p, unit);
     }
     pthread_mutex_unlock(&caller_lock);
     return 1;
@@ -1549,6 +1622,9 @@ int small_gemm_helper_idle(void) { return atomic_load(&helper_priority) == 1; }
 
 /* Tests: the helper sleeps `ns` after each panel it claims (0: never), as if it lost its core. */
 void small_gemm_stall_helper(long ns) { atomic_store(&helper_stall_ns, ns); }
+
+/* Tests: the helper sleeps `ns` once it has started each unit (0: never), as if it lost its core in the middle of one. */
+void small_gemm_stall_started_helper(long ns) { atomic_store(&helper_started_stall_ns, ns); }
 
 /* Tests: the caller of a split product starts once the helper has claimed a panel (0: at once). */
 void small_gemm_await_helper_claim(int on) { atomic_store(&caller_awaits_claim, on); }

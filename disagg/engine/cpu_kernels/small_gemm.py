@@ -203,6 +203,8 @@ class SmallGemm:
         self._helper_idle.argtypes, self._helper_idle.restype = [], ctypes.c_int
         self._stall_helper = library.small_gemm_stall_helper
         self._stall_helper.argtypes, self._stall_helper.restype = [ctypes.c_long], None
+        self._stall_started_helper = library.small_gemm_stall_started_helper
+        self._stall_started_helper.argtypes, self._stall_started_helper.restype = [ctypes.c_long], None
         self._await_helper_claim = library.small_gemm_await_helper_claim
         self._await_helper_claim.argtypes, self._await_helper_claim.restype = [ctypes.c_int], None
         self._late_panels = library.small_gemm_late_panels
@@ -232,6 +234,10 @@ class SmallGemm:
     def stall_helper(self, seconds: float) -> None:
         """Tests: the helper sleeps this long after each panel it claims (0: never), as if it lost its core."""
         self._stall_helper(int(seconds * 1e9))
+
+    def stall_started_helper(self, seconds: float) -> None:
+        """Tests: the helper sleeps this long once it has started each unit (0: never), as if it lost its core in the middle of one."""
+        self._stall_started_helper(int(seconds * 1e9))
 
     def await_helper_claim(self, on: bool) -> None:
         """Tests: the caller of a split product starts only once the helper has claimed a panel."""
