@@ -4,8 +4,9 @@
  * (small_gemm_split_rows, as the native step's attention), each compared with its
  * rows computed in turn, its blob freed as soon as the call returns; rounds in which the
  * caller computes at most one panel, so the helpers compute the rest; and (argument
- * "stall") rounds in which each helper sleeps after a claim, as if it lost its core,
- * so the caller takes its panels back and the helper finishes them late.
+ * "stall") rounds in which each helper sleeps after a claim, or once it has started a
+ * unit, as if it lost its core, so the caller takes its panels back (a started one after
+ * waiting a unit's time for it) and the helper finishes them late.
  *
  *     split_driver HELPERS BYTES_PER_WEIGHT [stall]
  *
@@ -20,6 +21,7 @@ int small_gemm_split(const float *x, long M, long K, const void *panels, long N,
 void small_gemm_set_helpers(long count);
 void small_gemm_limit_caller_panels(long panels);
 void small_gemm_stall_helper(long ns);
+void small_gemm_stall_started_helper(long ns);
 long small_gemm_helper_jobs(void);
 long small_gemm_late_panels(void);
 int small_gemm_split_rows(void (*fn)(const void *blob, long first, long n, float *out), const void *blob, long blob_bytes, long rows, long row_floats,
@@ -88,9 +90,10 @@ static void make_weights(int element) {
     }
 }
 
-static int run_round(int caller_panels, long stall_ns) {
+static int run_round(int caller_panels, long stall_ns, long started_stall_ns) {
     small_gemm_limit_caller_panels(caller_panels);
     small_gemm_stall_helper(stall_ns);
+    small_gemm_stall_started_helper(started_stall_ns);
     for (int rep = 0; rep < 30; rep++)
         for (int s = 0; s < SHAPES; s++) {
             long M = shapes[s][0], K = shapes[s][1], N = shapes[s][2];
@@ -118,9 +121,10 @@ int main(int argc, char **argv) {
     small_gemm_set_helpers(atol(argv[1]));
     make_weights(atoi(argv[2]));
     int stall = argc > 3 && strcmp(argv[3], "stall") == 0;
-    if (run_round(0, 0) || run_round(1, 0) || (stall && run_round(0, 200000)))
+    if (run_round(0, 0, 0) || run_round(1, 0, 0) || (stall && (run_round(0, 200000, 0) || run_round(0, 0, 200000))))
         return 1;
     small_gemm_stall_helper(0);
+    small_gemm_stall_started_helper(0);
     small_gemm_limit_caller_panels(0);
     printf("ok: %ld helper jobs, %ld late panels\n", small_gemm_helper_jobs(), small_gemm_late_panels());
     return 0;
