@@ -513,17 +513,14 @@ def test_the_helper_runs_at_the_lowest_priority(splittable):
     assert kernel.helper_idle()
 
 
-@needs_kernel
-@two_cpus
-def test_a_caller_takes_back_the_panels_of_a_helper_that_lost_its_core(monkeypatch):
-    """A helper asleep right after it claims a panel: the caller computes that panel
-    itself and returns (the helper's late result is dropped, so it is counted late);
-    products after it, with the helper asleep and then awake again, keep their bits."""
+@pytest.fixture
+def ten_panels_split(monkeypatch):
+    """(the kernel, same_bits): same_bits(x) is whether x's product over a ten-panel weight shared with the
+    helper has the bits of the product on the calling thread alone (each in a thread of its own)."""
     monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
     kernel = small_gemm.kernel()
     torch.manual_seed(0)
-    weight = torch.randn(240, 64)  # ten panels
-    panels = kernel.pack(weight)
+    panels = kernel.pack(torch.randn(240, 64))  # ten panels
 
     def product(x, split: bool):
         kernel.split_here(split)
@@ -532,6 +529,24 @@ def test_a_caller_takes_back_the_panels_of_a_helper_that_lost_its_core(monkeypat
     def same_bits(x):
         return torch.equal(in_new_thread(lambda: product(x, True)), in_new_thread(lambda: product(x, False)))
 
+    return kernel, same_bits
+
+
+def late_panels_above(kernel, before: int) -> bool:
+    """Whether the helper counts a late panel beyond `before` within 30 s (it counts one once it wakes)."""
+    deadline = time.monotonic() + 30
+    while kernel.late_panels() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return kernel.late_panels() > before
+
+
+@needs_kernel
+@two_cpus
+def test_a_caller_takes_back_the_panels_of_a_helper_that_lost_its_core(ten_panels_split):
+    """A helper asleep right after it claims a panel: the caller computes that panel
+    itself and returns (the helper's late result is dropped, so it is counted late);
+    products after it, with the helper asleep and then awake again, keep their bits."""
+    kernel, same_bits = ten_panels_split
     late_before = kernel.late_panels()
     kernel.stall_helper(0.5)
     kernel.await_helper_claim(True)  # so that the helper surely holds a panel when it falls asleep
@@ -542,42 +557,26 @@ def test_a_caller_takes_back_the_panels_of_a_helper_that_lost_its_core(monkeypat
     finally:
         kernel.await_helper_claim(False)
         kernel.stall_helper(0)
-    deadline = time.monotonic() + 30
-    while kernel.late_panels() == late_before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert kernel.late_panels() > late_before  # the caller did not wait for the panel the helper held
+    assert late_panels_above(kernel, late_before)  # the caller did not wait for the panel the helper held
     assert all(same_bits(torch.randn(rows, 64)) for rows in (3, 64))  # the helper awake again
 
 
 @needs_kernel
 @two_cpus
-def test_a_caller_takes_back_a_unit_its_helper_started_and_then_lost_its_core_in(monkeypatch):
+def test_a_caller_takes_back_a_unit_its_helper_started_and_then_lost_its_core_in(ten_panels_split):
     """A helper asleep in the middle of a unit (marked started): the caller waits about a unit's time for it, then
     computes it itself and returns with the product's bits (the helper's late result is dropped, so it is counted
     late); the caller does not wait for the sleeping helper (half a second a unit) to finish."""
-    monkeypatch.setattr(small_gemm, "SPLIT_MIN_BYTES", 0)
-    kernel = small_gemm.kernel()
-    torch.manual_seed(0)
-    weight = torch.randn(240, 64)  # ten panels
-    panels = kernel.pack(weight)
-
-    def product(x, split: bool):
-        kernel.split_here(split)
-        return kernel.product(x, panels, 240, None)
-
+    kernel, same_bits = ten_panels_split
     late_before = kernel.late_panels()
     kernel.stall_started_helper(0.5)
     kernel.await_helper_claim(True)  # so that the helper surely holds a unit when it falls asleep
     try:
-        x = torch.randn(5, 64)
-        assert torch.equal(in_new_thread(lambda: product(x, True)), in_new_thread(lambda: product(x, False)))
+        assert same_bits(torch.randn(5, 64))
     finally:
         kernel.await_helper_claim(False)
         kernel.stall_started_helper(0)
-    deadline = time.monotonic() + 30
-    while kernel.late_panels() == late_before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert kernel.late_panels() > late_before  # the caller computed the unit the helper had started
+    assert late_panels_above(kernel, late_before)  # the caller computed the unit the helper had started
 
 
 @needs_kernel

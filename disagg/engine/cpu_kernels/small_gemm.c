@@ -42,7 +42,6 @@
 
 #define NR 24
 #define KC 256
-
 /* How far ahead of its reads a block prefetches the panels (bytes; a chunk at least): they are one stream
  * through memory, and a prefetch one chunk ahead (6 KB of int8, 12 of bf16) came too late for one row.
  * Measured on a Zen 5 EPYC over SmolLM-135M's one-row products in a step's order (int8 layers, a bf16 LM
@@ -1265,6 +1264,12 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
+/* Tests' stalls: sleeps ns (0: not at all). */
+static void sleep_ns(long ns) {
+    if (ns)
+        nanosleep(&(struct timespec){ns / 1000000000L, ns % 1000000000L}, 0);
+}
+
 static unsigned long long current_ticket(void) { return TICKET(atomic_load_explicit(&claims, memory_order_acquire)); }
 
 /* Claims units of job `ticket` from the front (caller) or the back (helper): a share of what is
@@ -1375,18 +1380,14 @@ static void *helper(void *number) {
         long first, n, computed = 0, unit = mine.rows ? 1 : split_unit(mine.M, mine.K, mine.N), slot = mine.x_slot >= 0 && mine.x_slot < X_SLOTS ? mine.x_slot : 0;
         atomic_fetch_add(&x_readers[slot], 1);
         while ((first = claim(seen, 1, MAX_PANELS, &n)) >= 0) {
-            long stall = atomic_load_explicit(&helper_stall_ns, memory_order_relaxed);
-            if (stall) /* tests: a helper that loses its core right after a claim */
-                nanosleep(&(struct timespec){stall / 1000000000L, stall % 1000000000L}, 0);
+            sleep_ns(atomic_load_explicit(&helper_stall_ns, memory_order_relaxed)); /* tests: a helper that loses its core right after a claim */
             /* Its units in order, one stream up through the weights: a caller that has run out of its
              * own takes the helper's back from the last down, so the two meet in the middle, one unit
              * computed twice at most. */
             for (long u = first; u < first + n; u++) {
                 unsigned open = STATE(seen, OPEN), started = STATE(seen, STARTED_BY(index));
                 if (atomic_compare_exchange_strong(&mine.states[u], &open, started)) { /* the caller waits a while for a started unit */
-                    long started_stall = atomic_load_explicit(&helper_started_stall_ns, memory_order_relaxed);
-                    if (started_stall) /* tests: a helper that loses its core in the middle of a unit */
-                        nanosleep(&(struct timespec){started_stall / 1000000000L, started_stall % 1000000000L}, 0);
+                    sleep_ns(atomic_load_explicit(&helper_started_stall_ns, memory_order_relaxed)); /* tests: a helper that loses its core mid-unit */
                     job_unit(mine.rows, mine.x, mine.M, mine.K, mine.panels, mine.N, mine.bias, mine.helper_y, u, unit);
                     if (atomic_compare_exchange_strong(&mine.states[u], &started, STATE(seen, READY_BY(index)))) {
                         computed++;
@@ -1481,7 +1482,7 @@ static void job_alone(row_fn rows, const float *x, long M, long K, const weight_
  * back at once and computing it again, saves the caller that unit. A helper that lost its core costs the wait.
  * Measured on an Ice Lake Xeon, SmolLM-135M's bf16 products of 8-64 rows on two cores: taking each started unit back
  * at once, 26-122 of 150 products computed a unit twice; waiting, 0-8. The whole step, interleaved in one process:
- * 1.00-1.04x at 1-32 rows (within the host's noise). */
+ * 0.99-1.04x at 1-64 rows (within the host's noise). */
 static unsigned await_started_unit(_Atomic unsigned *state, long patience_ns) {
     unsigned word = atomic_load_explicit(state, memory_order_acquire);
     long until = patience_ns < 0 ? -1 : now_ns() + patience_ns;
