@@ -323,7 +323,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=32)
     # 8 (2 before 2026-11-29 16:00): the closed loop starts every stream at once, and at 2 the first wave, all its
     # prompts queued together, was half of the requests, which decided the TTFT p50: at 32 streams llama.cpp's read
-    # 243-308 ms in some runs of 64 requests and 4.3-5.1 s in others; over 256 it was 4.3-4.4 s in both runs.
+    # 243-308 ms in some runs of 64 requests and 4.3-5.1 s in others; over 256 it was 4.3-5.8 s in all four runs.
     parser.add_argument("--rounds", type=int, default=8, help="measured requests per stream")
     parser.add_argument("--min-requests", type=int, default=16, help="at least this many measured requests per stream count")
     parser.add_argument("--long-prompt", type=int, default=1024, help="TTFT of a prompt this long at 1 stream (0: skip)")

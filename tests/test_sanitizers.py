@@ -4,6 +4,7 @@ tests/sanitize/split_driver.c: every product the same bits as the kernel alone, 
 job of rows (small_gemm_split_rows, the native step's shared attention) the rows
 computed in turn, and no report from the sanitizer. Each build of the kernel (float32, float32-avx512, bf16-widen, bf16-dot)."""
 
+import functools
 import os
 import pathlib
 import shutil
@@ -35,15 +36,16 @@ def sanitized_driver(tmp_path: pathlib.Path, sanitizer: str, build: str) -> path
     return program
 
 
-def without_aslr() -> list[str]:
+@functools.cache
+def without_aslr() -> tuple[str, ...]:
     """The driver's command prefix that turns off address-space randomisation, where setarch can: ThreadSanitizer's
     runtime maps its shadow memory at fixed ranges, and a randomised mapping that lands in one fails the run at
     start ("unexpected memory mapping", more often where the kernel randomises more bits), a failure of the
     runtime and not of the kernel under test."""
     setarch = shutil.which("setarch")
     if setarch and subprocess.run([setarch, os.uname().machine, "-R", "true"], capture_output=True).returncode == 0:
-        return [setarch, os.uname().machine, "-R"]
-    return []
+        return (setarch, os.uname().machine, "-R")
+    return ()
 
 
 @pytest.mark.parametrize("build", sorted(BYTES_PER_WEIGHT))

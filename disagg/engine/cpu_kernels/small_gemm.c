@@ -42,6 +42,7 @@
 
 #define NR 24
 #define KC 256
+
 /* How far ahead of its reads a block prefetches the panels (bytes; a chunk at least): they are one stream
  * through memory, and a prefetch one chunk ahead (6 KB of int8, 12 of bf16) came too late for one row.
  * Measured on a Zen 5 EPYC over SmolLM-135M's one-row products in a step's order (int8 layers, a bf16 LM
